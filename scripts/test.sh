@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The test command: builds dflash (CUDA sources too when nvcc is present), runs the whole suite with
+# ctest, then the loader and model tests again under AddressSanitizer + UndefinedBehaviorSanitizer.
+# Env: DFLASH_TEST_ASAN=0 skips the sanitizer pass; JOBS sets build parallelism.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+jobs=${JOBS:-$(nproc)}
+[ -z "${CUDACXX:-}" ] && [ -x /usr/local/cuda/bin/nvcc ] && ! command -v nvcc >/dev/null && export CUDACXX=/usr/local/cuda/bin/nvcc
+
+if gguf=$(scripts/fetch_smollm2.sh 2>/tmp/dflash_fetch.log); then
+  export DFLASH_SMOLLM2_GGUF="$gguf"
+else
+  export DFLASH_SMOLLM2_SKIP_REASON="$(tail -n 1 /tmp/dflash_fetch.log)"
+  echo "test: SmolLM2 tests will be SKIPPED: $DFLASH_SMOLLM2_SKIP_REASON"
+fi
+
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release
+cmake --build build -j "$jobs"
+if [ -f build/CMakeCache.txt ] && grep -q '^DFLASH_CUDA:BOOL=ON' build/CMakeCache.txt; then
+  echo "test: CUDA sources compiled. GPU tests are SKIPPED here (no GPU); they run in scripts/gpu_check.sh on a GPU machine."
+fi
+(cd build && ctest --output-on-failure -j "$jobs")
+
+if [ "${DFLASH_TEST_ASAN:-1}" != 0 ]; then
+  cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DDFLASH_CUDA=OFF -DDFLASH_SANITIZE=address,undefined
+  cmake --build build-asan -j "$jobs" --target dflash_tests dflash
+  (cd build-asan && UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ASAN_OPTIONS=detect_leaks=1 \
+     ctest --output-on-failure -j "$jobs" -R 'Safetensors|GGUF|HfConfig|Ops|Target')
+fi

@@ -1,0 +1,91 @@
+// `dflash forward`: the reference forward pass of a target over one or more token sequences,
+// written to a safetensors file (float32 logits [T, V] and hidden_states.{j} [T, D]).
+#include <algorithm>
+#include <fmt/core.h>
+
+#include <sstream>
+
+#include "cli/commands.h"
+#include "io/safetensors.h"
+#include "models/target.h"
+
+namespace dflash::cli {
+
+namespace {
+
+std::vector<int32_t> parse_ids(const std::string& s) {
+  std::vector<int32_t> ids;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    size_t used = 0;
+    long long v = 0;
+    try {
+      v = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != item.size() || item.empty() || v < 0 || v > INT32_MAX)
+      throw std::invalid_argument("--ids '" + s + "': '" + item + "' is not a token id");
+    ids.push_back(int32_t(v));
+  }
+  if (ids.empty()) throw std::invalid_argument("--ids: empty sequence");
+  return ids;
+}
+
+/// Rows [b, e) of a [T, C] tensor.
+Tensor slice_rows(const Tensor& t, int64_t b, int64_t e) {
+  const int64_t C = t.dim(1);
+  Tensor r({e - b, C});
+  std::copy(t.ptr() + b * C, t.ptr() + e * C, r.ptr());
+  return r;
+}
+
+}  // namespace
+
+void add_forward(CLI::App& app, Runner& run) {
+  auto* cmd = app.add_subcommand("forward", "Run a target's forward pass and save logits and hidden states");
+  static std::string model, device = "cpu", out;
+  static std::vector<std::string> id_lists;
+  static bool no_logits = false;
+  cmd->add_option("--model", model, "Checkpoint directory or .gguf file")->required();
+  cmd->add_option("--ids", id_lists, "Comma-separated token ids; repeat for a packed batch of sequences")->required();
+  cmd->add_option("--device", device, "Device to run on")->check(CLI::IsMember({"cpu", "cuda"}));
+  cmd->add_option("--out", out, "Output .safetensors file")->required();
+  cmd->add_flag("--no-logits", no_logits, "Skip the LM head (hidden states only)");
+  cmd->callback([&run] {
+    run = [] {
+      if (device != "cpu")
+        throw std::runtime_error("--device " + device + ": the GPU forward is not part of this build yet; use --device cpu");
+      std::vector<int32_t> ids;
+      std::vector<int64_t> cu{0};
+      for (const auto& s : id_lists) {
+        auto v = parse_ids(s);
+        ids.insert(ids.end(), v.begin(), v.end());
+        cu.push_back(int64_t(ids.size()));
+      }
+      auto target = TargetModel::load(model);
+      const int L = int(target->spec().num_hidden_layers);
+      ForwardOptions opt;
+      opt.logits = !no_logits;
+      for (int j = 0; j <= L; ++j) opt.hidden_states.push_back(j);
+      ForwardOutput r = target->forward(ids, cu, opt);
+
+      std::vector<std::pair<std::string, Tensor>> named;
+      const bool packed = cu.size() > 2;
+      for (size_t s = 0; s + 1 < cu.size(); ++s) {
+        const std::string pre = packed ? fmt::format("seq{}.", s) : "";
+        if (opt.logits) named.emplace_back(pre + "logits", slice_rows(r.logits, cu[s], cu[s + 1]));
+        for (auto& [j, h] : r.hidden_states)
+          named.emplace_back(fmt::format("{}hidden_states.{}", pre, j), slice_rows(h, cu[s], cu[s + 1]));
+      }
+      std::vector<std::pair<std::string, const Tensor*>> refs;
+      for (auto& [n, t] : named) refs.emplace_back(n, &t);
+      write_safetensors(out, refs, {{"model", model}, {"device", device}});
+      fmt::print("wrote {} ({} sequences, {} tokens, {} tensors)\n", out, cu.size() - 1, ids.size(), refs.size());
+      return 0;
+    };
+  });
+}
+
+}  // namespace dflash::cli

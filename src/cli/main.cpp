@@ -1,0 +1,27 @@
+// dflash: trains DFlash speculative-decoding drafters against frozen target LLMs, and measures them.
+#include <fmt/core.h>
+
+#include <exception>
+
+#include "cli/commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"dflash: train and measure DFlash block-diffusion drafters for speculative decoding"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "dflash 0.1.0");
+  dflash::cli::Runner run;
+  dflash::cli::add_inspect(app, run);
+  dflash::cli::add_forward(app, run);
+  dflash::cli::add_train(app, run);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    return run();
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "dflash: error: {}\n", e.what());
+    return 1;
+  }
+}

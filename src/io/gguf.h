@@ -1,0 +1,204 @@
+// Reading GGUF files (llama.cpp / ggml model container), dequantizing their tensors to float32,
+// and presenting `llama` GGUF models under Hugging Face tensor names.
+//
+// Format (ggml docs/gguf.md, versions 2 and 3; all integers little-endian):
+//   u32 magic "GGUF" | u32 version | u64 tensor_count | u64 kv_count
+//   kv_count x { string key | u32 value_type | value }
+//   tensor_count x { string name | u32 n_dims | u64 ne[n_dims] | u32 ggml_type | u64 offset }
+//   padding to general.alignment (default 32) | data section (tensor offsets are relative to it)
+// where string = { u64 length | bytes } and an array value = { u32 elem_type | u64 count | elems }.
+// ne[0] is the innermost (fastest-varying) dimension, so the PyTorch shape is ne reversed.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "io/weights.h"
+#include "models/model_spec.h"
+#include "tensor/tensor.h"
+
+namespace dflash {
+
+/// ggml tensor element types (ids as in ggml.h `enum ggml_type`; gaps are removed types).
+/// Values outside this list may appear in a (hostile) file; GGUFFile rejects them on open.
+enum class GGMLType : uint32_t {
+  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q8_1 = 9,
+  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, Q8_K = 15,
+  IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19, IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22,
+  IQ4_XS = 23, I8 = 24, I16 = 25, I32 = 26, I64 = 27, F64 = 28, IQ1_M = 29, BF16 = 30,
+  TQ1_0 = 34, TQ2_0 = 35, MXFP4 = 39,
+};
+
+/// Block geometry of a ggml type: `block_size` elements are stored in `type_size` bytes.
+struct GGMLTypeTraits {
+  const char* name;
+  int64_t block_size;
+  int64_t type_size;
+};
+/// Traits of a known type, or nullptr for an unknown id.
+const GGMLTypeTraits* ggml_type_traits(GGMLType t);
+/// "Q4_K", or "unknown(99)" for an unknown id.
+std::string ggml_type_name(GGMLType t);
+/// True for the types ggml_dequantize handles: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K.
+bool ggml_can_dequantize(GGMLType t);
+
+/// Converts `n` elements stored as `type` at `src` (n / block_size blocks, unaligned is fine) to
+/// float32 into `dst`, bit-exactly as ggml's reference dequantize_row_* (ggml-quants.c) does:
+///   F32/F16/BF16: plain conversion.
+///   Q8_0 {f16 d; i8 qs[32]}:                 y = d * qs[i]
+///   Q4_0 {f16 d; u8 qs[16]}:                 y[j] = d * (lo(qs[j]) - 8), y[j+16] = d * (hi(qs[j]) - 8)
+///   Q4_1 {f16 d; f16 m; u8 qs[16]}:          y[j] = d * lo(qs[j]) + m, y[j+16] = d * hi(qs[j]) + m
+///   Q4_K {f16 d; f16 dmin; u8 scales[12]; u8 qs[128]} (256 values, 8 sub-blocks of 32 with 6-bit
+///        scale sc and min mn packed in `scales`): y = d*sc[s] * q - dmin*mn[s]; each 32-byte slice
+///        of qs holds sub-block 2k in its low nibbles and sub-block 2k+1 in its high nibbles.
+///   Q6_K {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d} (256 values, 16 sub-blocks of 16):
+///        y = d * scales[i/16] * (q6 - 32), q6 = 4 low bits from ql + 2 high bits from qh.
+/// Throws std::invalid_argument when the type is not dequantizable or n is not a multiple of
+/// the block size (callers add file and tensor names).
+void ggml_dequantize(GGMLType type, const void* src, float* dst, int64_t n);
+
+/// GGUF metadata value types (gguf.md `gguf_metadata_value_type`).
+enum class GGUFValueType : uint32_t {
+  UINT8 = 0, INT8 = 1, UINT16 = 2, INT16 = 3, UINT32 = 4, INT32 = 5, FLOAT32 = 6, BOOL = 7,
+  STRING = 8, ARRAY = 9, UINT64 = 10, INT64 = 11, FLOAT64 = 12,
+};
+
+/// One tensor of a GGUF file.
+struct GGUFTensorInfo {
+  std::string name;
+  std::vector<int64_t> ne;  // GGUF order: ne[0] innermost; 1..4 entries
+  GGMLType type = GGMLType::F32;
+  uint64_t offset = 0;      // relative to the data section (a multiple of the alignment)
+  uint64_t nbytes = 0;      // (ne[0] / block_size) * type_size * ne[1] * ...
+  int64_t numel = 0;
+
+  /// PyTorch-order shape: ne reversed (ne = [576, 49152] -> [49152, 576]).
+  std::vector<int64_t> shape() const { return {ne.rbegin(), ne.rend()}; }
+  std::string type_name() const { return ggml_type_name(type); }
+};
+
+/// A GGUF file (version 2 or 3), memory-mapped read-only and fully validated on open.
+///
+/// Validation: magic, version in {2, 3}; kv and tensor counts, string lengths and array counts
+/// checked against the bytes left (a hostile length never allocates more than the file holds);
+/// arrays nest at most 16 deep; bool bytes are 0 or 1; no duplicate keys or tensor names;
+/// general.alignment (default 32) is an integer, non-zero power of two; tensors have 1..4 dims,
+/// a known ggml type, ne[0] a multiple of the type's block size, no element-count/byte-size
+/// overflow, an offset that is a multiple of the alignment, and data inside the file.
+/// Every failure throws std::runtime_error naming the path (and the key or tensor at fault).
+///
+/// Metadata becomes one JSON object: integers stay integers (uint64 as unsigned), float32 values
+/// become the shortest decimal that round-trips the float (1e-5f -> 1e-05), strings are raw
+/// bytes (not checked for UTF-8), arrays become JSON arrays (nested ones nested).
+/// Non-copyable, non-movable; all const members are safe to call from several threads.
+class GGUFFile {
+ public:
+  /// Opens and validates `path`. Throws std::runtime_error naming the path on any problem.
+  explicit GGUFFile(const std::string& path);
+  ~GGUFFile();
+  GGUFFile(const GGUFFile&) = delete;
+  GGUFFile& operator=(const GGUFFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  uint32_t version() const { return version_; }
+  uint64_t alignment() const { return alignment_; }
+  /// Absolute file offset of the data section.
+  uint64_t data_offset() const { return data_start_; }
+  uint64_t file_size() const { return map_size_; }
+
+  /// All metadata as a JSON object {key: value}.
+  const nlohmann::json& metadata() const { return metadata_; }
+  bool has_key(const std::string& key) const { return metadata_.contains(key); }
+  /// Stored type of a key's value. Throws std::runtime_error naming the path and key if absent.
+  GGUFValueType metadata_type(const std::string& key) const;
+  /// general.architecture, or "" when absent.
+  std::string architecture() const;
+
+  /// Tensors in file (tensor-info) order.
+  const std::vector<GGUFTensorInfo>& tensors() const { return tensors_; }
+  /// The tensor called `name`, or nullptr.
+  const GGUFTensorInfo* find(const std::string& name) const;
+  /// The tensor called `name`; throws std::runtime_error naming the path and tensor if absent.
+  const GGUFTensorInfo& tensor(const std::string& name) const;
+  /// First byte of a tensor's data (tensor(name).nbytes bytes, aligned to alignment() in the file).
+  const unsigned char* data(const std::string& name) const;
+
+  /// The tensor dequantized to float32, shape = reversed ne. Throws std::runtime_error naming the
+  /// path, tensor and type for types ggml_can_dequantize rejects, or if the tensor is absent.
+  Tensor dequantize(const std::string& name) const;
+
+ private:
+  void parse();
+  void release() noexcept;
+
+  std::string path_;
+  const unsigned char* map_ = nullptr;
+  std::size_t map_size_ = 0;
+  uint32_t version_ = 0;
+  uint64_t alignment_ = 32;
+  uint64_t data_start_ = 0;
+  nlohmann::json metadata_ = nlohmann::json::object();
+  std::unordered_map<std::string, GGUFValueType> metadata_types_;
+  std::vector<GGUFTensorInfo> tensors_;
+  std::unordered_map<std::string, std::size_t> index_;
+};
+
+/// Architectures gguf_model_spec / GGUFWeights understand (general.architecture values).
+std::vector<std::string> gguf_supported_architectures();
+
+/// ModelSpec of a GGUF model. Supported: general.architecture == "llama" (dense; no MoE, no RoPE
+/// scaling). Reads llama.{embedding_length, feed_forward_length, block_count, context_length,
+/// attention.head_count, attention.head_count_kv (default head_count),
+/// attention.layer_norm_rms_epsilon, attention.key_length (default hidden/heads),
+/// rope.freq_base (default 10000), vocab_size (default: length of tokenizer.ggml.tokens)} and
+/// tokenizer.ggml.{bos,eos}_token_id. tie_word_embeddings is true iff there is no output.weight.
+/// Throws std::runtime_error naming the path (and key) for other architectures (listing the
+/// supported ones), missing/ill-typed keys, or shapes inconsistent with token_embd.weight.
+/// Does not call ModelSpec::validate (callers do).
+ModelSpec gguf_model_spec(const GGUFFile& file);
+
+/// Hugging Face name of a llama GGUF tensor ("blk.3.attn_q.weight" ->
+/// "model.layers.3.self_attn.q_proj.weight"); names without a mapping are returned unchanged.
+std::string gguf_llama_hf_name(const std::string& gguf_name);
+
+/// Inverse of llama.cpp's convert_hf_to_gguf.py LlamaModel.permute on the rows of a q_proj /
+/// k_proj weight [n_head * head_dim, ...] (or bias [n_head * head_dim]): GGUF row
+/// h*hd + 2*i + s holds HF row h*hd + s*hd/2 + i. Throws std::runtime_error (prefixed by `what`)
+/// if the row count is not a multiple of 2 * n_head.
+void gguf_unpermute_qk_rows(Tensor& w, int64_t n_head, const std::string& what);
+
+/// A llama GGUF file as a WeightSource under Hugging Face names (see gguf_llama_hf_name).
+/// load_f32 dequantizes to float32 and, for q_proj / k_proj, undoes llama.cpp's RoPE row
+/// permutation (n_head for q, n_head_kv for k) so rows come back in HF order.
+/// info(): dtype F32, storage = ggml type name, shape in PyTorch order, file "path (TYPE)".
+class GGUFWeights : public WeightSource {
+ public:
+  /// Opens the file; throws std::runtime_error as GGUFFile and gguf_model_spec do, or when two
+  /// GGUF tensors map to the same HF name.
+  explicit GGUFWeights(const std::string& path);
+  explicit GGUFWeights(std::shared_ptr<const GGUFFile> file);
+
+  std::vector<std::string> names() const override;
+  bool has(const std::string& name) const override;
+  TensorInfo info(const std::string& name) const override;
+  Tensor load_f32(const std::string& name) const override;
+  std::string origin() const override { return file_->path(); }
+
+  const GGUFFile& file() const { return *file_; }
+  const ModelSpec& spec() const { return spec_; }
+  /// GGUF name behind an HF name; throws std::runtime_error if absent.
+  const std::string& gguf_name(const std::string& hf_name) const;
+
+ private:
+  std::shared_ptr<const GGUFFile> file_;
+  ModelSpec spec_;
+  std::unordered_map<std::string, std::string> hf_to_gguf_;
+  std::vector<std::string> names_;  // sorted HF names
+};
+
+}  // namespace dflash

@@ -1,0 +1,121 @@
+#include "io/hf_config.h"
+
+#include <fstream>
+#include <stdexcept>
+
+namespace dflash {
+
+namespace hf {
+
+int64_t req_int(const nlohmann::json& cfg, const char* key, const std::string& where) {
+  auto it = cfg.find(key);
+  if (it == cfg.end() || !it->is_number_integer())
+    throw std::runtime_error(where + ": field '" + key + "' is missing or not an integer");
+  return it->get<int64_t>();
+}
+
+namespace {
+double num_or(const nlohmann::json& j, const char* key, double dflt, const std::string& where) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return dflt;
+  if (!it->is_number()) throw std::runtime_error(where + ": field '" + key + "' must be a number");
+  return it->get<double>();
+}
+
+void read_rope(const nlohmann::json& cfg, RopeSpec& rope, double default_theta, const std::string& where) {
+  // transformers 5 writes rope_parameters {rope_type, rope_theta, partial_rotary_factor, ...};
+  // older files have rope_theta / partial_rotary_factor at the top and rope_scaling.
+  nlohmann::json rp = nlohmann::json::object();
+  for (const char* key : {"rope_scaling", "rope_parameters"}) {
+    auto it = cfg.find(key);
+    if (it != cfg.end() && it->is_object()) rp.update(*it);
+    else if (it != cfg.end() && !it->is_null()) throw std::runtime_error(where + ": '" + key + "' must be an object");
+  }
+  std::string type = "default";
+  if (rp.contains("rope_type")) type = rp["rope_type"].get<std::string>();
+  else if (rp.contains("type")) type = rp["type"].get<std::string>();
+  rope.type = type;
+  rope.theta = num_or(rp, "rope_theta", num_or(cfg, "rope_theta", default_theta, where), where);
+  rope.partial_rotary_factor = num_or(rp, "partial_rotary_factor", num_or(cfg, "partial_rotary_factor", 1.0, where), where);
+  if (type == "llama3") {
+    rope.factor = num_or(rp, "factor", 8.0, where);
+    rope.low_freq_factor = num_or(rp, "low_freq_factor", 1.0, where);
+    rope.high_freq_factor = num_or(rp, "high_freq_factor", 4.0, where);
+    rope.original_max_position_embeddings = int64_t(num_or(rp, "original_max_position_embeddings", 8192, where));
+  } else if (type != "default") {
+    throw std::runtime_error(where + ": rope type '" + type + "' is not supported (supported: default, llama3)");
+  }
+  if (!(rope.theta > 0)) throw std::runtime_error(where + ": rope_theta must be positive");
+}
+}  // namespace
+
+void reject_unsupported(const nlohmann::json& cfg, const std::string& where) {
+  for (const char* key : {"attention_bias", "mlp_bias"})
+    if (cfg.value(key, false)) throw std::runtime_error(where + ": '" + key + "': true is not supported");
+  if (cfg.value("use_sliding_window", false))
+    throw std::runtime_error(where + ": sliding-window targets (use_sliding_window: true) are not supported");
+}
+
+void read_dense_fields(const nlohmann::json& cfg, ModelSpec& s, double default_theta, const std::string& where) {
+  if (!cfg.is_object()) throw std::runtime_error(where + ": config must be a JSON object");
+  s.vocab_size = req_int(cfg, "vocab_size", where);
+  s.hidden_size = req_int(cfg, "hidden_size", where);
+  s.intermediate_size = req_int(cfg, "intermediate_size", where);
+  s.num_hidden_layers = req_int(cfg, "num_hidden_layers", where);
+  s.num_attention_heads = req_int(cfg, "num_attention_heads", where);
+  s.num_key_value_heads = cfg.contains("num_key_value_heads") && !cfg["num_key_value_heads"].is_null()
+                              ? req_int(cfg, "num_key_value_heads", where)
+                              : s.num_attention_heads;
+  if (cfg.contains("head_dim") && !cfg["head_dim"].is_null()) s.head_dim = req_int(cfg, "head_dim", where);
+  else if (s.num_attention_heads > 0) s.head_dim = s.hidden_size / s.num_attention_heads;
+  s.rms_norm_eps = num_or(cfg, "rms_norm_eps", 1e-6, where);
+  s.max_position_embeddings = int64_t(num_or(cfg, "max_position_embeddings", 0, where));
+  s.hidden_act = cfg.value("hidden_act", std::string("silu"));
+  if (cfg.contains("tie_word_embeddings")) s.tie_word_embeddings = cfg["tie_word_embeddings"].get<bool>();
+  if (cfg.contains("bos_token_id") && cfg["bos_token_id"].is_number_integer()) s.bos_token_id = cfg["bos_token_id"];
+  if (auto it = cfg.find("eos_token_id"); it != cfg.end()) {
+    if (it->is_number_integer()) s.eos_token_ids = {it->get<int64_t>()};
+    else if (it->is_array()) s.eos_token_ids = it->get<std::vector<int64_t>>();
+  }
+  read_rope(cfg, s.rope, default_theta, where);
+  reject_unsupported(cfg, where);
+}
+
+}  // namespace hf
+
+ModelSpec model_spec_from_hf_config(const nlohmann::json& cfg, const std::string& where) {
+  if (!cfg.is_object()) throw std::runtime_error(where + ": config must be a JSON object");
+  std::string arch;
+  if (auto it = cfg.find("architectures"); it != cfg.end() && it->is_array() && !it->empty() && (*it)[0].is_string())
+    arch = (*it)[0].get<std::string>();
+  const std::string mt = cfg.value("model_type", std::string());
+  ModelSpec s;
+  try {
+    if (arch == "LlamaForCausalLM" || (arch.empty() && mt == "llama")) s = llama_spec_from_config(cfg, where);
+    else if (arch == "Qwen3ForCausalLM" || (arch.empty() && mt == "qwen3")) s = qwen3_spec_from_config(cfg, where);
+    else if (arch == "Qwen3_5ForCausalLM" || arch == "Qwen3_5ForConditionalGeneration" ||
+             (arch.empty() && (mt == "qwen3_5" || mt == "qwen3_5_text")))
+      s = qwen3_5_spec_from_config(cfg, where);
+    else
+      throw std::runtime_error(where + ": unsupported architecture '" + (arch.empty() ? "model_type " + mt : arch) +
+                               "'; supported: " + kSupportedArchitectures);
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error(where + ": malformed field: " + e.what());
+  }
+  s.validate(where);
+  return s;
+}
+
+ModelSpec load_hf_config(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) throw std::runtime_error(path + ": cannot open config file");
+  nlohmann::json cfg;
+  try {
+    cfg = nlohmann::json::parse(f);
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error(path + ": invalid JSON: " + e.what());
+  }
+  return model_spec_from_hf_config(cfg, path);
+}
+
+}  // namespace dflash

@@ -1,0 +1,56 @@
+#include "models/model_spec.h"
+
+#include <stdexcept>
+
+namespace dflash {
+
+std::string arch_name(Arch a) {
+  switch (a) {
+    case Arch::Llama: return "llama";
+    case Arch::Qwen3: return "qwen3";
+    case Arch::Qwen3_5: return "qwen3_5";
+  }
+  return "?";
+}
+
+std::string layer_kind_name(LayerKind k) {
+  return k == LayerKind::Attention ? "full_attention" : "linear_attention (GatedDeltaNet)";
+}
+
+void ModelSpec::validate(const std::string& where) const {
+  auto fail = [&](const std::string& m) { throw std::runtime_error(where + ": " + m); };
+  auto pos = [&](int64_t v, const char* name) {
+    if (v <= 0) fail(std::string(name) + " must be positive (got " + std::to_string(v) + ")");
+  };
+  pos(vocab_size, "vocab_size");
+  pos(hidden_size, "hidden_size");
+  pos(intermediate_size, "intermediate_size");
+  pos(num_hidden_layers, "num_hidden_layers");
+  pos(num_attention_heads, "num_attention_heads");
+  pos(num_key_value_heads, "num_key_value_heads");
+  pos(head_dim, "head_dim");
+  if (num_attention_heads % num_key_value_heads != 0)
+    fail("num_attention_heads (" + std::to_string(num_attention_heads) + ") is not a multiple of num_key_value_heads (" +
+         std::to_string(num_key_value_heads) + ")");
+  if (int64_t(layer_types.size()) != num_hidden_layers)
+    fail("layer_types has " + std::to_string(layer_types.size()) + " entries for " + std::to_string(num_hidden_layers) +
+         " layers");
+  if (rotary_dim() <= 0 || rotary_dim() % 2 != 0 || rotary_dim() > head_dim)
+    fail("rotary dim " + std::to_string(rotary_dim()) + " (head_dim x partial_rotary_factor) must be even, in (0, head_dim]");
+  if (!(rms_norm_eps > 0)) fail("rms_norm_eps must be positive");
+  if (hidden_act != "silu") fail("hidden_act '" + hidden_act + "' is not supported (only silu)");
+  for (LayerKind k : layer_types) {
+    if (k != LayerKind::GatedDeltaNet) continue;
+    if (arch != Arch::Qwen3_5) fail("linear_attention layers exist only in Qwen3.5/3.6 models");
+    pos(linear_num_key_heads, "linear_num_key_heads");
+    pos(linear_num_value_heads, "linear_num_value_heads");
+    pos(linear_key_head_dim, "linear_key_head_dim");
+    pos(linear_value_head_dim, "linear_value_head_dim");
+    pos(linear_conv_kernel_dim, "linear_conv_kernel_dim");
+    if (linear_num_value_heads % linear_num_key_heads != 0)
+      fail("linear_num_value_heads is not a multiple of linear_num_key_heads");
+    break;
+  }
+}
+
+}  // namespace dflash

@@ -1,0 +1,69 @@
+// What a target model is: architecture, shapes and layer plan, independent of the file format.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dflash {
+
+/// Target architectures the engine runs. One file per architecture lives in src/models/.
+enum class Arch { Llama, Qwen3, Qwen3_5 };
+
+/// Token mixer of a decoder layer.
+enum class LayerKind {
+  Attention,      // causal softmax attention (Llama / Qwen3 / Qwen3.5 gated full attention)
+  GatedDeltaNet,  // Qwen3.5 linear_attention layer
+};
+
+/// RoPE frequency scheme (transformers modeling_rope_utils.py): "default" or "llama3".
+struct RopeSpec {
+  std::string type = "default";
+  double theta = 10000.0;
+  double partial_rotary_factor = 1.0;  // fraction of head_dim that rotates (Qwen3.5: 0.25)
+  // llama3 scaling (rope_type "llama3")
+  double factor = 1.0, low_freq_factor = 1.0, high_freq_factor = 4.0;
+  int64_t original_max_position_embeddings = 8192;
+};
+
+/// A target model's configuration, normalized from config.json (HF) or GGUF metadata.
+/// All sizes are element counts. Weight names follow Hugging Face with `weight_prefix`
+/// ("model." or "model.language_model.") in front of "embed_tokens", "layers.{i}", "norm".
+struct ModelSpec {
+  Arch arch = Arch::Llama;
+  std::string architecture;  // as in config.json "architectures"[0], e.g. "Qwen3ForCausalLM"
+  std::string model_type;    // config.json "model_type" (outer one for wrappers)
+  std::string weight_prefix = "model.";
+
+  int64_t vocab_size = 0, hidden_size = 0, intermediate_size = 0, num_hidden_layers = 0;
+  int64_t num_attention_heads = 0, num_key_value_heads = 0, head_dim = 0;
+  double rms_norm_eps = 1e-6;
+  RopeSpec rope;
+  bool tie_word_embeddings = false;
+  int64_t max_position_embeddings = 0;
+  std::string hidden_act = "silu";
+
+  // Qwen3.5 GatedDeltaNet shapes (zero for other architectures).
+  int64_t linear_num_key_heads = 0, linear_num_value_heads = 0;
+  int64_t linear_key_head_dim = 0, linear_value_head_dim = 0, linear_conv_kernel_dim = 0;
+
+  std::vector<LayerKind> layer_types;  // size num_hidden_layers
+
+  int64_t bos_token_id = -1;
+  std::vector<int64_t> eos_token_ids;
+
+  /// Qwen3.5 uses zero-centered RMSNorm (y = x_hat * (1 + w)) for layer, final and q/k norms.
+  bool zero_centered_norm() const { return arch == Arch::Qwen3_5; }
+  /// Qwen3 and Qwen3.5 attention carry per-head q_norm / k_norm.
+  bool has_qk_norm() const { return arch != Arch::Llama; }
+  /// Qwen3.5 full attention has a sigmoid output gate packed into q_proj.
+  bool attn_output_gate() const { return arch == Arch::Qwen3_5; }
+  /// Number of dims of each head that RoPE rotates.
+  int64_t rotary_dim() const { return int64_t(double(head_dim) * rope.partial_rotary_factor); }
+  /// Throws std::runtime_error (prefixed by `where`) when shapes are inconsistent.
+  void validate(const std::string& where) const;
+};
+
+std::string arch_name(Arch a);
+std::string layer_kind_name(LayerKind k);
+
+}  // namespace dflash

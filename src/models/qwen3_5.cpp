@@ -1,0 +1,105 @@
+// Qwen3.5 / Qwen3.6 hybrid (transformers models/qwen3_5/modeling_qwen3_5.py; ../shared/docs/qwen35.md):
+// GatedDeltaNet ("linear_attention") and gated full-attention layers, zero-centered RMSNorm,
+// partial RoPE. Text-only Qwen3_5ForCausalLM and the multimodal Qwen3_5ForConditionalGeneration
+// wrapper (text fields in text_config, weights under model.language_model.*, visual/mtp ignored).
+#include <algorithm>
+#include <cmath>
+
+#include "io/hf_config.h"
+#include "models/target.h"
+#include "ops/activation.h"
+#include "ops/gated_delta_rule.h"
+#include "ops/linear.h"
+#include "ops/norm.h"
+
+namespace dflash {
+
+ModelSpec qwen3_5_spec_from_config(const nlohmann::json& cfg, const std::string& where) {
+  ModelSpec s;
+  s.arch = Arch::Qwen3_5;
+  const bool wrapper = cfg.contains("text_config");
+  const nlohmann::json& t = wrapper ? cfg.at("text_config") : cfg;
+  if (!t.is_object()) throw std::runtime_error(where + ": text_config must be an object");
+  s.architecture = wrapper ? "Qwen3_5ForConditionalGeneration" : "Qwen3_5ForCausalLM";
+  s.model_type = wrapper ? "qwen3_5" : "qwen3_5_text";
+  s.weight_prefix = wrapper ? "model.language_model." : "model.";
+  s.tie_word_embeddings = false;  // Qwen3_5(Text)Config default
+  hf::read_dense_fields(t, s, 10000.0, where + (wrapper ? " (text_config)" : ""));
+  // Qwen3_5TextConfig.__post_init__: partial_rotary_factor defaults to 0.25.
+  const bool has_prf = (t.contains("rope_parameters") && t["rope_parameters"].is_object() &&
+                        t["rope_parameters"].contains("partial_rotary_factor")) ||
+                       t.contains("partial_rotary_factor");
+  if (!has_prf) s.rope.partial_rotary_factor = 0.25;
+  if (wrapper && cfg.contains("tie_word_embeddings")) s.tie_word_embeddings = cfg["tie_word_embeddings"].get<bool>();
+
+  s.linear_num_key_heads = hf::req_int(t, "linear_num_key_heads", where);
+  s.linear_num_value_heads = hf::req_int(t, "linear_num_value_heads", where);
+  s.linear_key_head_dim = hf::req_int(t, "linear_key_head_dim", where);
+  s.linear_value_head_dim = hf::req_int(t, "linear_value_head_dim", where);
+  s.linear_conv_kernel_dim = t.contains("linear_conv_kernel_dim") ? hf::req_int(t, "linear_conv_kernel_dim", where) : 4;
+
+  if (auto it = t.find("layer_types"); it != t.end() && it->is_array()) {
+    for (const auto& lt : *it) {
+      if (lt == "linear_attention") s.layer_types.push_back(LayerKind::GatedDeltaNet);
+      else if (lt == "full_attention" || lt == "attention") s.layer_types.push_back(LayerKind::Attention);
+      else throw std::runtime_error(where + ": unknown layer type " + lt.dump() +
+                                    " (expected linear_attention or full_attention)");
+    }
+  } else {
+    const int64_t interval = t.contains("full_attention_interval") ? hf::req_int(t, "full_attention_interval", where) : 4;
+    if (interval <= 0) throw std::runtime_error(where + ": full_attention_interval must be positive");
+    for (int64_t i = 0; i < s.num_hidden_layers; ++i)
+      s.layer_types.push_back((i + 1) % interval == 0 ? LayerKind::Attention : LayerKind::GatedDeltaNet);
+  }
+  return s;
+}
+
+GatedDeltaNetWeights load_gated_deltanet_weights(const ModelSpec& s, const WeightSource& src, const std::string& p) {
+  const int64_t D = s.hidden_size, Hk = s.linear_num_key_heads, Hv = s.linear_num_value_heads;
+  const int64_t dk = s.linear_key_head_dim, dv = s.linear_value_head_dim, K = s.linear_conv_kernel_dim;
+  const int64_t C = 2 * Hk * dk + Hv * dv;
+  GatedDeltaNetWeights w;
+  w.in_proj_qkv = load_checked(src, p + "in_proj_qkv.weight", {C, D});
+  w.in_proj_z = load_checked(src, p + "in_proj_z.weight", {Hv * dv, D});
+  w.in_proj_b = load_checked(src, p + "in_proj_b.weight", {Hv, D});
+  w.in_proj_a = load_checked(src, p + "in_proj_a.weight", {Hv, D});
+  w.conv1d = load_checked(src, p + "conv1d.weight", {C, K});
+  w.A_log = load_checked(src, p + "A_log", {Hv});
+  w.dt_bias = load_checked(src, p + "dt_bias", {Hv});
+  w.norm = load_checked(src, p + "norm.weight", {dv});
+  w.out_proj = load_checked(src, p + "out_proj.weight", {D, Hv * dv});
+  return w;
+}
+
+Tensor gated_deltanet_forward(const ModelSpec& s, const GatedDeltaNetWeights& w, const Tensor& x,
+                              const std::vector<int64_t>& cu) {
+  const int64_t T = x.dim(0), Hk = s.linear_num_key_heads, Hv = s.linear_num_value_heads;
+  const int64_t dk = s.linear_key_head_dim, dv = s.linear_value_head_dim, C = 2 * Hk * dk + Hv * dv;
+  // Projections, then the causal depthwise conv + SiLU over the q|k|v channels.
+  const Tensor qkv = cpu::causal_conv1d_silu(cpu::linear(x, w.in_proj_qkv, "linear_attn.in_proj_qkv"), w.conv1d, cu);
+  Tensor z = cpu::linear(x, w.in_proj_z, "linear_attn.in_proj_z");  // [T, Hv*dv]
+  const Tensor b = cpu::linear(x, w.in_proj_b, "linear_attn.in_proj_b");  // [T, Hv]
+  const Tensor a = cpu::linear(x, w.in_proj_a, "linear_attn.in_proj_a");  // [T, Hv]
+  Tensor q({T, Hk, dk}), k({T, Hk, dk}), v({T, Hv, dv});
+  for (int64_t t = 0; t < T; ++t) {
+    const float* r = qkv.ptr() + t * C;
+    std::copy_n(r, Hk * dk, q.ptr() + t * Hk * dk);
+    std::copy_n(r + Hk * dk, Hk * dk, k.ptr() + t * Hk * dk);
+    std::copy_n(r + 2 * Hk * dk, Hv * dv, v.ptr() + t * Hv * dv);
+  }
+  // beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias), all fp32.
+  Tensor beta({T, Hv}), g({T, Hv});
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < Hv; ++h) {
+      const size_t i = size_t(t * Hv + h);
+      beta.data[i] = cpu::sigmoid(b.data[i]);
+      g.data[i] = -std::exp(w.A_log.data[size_t(h)]) * cpu::softplus(a.data[i] + w.dt_bias.data[size_t(h)]);
+    }
+  Tensor o = cpu::gated_delta_rule_recurrent(q, k, v, g, beta, 1.0f / std::sqrt(float(dk)), /*use_qk_l2norm=*/true,
+                                             cu, nullptr, nullptr);  // [T, Hv, dv]
+  cpu::gated_rms_norm(o, z, w.norm, s.rms_norm_eps);
+  o.shape = {T, Hv * dv};
+  return cpu::linear(o, w.out_proj, "linear_attn.out_proj");
+}
+
+}  // namespace dflash

@@ -1,0 +1,123 @@
+// A frozen target LLM on the CPU: weights in float32 and the reference forward pass
+// (transformers' LlamaForCausalLM / Qwen3ForCausalLM / Qwen3_5ForCausalLM semantics).
+#pragma once
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "io/weights.h"
+#include "models/model_spec.h"
+#include "tensor/tensor.h"
+
+namespace dflash {
+
+/// Softmax attention weights (HF names under layers.{i}.self_attn.*). q_proj has 2*H*Dh rows when
+/// the architecture has an output gate (Qwen3.5: per head [query Dh | gate Dh]).
+struct AttentionWeights {
+  Tensor q_proj, k_proj, v_proj, o_proj;  // [out, in]
+  Tensor q_norm, k_norm;                  // [Dh], empty for Llama
+};
+
+/// Qwen3.5 GatedDeltaNet weights (HF names under layers.{i}.linear_attn.*).
+struct GatedDeltaNetWeights {
+  Tensor in_proj_qkv;  // [2*Hk*dk + Hv*dv, D]
+  Tensor in_proj_z;    // [Hv*dv, D]
+  Tensor in_proj_b;    // [Hv, D]
+  Tensor in_proj_a;    // [Hv, D]
+  Tensor conv1d;       // [C, K] (stored [C, 1, K])
+  Tensor A_log;        // [Hv]
+  Tensor dt_bias;      // [Hv]
+  Tensor norm;         // [dv], plain weight
+  Tensor out_proj;     // [D, Hv*dv]
+};
+
+struct MlpWeights {
+  Tensor gate_proj, up_proj;  // [I, D]
+  Tensor down_proj;           // [D, I]
+};
+
+struct LayerWeights {
+  LayerKind kind = LayerKind::Attention;
+  Tensor input_layernorm, post_attention_layernorm;  // [D]
+  AttentionWeights attn;
+  GatedDeltaNetWeights gdn;
+  MlpWeights mlp;
+};
+
+/// What a forward call returns. `hidden_states` uses transformers' numbering: 0 = embeddings,
+/// j = output of layer j - 1, and j = L (num_hidden_layers) is after the final norm.
+struct ForwardOutput {
+  Tensor logits;                          // [T, V] float32, empty unless requested
+  std::map<int, Tensor> hidden_states;    // j -> [T, D] float32
+};
+
+struct ForwardOptions {
+  bool logits = true;
+  /// Hidden-state indices to return (0..L). Without logits, layers past the deepest requested one
+  /// are not computed (training needs only the taps).
+  std::vector<int> hidden_states;
+};
+
+/// Per-layer kernel that runs on a device, for `dflash inspect`.
+struct KernelChoice {
+  std::string device;  // "cpu", "cuda"
+  std::string kernel;  // empty: no kernel on this device (the engine refuses to run there)
+};
+
+class TargetModel {
+ public:
+  /// Loads MODEL: a checkpoint directory (config.json + safetensors, single or sharded) or a .gguf
+  /// file. Every tensor's presence and shape is checked; errors name the file and the tensor.
+  static std::unique_ptr<TargetModel> load(const std::string& path);
+  /// Builds from an already opened weight source and spec (tests, tools).
+  static std::unique_ptr<TargetModel> from_weights(const ModelSpec& spec, const WeightSource& src);
+
+  const ModelSpec& spec() const { return spec_; }
+
+  /// Reference forward over a packed batch: `ids` [T] holds the sequences back to back,
+  /// cu_seqlens [n + 1] their boundaries (positions restart at 0 in each sequence; attention,
+  /// conv windows and recurrent states never cross a boundary). Thread-safe (const).
+  /// Throws std::invalid_argument for bad ids, cu_seqlens or hidden-state indices.
+  ForwardOutput forward(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu_seqlens,
+                        const ForwardOptions& opt) const;
+
+ private:
+  TargetModel() = default;
+
+  ModelSpec spec_;
+  Tensor embed_tokens_;  // [V, D]
+  Tensor norm_;          // [D]
+  Tensor lm_head_;       // [V, D]; empty when tied (embed_tokens_ is used)
+  std::vector<LayerWeights> layers_;
+  std::vector<float> inv_freq_;
+};
+
+/// Kernels that run a layer of this kind on each device of this build (reference on CPU).
+std::vector<KernelChoice> layer_kernels(const ModelSpec& spec, LayerKind kind);
+
+/// Opens the weights of MODEL (directory or .gguf) and reads its spec, without loading tensors.
+struct OpenedModel {
+  ModelSpec spec;
+  std::unique_ptr<WeightSource> weights;
+  std::string format;  // "safetensors" or "gguf"
+};
+OpenedModel open_model(const std::string& path);
+
+// Architecture pieces, one file each (src/models/*.cpp).
+/// Loads attention weights of layer prefix `p` ("model.layers.3.") with shape checks.
+AttentionWeights load_attention_weights(const ModelSpec& s, const WeightSource& src, const std::string& p);
+/// Causal self-attention mixer, x [T, D] (after input_layernorm) -> [T, D]: q/k/v projections,
+/// optional q/k norm (Qwen3, Qwen3.5 zero-centered), optional output gate (Qwen3.5), (partial) RoPE
+/// at `positions`, GQA softmax attention within each sequence of cu_seqlens, o_proj.
+Tensor attention_forward(const ModelSpec& s, const AttentionWeights& w, const Tensor& x,
+                         const std::vector<int64_t>& positions, const std::vector<float>& inv_freq,
+                         const std::vector<int64_t>& cu_seqlens);
+/// Qwen3.5 GatedDeltaNet: loading and the reference mixer forward ([T, D] -> [T, D]).
+GatedDeltaNetWeights load_gated_deltanet_weights(const ModelSpec& s, const WeightSource& src, const std::string& p);
+Tensor gated_deltanet_forward(const ModelSpec& s, const GatedDeltaNetWeights& w, const Tensor& x,
+                              const std::vector<int64_t>& cu_seqlens);
+/// Reads tensor `name` as float32 and checks its shape; throws naming the file and tensor.
+Tensor load_checked(const WeightSource& src, const std::string& name, const std::vector<int64_t>& shape);
+
+}  // namespace dflash

@@ -1,0 +1,63 @@
+#include "ops/rope.h"
+
+#include <cmath>
+#include <numbers>
+#include <stdexcept>
+
+namespace dflash::cpu {
+
+std::vector<float> rope_inv_freq(const RopeSpec& rope, int64_t rotary_dim) {
+  if (rotary_dim <= 0 || rotary_dim % 2 != 0)
+    throw std::invalid_argument("rope: rotary_dim " + std::to_string(rotary_dim) + " must be even and positive");
+  std::vector<float> inv(static_cast<size_t>(rotary_dim / 2));
+  for (int64_t i = 0; i < rotary_dim / 2; ++i) {
+    // torch: 1.0 / (base ** (arange(0, dim, 2, dtype=int64).float() / dim)), in float32.
+    const float expo = float(2 * i) / float(rotary_dim);
+    inv[size_t(i)] = 1.0f / std::pow(float(rope.theta), expo);
+  }
+  if (rope.type == "default") return inv;
+  if (rope.type == "llama3") {
+    // transformers _compute_llama3_parameters
+    const double low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor;
+    const double high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor;
+    for (auto& f : inv) {
+      const double wavelen = 2 * std::numbers::pi / f;
+      if (wavelen > low_wavelen) {
+        f = float(f / rope.factor);
+      } else if (wavelen >= high_wavelen) {
+        const double smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) /
+                              (rope.high_freq_factor - rope.low_freq_factor);
+        f = float((1 - smooth) * f / rope.factor + smooth * f);
+      }
+    }
+    return inv;
+  }
+  throw std::invalid_argument("rope: unsupported rope_type '" + rope.type + "' (supported: default, llama3)");
+}
+
+void apply_rope(Tensor& x, const std::vector<int64_t>& positions, const std::vector<float>& inv_freq,
+                int64_t rotary_dim) {
+  if (x.ndim() != 3 || x.dim(0) != int64_t(positions.size()) || rotary_dim > x.dim(2) ||
+      int64_t(inv_freq.size()) * 2 != rotary_dim)
+    throw std::invalid_argument("apply_rope: x " + shape_str(x.shape) + ", " + std::to_string(positions.size()) +
+                                " positions, rotary_dim " + std::to_string(rotary_dim));
+  const int64_t T = x.dim(0), H = x.dim(1), D = x.dim(2), half = rotary_dim / 2;
+  std::vector<float> c(static_cast<size_t>(half)), s(static_cast<size_t>(half));
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float ang = float(positions[size_t(t)]) * inv_freq[size_t(i)];  // fp32 product as torch
+      c[size_t(i)] = std::cos(ang);
+      s[size_t(i)] = std::sin(ang);
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      float* p = x.ptr() + (t * H + h) * D;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = p[i], b = p[i + half];
+        p[i] = a * c[size_t(i)] - b * s[size_t(i)];
+        p[i + half] = b * c[size_t(i)] + a * s[size_t(i)];
+      }
+    }
+  }
+}
+
+}  // namespace dflash::cpu

@@ -1,0 +1,31 @@
+#include <cuda_runtime.h>
+
+#include <sstream>
+
+#include "ops/cuda/device_info.h"
+
+namespace dflash::cuda {
+
+std::vector<DeviceInfo> devices() {
+  std::vector<DeviceInfo> r;
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return r;
+  }
+  for (int i = 0; i < n; ++i) {
+    cudaDeviceProp p{};
+    if (cudaGetDeviceProperties(&p, i) != cudaSuccess) continue;
+    r.push_back({i, p.name, p.major * 10 + p.minor, int64_t(p.totalGlobalMem)});
+  }
+  return r;
+}
+
+std::vector<int> compiled_archs() {
+  std::vector<int> r;
+  std::istringstream archs(DFLASH_CUDA_ARCHS);  // e.g. "80 90 100 120", set by CMake
+  for (int a; archs >> a;) r.push_back(a);
+  return r;
+}
+
+}  // namespace dflash::cuda

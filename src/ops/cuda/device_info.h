@@ -1,0 +1,21 @@
+// GPUs visible to the CUDA runtime (only in builds with DFLASH_HAVE_CUDA).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dflash::cuda {
+
+struct DeviceInfo {
+  int index = 0;
+  std::string name;
+  int sm = 0;                  // compute capability major*10 + minor, e.g. 90 for H100/H200
+  int64_t total_memory = 0;    // bytes
+};
+
+/// Visible devices; empty when no driver or GPU is present (never throws).
+std::vector<DeviceInfo> devices();
+/// The architectures this binary carries device code for, e.g. {80, 90, 100, 120}.
+std::vector<int> compiled_archs();
+
+}  // namespace dflash::cuda

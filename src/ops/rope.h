@@ -1,0 +1,20 @@
+// Rotary position embedding (transformers modeling_rope_utils.py + apply_rotary_pos_emb).
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "models/model_spec.h"
+#include "tensor/tensor.h"
+
+namespace dflash::cpu {
+
+/// Inverse frequencies [rotary_dim / 2] for `rope` ("default" or "llama3"; others throw
+/// std::invalid_argument) over rotary_dim dims: theta^(-2i / rotary_dim), with llama3 scaling.
+std::vector<float> rope_inv_freq(const RopeSpec& rope, int64_t rotary_dim);
+
+/// In place on x [T, H, Dh]: for each token t rotates dims [0, rotary_dim) with the rotate_half
+/// pairing (dim i with i + rotary_dim/2) by angle positions[t] * inv_freq; dims >= rotary_dim pass.
+void apply_rope(Tensor& x, const std::vector<int64_t>& positions, const std::vector<float>& inv_freq,
+                int64_t rotary_dim);
+
+}  // namespace dflash::cpu

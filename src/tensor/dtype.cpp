@@ -1,0 +1,96 @@
+#include "tensor/dtype.h"
+
+#include <cmath>
+#include <stdexcept>
+
+namespace dflash {
+
+std::size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::F64: case DType::I64: return 8;
+    case DType::F32: case DType::I32: return 4;
+    case DType::F16: case DType::BF16: case DType::I16: return 2;
+    case DType::I8: case DType::U8: case DType::BOOL: return 1;
+  }
+  throw std::logic_error("dtype_size: bad dtype");
+}
+
+std::string dtype_name(DType t) {
+  switch (t) {
+    case DType::F32: return "F32";
+    case DType::F16: return "F16";
+    case DType::BF16: return "BF16";
+    case DType::F64: return "F64";
+    case DType::I64: return "I64";
+    case DType::I32: return "I32";
+    case DType::I16: return "I16";
+    case DType::I8: return "I8";
+    case DType::U8: return "U8";
+    case DType::BOOL: return "BOOL";
+  }
+  throw std::logic_error("dtype_name: bad dtype");
+}
+
+DType dtype_from_name(std::string_view n, const std::string& what) {
+  if (n == "F32") return DType::F32;
+  if (n == "F16") return DType::F16;
+  if (n == "BF16") return DType::BF16;
+  if (n == "F64") return DType::F64;
+  if (n == "I64") return DType::I64;
+  if (n == "I32") return DType::I32;
+  if (n == "I16") return DType::I16;
+  if (n == "I8") return DType::I8;
+  if (n == "U8") return DType::U8;
+  if (n == "BOOL") return DType::BOOL;
+  throw std::runtime_error(what + ": unsupported dtype '" + std::string(n) +
+                           "' (supported: F32, F16, BF16, F64, I64, I32, I16, I8, U8, BOOL)");
+}
+
+float f16_to_f32(uint16_t h) {
+  const uint32_t sign = (h >> 15) & 1u, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+  float v;
+  if (exp == 0) v = std::ldexp(float(mant), -24);                 // zero / subnormal
+  else if (exp == 31) v = mant ? NAN : INFINITY;                  // inf / nan
+  else v = std::ldexp(float(mant | 0x400u), int(exp) - 25);       // normal
+  return sign ? -v : v;
+}
+
+uint16_t f32_to_f16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return uint16_t(sign | 0x7e00u);           // NaN
+  if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00u);          // overflow -> inf
+  if (a < 0x38800000u) {                                          // subnormal or zero
+    if (a < 0x33000000u) return uint16_t(sign);
+    const uint32_t e = a >> 23, m = (a & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126 - e;                               // 14..24
+    uint32_t r = m >> shift;
+    const uint32_t rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (r & 1u))) ++r;
+    return uint16_t(sign | r);
+  }
+  uint32_t r = a - 0x38000000u;                                   // rebias exponent 127 -> 15
+  r += 0xfffu + ((r >> 13) & 1u);
+  return uint16_t(sign | (r >> 13));
+}
+
+void convert_to_f32(DType t, const void* src, float* dst, std::size_t n) {
+  const auto* b = static_cast<const unsigned char*>(src);
+  for (std::size_t i = 0; i < n; ++i) {
+    switch (t) {
+      case DType::F32: { float v; std::memcpy(&v, b + 4 * i, 4); dst[i] = v; break; }
+      case DType::F16: { uint16_t v; std::memcpy(&v, b + 2 * i, 2); dst[i] = f16_to_f32(v); break; }
+      case DType::BF16: { uint16_t v; std::memcpy(&v, b + 2 * i, 2); dst[i] = bf16_to_f32(v); break; }
+      case DType::F64: { double v; std::memcpy(&v, b + 8 * i, 8); dst[i] = float(v); break; }
+      case DType::I64: { int64_t v; std::memcpy(&v, b + 8 * i, 8); dst[i] = float(v); break; }
+      case DType::I32: { int32_t v; std::memcpy(&v, b + 4 * i, 4); dst[i] = float(v); break; }
+      case DType::I16: { int16_t v; std::memcpy(&v, b + 2 * i, 2); dst[i] = float(v); break; }
+      case DType::I8: dst[i] = float(static_cast<const int8_t*>(src)[i]); break;
+      case DType::U8: case DType::BOOL: dst[i] = float(b[i]); break;
+    }
+  }
+}
+
+}  // namespace dflash

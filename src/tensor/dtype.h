@@ -1,0 +1,44 @@
+// Element types of tensors on disk and in memory, and scalar conversions.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+
+namespace dflash {
+
+/// Element type of a stored or in-memory tensor. Quantized GGUF block types are not listed:
+/// they are dequantized to F32 when loaded (see io/gguf.h).
+enum class DType { F32, F16, BF16, F64, I64, I32, I16, I8, U8, BOOL };
+
+/// Size of one element in bytes.
+std::size_t dtype_size(DType t);
+/// Canonical name as safetensors writes it ("F32", "BF16", ...).
+std::string dtype_name(DType t);
+/// Parses a safetensors dtype string; throws std::runtime_error naming `what` for unknown names.
+DType dtype_from_name(std::string_view name, const std::string& what);
+
+/// bfloat16 <-> float (round-to-nearest-even, NaN kept quiet).
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+/// IEEE half <-> float.
+float f16_to_f32(uint16_t h);
+uint16_t f32_to_f16(float f);
+
+/// Converts `n` elements of type `t` at `src` to float32 into `dst`. Throws for non-float types
+/// other than the integer ones (integers are converted by value).
+void convert_to_f32(DType t, const void* src, float* dst, std::size_t n);
+
+}  // namespace dflash
