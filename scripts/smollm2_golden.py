@@ -18,7 +18,7 @@ Writes JSON (default tests/fixtures/smollm2/golden.json) with keys gguf_file, gg
 prompt_text, prompt_ids, generated_ids, generated_text, last_prompt_logits_top20, last_prompt_logits_l2,
 plain{...}, transformers, torch, gguf, settings; and prints everything.
 
-Usage: python3 scripts/smollm2_golden.py --gguf /path/to/SmolLM2-135M-Instruct-Q4_1.gguf [--out PATH]
+Usage: python3 scripts/smollm2_golden.py [--gguf .cache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf] [--out PATH]
 """
 
 import argparse
@@ -136,7 +136,9 @@ def run_case(model, tok, prompt_ids, eos_ids, pad_id):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gguf", required=True, type=Path, help="path to SmolLM2-135M-Instruct Q4_1 .gguf")
+    default_gguf = Path(__file__).resolve().parent.parent / ".cache" / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    ap.add_argument("--gguf", type=Path, default=default_gguf,
+                    help="SmolLM2-135M-Instruct Q4_1 .gguf (default: where scripts/fetch_smollm2.sh puts it: %(default)s)")
     default_out = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "smollm2" / "golden.json"
     ap.add_argument("--out", type=Path, default=default_out, help="output JSON (default: %(default)s)")
     args = ap.parse_args()
@@ -181,14 +183,21 @@ def main():
         template_source = "gguf metadata (tokenizer had none)"
     print(f"chat template from: {template_source}")
 
+    # generate() stops on the generation config's EOS ids (from the GGUF), not the tokenizer's: mirror that in the
+    # no-cache loop. (transformers' GGUF llama tokenizer converter can mislabel bos/eos strings; recorded as-is.)
+    eos_src = getattr(model.generation_config, "eos_token_id", None)
+    if eos_src is None:
+        eos_src = getattr(model.config, "eos_token_id", None)
     eos_ids = set()
-    for src in (getattr(model.generation_config, "eos_token_id", None), tok.eos_token_id):
-        if isinstance(src, int):
-            eos_ids.add(src)
-        elif isinstance(src, (list, tuple)):
-            eos_ids.update(int(t) for t in src)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (min(eos_ids) if eos_ids else 0)
-    print(f"eos ids: {sorted(eos_ids)}  pad id: {pad_id}  bos id: {tok.bos_token_id}")
+    if isinstance(eos_src, int):
+        eos_ids.add(eos_src)
+    elif isinstance(eos_src, (list, tuple)):
+        eos_ids.update(int(t) for t in eos_src)
+    pad_id = getattr(model.generation_config, "pad_token_id", None)
+    if pad_id is None:
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else (min(eos_ids) if eos_ids else 0)
+    print(f"generation eos ids: {sorted(eos_ids)}  pad id: {pad_id}  "
+          f"tokenizer bos/eos: {tok.bos_token!r}={tok.bos_token_id} / {tok.eos_token!r}={tok.eos_token_id}")
 
     # chat case
     prompt_text = tok.apply_chat_template(CHAT_MESSAGES, add_generation_prompt=True, tokenize=False)
@@ -230,7 +239,8 @@ def main():
             "chat_template_source": template_source,
             "eos_token_ids": sorted(eos_ids),
             "pad_token_id": pad_id,
-            "bos_token_id": tok.bos_token_id,
+            "tokenizer_bos": [tok.bos_token, tok.bos_token_id],
+            "tokenizer_eos": [tok.eos_token, tok.eos_token_id],
         },
     }
 

@@ -1,0 +1,114 @@
+// The CPU reference forward against golden outputs saved by transformers (scripts/make_fixtures.py):
+// logits and every hidden state, single sequences and a packed batch of them.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "io/safetensors.h"
+#include "models/target.h"
+#include "test_util.h"
+
+using namespace dflash;
+
+namespace {
+
+struct Golden {
+  std::vector<std::vector<int32_t>> ids;
+  std::vector<Tensor> logits;
+  std::vector<std::vector<Tensor>> hidden;  // [seq][j]
+  int num_layers = 0;
+};
+
+Golden load_golden(const std::filesystem::path& dir) {
+  auto g = SafetensorsCheckpoint::open((dir / "golden.safetensors").string());
+  Golden r;
+  for (int s = 0;; ++s) {
+    const std::string p = "seq" + std::to_string(s) + ".";
+    if (!g->has(p + "input_ids")) break;
+    Tensor ids = g->load_f32(p + "input_ids");
+    r.ids.emplace_back(ids.data.begin(), ids.data.end());
+    r.logits.push_back(g->load_f32(p + "logits"));
+    r.hidden.emplace_back();
+    for (int j = 0; g->has(p + "hidden_states." + std::to_string(j)); ++j)
+      r.hidden.back().push_back(g->load_f32(p + "hidden_states." + std::to_string(j)));
+  }
+  r.num_layers = r.hidden.empty() ? 0 : int(r.hidden[0].size()) - 1;
+  return r;
+}
+
+Tensor rows(const Tensor& t, int64_t b, int64_t e) {
+  Tensor r({e - b, t.dim(1)});
+  std::copy(t.ptr() + b * t.dim(1), t.ptr() + e * t.dim(1), r.ptr());
+  return r;
+}
+
+class TargetFixture : public ::testing::TestWithParam<std::string> {};
+
+ForwardOptions all_outputs(int L) {
+  ForwardOptions o;
+  for (int j = 0; j <= L; ++j) o.hidden_states.push_back(j);
+  return o;
+}
+
+void expect_close(const Tensor& got, const Tensor& want, const std::string& what) {
+  ASSERT_EQ(got.shape, want.shape) << what;
+  const double err = test::rel_l2(got.data, want.data);
+  EXPECT_LE(err, test::kTolF32) << what << ": relative L2 error " << err;
+}
+
+}  // namespace
+
+TEST_P(TargetFixture, SingleSequencesMatchTransformers) {
+  const auto dir = test::fixtures_dir() / GetParam();
+  const Golden g = load_golden(dir);
+  ASSERT_EQ(g.ids.size(), 3u);
+  auto model = TargetModel::load(dir.string());
+  ASSERT_EQ(model->spec().num_hidden_layers, g.num_layers);
+  for (size_t s = 0; s < g.ids.size(); ++s) {
+    const auto out = model->forward(g.ids[s], {0, int64_t(g.ids[s].size())}, all_outputs(g.num_layers));
+    expect_close(out.logits, g.logits[s], GetParam() + " seq" + std::to_string(s) + " logits");
+    for (int j = 0; j <= g.num_layers; ++j)
+      expect_close(out.hidden_states.at(j), g.hidden[s][size_t(j)],
+                   GetParam() + " seq" + std::to_string(s) + " hidden_states." + std::to_string(j));
+  }
+}
+
+TEST_P(TargetFixture, PackedBatchMatchesTransformersPerSequence) {
+  const auto dir = test::fixtures_dir() / GetParam();
+  const Golden g = load_golden(dir);
+  auto model = TargetModel::load(dir.string());
+  // Longest first, so that a leak from an earlier sequence would show in the short ones.
+  std::vector<int32_t> ids;
+  std::vector<int64_t> cu{0};
+  const std::vector<size_t> order{2, 0, 1};
+  for (size_t s : order) {
+    ids.insert(ids.end(), g.ids[s].begin(), g.ids[s].end());
+    cu.push_back(int64_t(ids.size()));
+  }
+  const auto out = model->forward(ids, cu, all_outputs(g.num_layers));
+  for (size_t i = 0; i < order.size(); ++i) {
+    const size_t s = order[i];
+    const std::string what = GetParam() + " packed seq" + std::to_string(s);
+    expect_close(rows(out.logits, cu[i], cu[i + 1]), g.logits[s], what + " logits");
+    for (int j = 0; j <= g.num_layers; ++j)
+      expect_close(rows(out.hidden_states.at(j), cu[i], cu[i + 1]), g.hidden[s][size_t(j)],
+                   what + " hidden_states." + std::to_string(j));
+  }
+}
+
+TEST_P(TargetFixture, StopsAtDeepestRequestedLayerWithoutLmHead) {
+  const auto dir = test::fixtures_dir() / GetParam();
+  const Golden g = load_golden(dir);
+  auto model = TargetModel::load(dir.string());
+  ForwardOptions opt;
+  opt.logits = false;
+  opt.hidden_states = {1, 2};
+  const auto out = model->forward(g.ids[2], {0, int64_t(g.ids[2].size())}, opt);
+  EXPECT_EQ(out.logits.numel(), 0);
+  ASSERT_EQ(out.hidden_states.size(), 2u);
+  expect_close(out.hidden_states.at(2), g.hidden[2][2], GetParam() + " taps only, hidden_states.2");
+  opt.hidden_states = {g.num_layers + 1};
+  EXPECT_THROW(model->forward(g.ids[2], {0, int64_t(g.ids[2].size())}, opt), std::invalid_argument);
+}
+
+INSTANTIATE_TEST_SUITE_P(Target, TargetFixture, ::testing::Values("llama", "qwen3", "qwen3_5_text", "qwen3_5"));
