@@ -118,6 +118,9 @@ def run_case(model, tok, prompt_ids, eos_ids, pad_id):
     )
     gen = [int(t) for t in out[0, len(prompt_ids):].tolist()]
     gen_nc = greedy_nocache(model, prompt_ids, len(gen) if gen else MAX_NEW_TOKENS, eos_ids)
+    # 16 argmax steps that do not stop at end-of-turn: what the C++ greedy test compares against.
+    greedy16 = greedy_nocache(model, prompt_ids, 16, set())
+    check_prefix = greedy16[:len(gen)] == gen
     logits = last_logits(model, prompt_ids)
     vals, idx = torch.topk(logits, TOP_K)
     return {
@@ -127,6 +130,9 @@ def run_case(model, tok, prompt_ids, eos_ids, pad_id):
         "generated_text_skip_special": tok.decode(gen, skip_special_tokens=True),
         "generated_ids_nocache": gen_nc,
         "nocache_matches_generate": gen_nc == gen,
+        "greedy16_ids": greedy16,
+        "greedy16_text": tok.decode(greedy16, skip_special_tokens=False),
+        "greedy16_prefix_matches_generate": check_prefix,
         "last_prompt_logits_top20": [[int(i), float(v)] for i, v in zip(idx.tolist(), vals.tolist())],
         "last_prompt_logits_l2": float(torch.linalg.vector_norm(logits.double()).item()),
         "last_prompt_argmax": int(torch.argmax(logits).item()),
@@ -222,6 +228,9 @@ def main():
         "generated_text_skip_special": chat["generated_text_skip_special"],
         "generated_ids_nocache": chat["generated_ids_nocache"],
         "nocache_matches_generate": chat["nocache_matches_generate"],
+        "greedy16_ids": chat["greedy16_ids"],
+        "greedy16_text": chat["greedy16_text"],
+        "greedy16_prefix_matches_generate": chat["greedy16_prefix_matches_generate"],
         "last_prompt_logits_top20": chat["last_prompt_logits_top20"],
         "last_prompt_logits_l2": chat["last_prompt_logits_l2"],
         "last_prompt_argmax": chat["last_prompt_argmax"],

@@ -3,6 +3,7 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <random>
 #include <stdexcept>
@@ -22,9 +23,17 @@ double rel_l2(const float* a, const float* b, std::size_t n) {
   return std::sqrt(num / den);
 }
 
-std::filesystem::path source_dir() { return DFLASH_SOURCE_DIR; }
+namespace {
+// Compiled-in paths, overridable at run time (a test binary carried to another machine).
+std::filesystem::path env_or(const char* var, const char* compiled) {
+  const char* v = std::getenv(var);
+  return v && *v ? v : compiled;
+}
+}  // namespace
+
+std::filesystem::path source_dir() { return env_or("DFLASH_SOURCE_DIR", DFLASH_SOURCE_DIR); }
 std::filesystem::path fixtures_dir() { return source_dir() / "tests" / "fixtures"; }
-std::filesystem::path dflash_binary() { return DFLASH_BINARY; }
+std::filesystem::path dflash_binary() { return env_or("DFLASH_BINARY", DFLASH_BINARY); }
 
 TempDir::TempDir() {
   std::random_device rd;

@@ -17,10 +17,10 @@ inline double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() ? rel_l2(a.data(), b.data(), a.size()) : 1e30;
 }
 
-/// Source tree root and the committed fixtures directory.
+/// Source tree root and the committed fixtures directory (env DFLASH_SOURCE_DIR overrides).
 std::filesystem::path source_dir();
 std::filesystem::path fixtures_dir();
-/// Path to the built `dflash` executable.
+/// Path to the built `dflash` executable (env DFLASH_BINARY overrides).
 std::filesystem::path dflash_binary();
 
 /// A fresh, empty directory under the system temp dir, removed when the object dies.

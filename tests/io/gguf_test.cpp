@@ -553,6 +553,31 @@ TEST(GGUFDequant, Q6_K) {
   for (std::size_t i = 0; i < expect.size(); ++i) ASSERT_EQ(out.data[i], expect[i]) << i;
 }
 
+TEST(GGUFDequant, KQuantKnownAnswers) {
+  // One block whose byte i is (37 i + 11) mod 256, with the f16 scales overwritten (Q4_K:
+  // d = 0.125, dmin = 0.25; Q6_K: d = 0.125). Expected values were produced once by the
+  // independent numpy dequantizer of llama.cpp's gguf-py (gguf.quants.dequantize, gguf 0.19.0).
+  const int idx[16] = {0, 1, 17, 31, 32, 63, 64, 100, 127, 128, 150, 191, 192, 200, 240, 255};
+  const float q4k[16] = {29.875f, -12.75f, -12.75f, 10.5f,  -3.5f,   0.5f,  41.125f, 5.5f,
+                         3.75f,   50.625f, 40.875f, 0.0f,   63.125f, 14.125f, -2.75f, -0.5f};
+  const float q6k[16] = {-178.875f, 212.0f, 64.0f,   -12.0f,   28.875f, -72.5f,  -380.0f, 315.375f,
+                         187.5f,    -43.875f, -21.0f, -122.5f, -60.5f,  136.125f, 16.25f, -7.5f};
+  auto pattern = [](int n) {
+    std::string s(std::size_t(n), '\0');
+    for (int i = 0; i < n; ++i) s[std::size_t(i)] = char(uint8_t((i * 37 + 11) % 256));
+    return s;
+  };
+  std::string b4 = pattern(144), b6 = pattern(210);
+  std::memcpy(b4.data(), &kH0_125, 2);
+  std::memcpy(b4.data() + 2, &kH0_25, 2);
+  std::memcpy(b6.data() + 208, &kH0_125, 2);
+  std::vector<float> y(256);
+  ggml_dequantize(GGMLType::Q4_K, b4.data(), y.data(), 256);
+  for (int i = 0; i < 16; ++i) EXPECT_EQ(y[std::size_t(idx[i])], q4k[i]) << "Q4_K " << idx[i];
+  ggml_dequantize(GGMLType::Q6_K, b6.data(), y.data(), 256);
+  for (int i = 0; i < 16; ++i) EXPECT_EQ(y[std::size_t(idx[i])], q6k[i]) << "Q6_K " << idx[i];
+}
+
 TEST(GGUFDequant, ShapeIsReversedNe) {
   std::vector<float> v(24);
   for (int i = 0; i < 24; ++i) v[i] = float(i);
