@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# GPU-machine check (see DEVELOPERS' guide): runs the test suite and the CLI on an NVIDIA GPU host and
+# writes a report for bench/results/. Usage on the GPU machine, from the repository root:
+#   scripts/gpu_check.sh [BUILD_DIR]
+# BUILD_DIR holds `dflash` and `dflash_tests`; when absent it is configured and built here with
+# -DCMAKE_CUDA_ARCHITECTURES=native. The GPU machine lacks OpenBLAS, so the usual way is to build on the
+# Debian dev machine with -DDFLASH_PORTABLE=ON (static deps) and carry build-portable/.
+# Env: OUT (report directory, default bench/results), DFLASH_COMMIT (commit id when .git is absent),
+#      DFLASH_SMOLLM2_GGUF (the real model, for the SmolLM2 tests).
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+build=${1:-build-gpu}
+out=${OUT:-bench/results}
+mkdir -p "$out"
+commit=${DFLASH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+gpu=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -n 1)
+date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+report="$out/gpu_check.md"
+log="$out/gpu_check.log"
+: > "$log"
+
+if [ ! -x "$build/dflash_tests" ]; then
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=native >>"$log" 2>&1
+  cmake --build "$build" -j >>"$log" 2>&1 || { echo "gpu_check: build failed, see $log"; exit 1; }
+fi
+
+export DFLASH_SOURCE_DIR="$root" DFLASH_BINARY="$root/$build/dflash"
+"$build/dflash_tests" --gtest_brief=1 >"$out/gpu_tests.log" 2>&1
+tests_rc=$?
+summary=$(grep -E '^\[  (PASSED|FAILED)  \]|tests? ran|SKIPPED \]' "$out/gpu_tests.log" | head -n 5)
+inspect=$("$build/dflash" inspect tests/fixtures/qwen3_5 2>&1 | sed -n '1,20p')
+smol="not run (DFLASH_SMOLLM2_GGUF unset)"
+if [ -n "${DFLASH_SMOLLM2_GGUF:-}" ]; then
+  smol=$("$build/dflash" inspect "$DFLASH_SMOLLM2_GGUF" 2>&1 | sed -n '1,14p')
+fi
+
+{
+  echo "# GPU check: $date"
+  echo
+  echo "- commit: $commit"
+  echo "- device: ${gpu:-no GPU visible}"
+  echo "- build: $build ($(file -b "$build/dflash" 2>/dev/null | cut -d, -f1-2))"
+  echo "- test suite exit status: $tests_rc"
+  echo
+  echo '## Test summary'
+  echo '```'
+  echo "$summary"
+  echo '```'
+  echo '## dflash inspect tests/fixtures/qwen3_5 (device detection)'
+  echo '```'
+  echo "$inspect"
+  echo '```'
+  echo '## dflash inspect SmolLM2-135M-Instruct (Q4_1 GGUF)'
+  echo '```'
+  echo "$smol"
+  echo '```'
+} >"$report"
+cat "$report"
+exit $tests_rc
