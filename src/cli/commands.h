@@ -11,5 +11,6 @@ using Runner = std::function<int()>;
 void add_inspect(CLI::App& app, Runner& run);
 void add_forward(CLI::App& app, Runner& run);
 void add_train(CLI::App& app, Runner& run);
+void add_bench(CLI::App& app, Runner& run);
 
 }  // namespace dflash::cli

@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
   dflash::cli::add_inspect(app, run);
   dflash::cli::add_forward(app, run);
   dflash::cli::add_train(app, run);
+  dflash::cli::add_bench(app, run);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

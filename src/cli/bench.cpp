@@ -1,0 +1,60 @@
+// `dflash bench target-forward`: times a target's forward pass and appends the result to
+// bench/results/target-forward.jsonl (see src/bench/record.h).
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <random>
+
+#include "bench/record.h"
+#include "cli/commands.h"
+#include "models/target.h"
+
+namespace dflash::cli {
+
+void add_bench(CLI::App& app, Runner& run) {
+  auto* bench = app.add_subcommand("bench", "Benchmarks; results are appended to bench/results/");
+  bench->require_subcommand(1);
+  auto* tf = bench->add_subcommand("target-forward", "Time a target's forward pass (random token ids)");
+  static std::string model, preset, results = "bench/results", device = "cpu";
+  static int64_t tokens = 256;
+  static int repeat = 3;
+  tf->add_option("--model", model, "Checkpoint directory or .gguf file")->required();
+  tf->add_option("--tokens", tokens, "Sequence length T")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
+  tf->add_option("--repeat", repeat, "Timed runs (the median is recorded)")->check(CLI::Range(1, 1000));
+  tf->add_option("--preset", preset, "Preset name in the record (default: the model's file name)");
+  tf->add_option("--device", device, "Device")->check(CLI::IsMember({"cpu"}));
+  tf->add_option("--results", results, "Directory of the JSONL records");
+  tf->callback([&run] {
+    run = [] {
+      auto target = TargetModel::load(model);
+      std::mt19937 rng(1234);
+      std::uniform_int_distribution<int32_t> tok(0, int32_t(target->spec().vocab_size - 1));
+      std::vector<int32_t> ids(static_cast<size_t>(tokens));
+      for (auto& t : ids) t = tok(rng);
+      std::vector<double> secs;
+      for (int r = 0; r <= repeat; ++r) {  // run 0 is the warm-up
+        const auto t0 = std::chrono::steady_clock::now();
+        target->forward(ids, {0, tokens}, ForwardOptions{});
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        if (r > 0) secs.push_back(s);
+      }
+      std::sort(secs.begin(), secs.end());
+      const double med = secs[secs.size() / 2];
+      BenchRecord rec;
+      rec.bench = "target-forward";
+      rec.preset = preset.empty() ? std::filesystem::path(model).filename().string() + "-" + device : preset;
+      rec.metric = "tokens_per_s";
+      rec.value = double(tokens) / med;
+      rec.unit = "tokens/s";
+      rec.extra = {{"tokens", tokens}, {"repeat", repeat}, {"median_s", med}, {"min_s", secs.front()},
+                   {"max_s", secs.back()}, {"device_kind", device}, {"path", "CPU reference (fp32, OpenBLAS)"}};
+      rec = append_bench_record(results, rec);
+      fmt::print("{}\n", to_json(rec).dump());
+      return 0;
+    };
+  });
+}
+
+}  // namespace dflash::cli
