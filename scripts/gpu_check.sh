@@ -3,7 +3,7 @@
 # writes a report for bench/results/. Usage on the GPU machine, from the repository root:
 #   scripts/gpu_check.sh [BUILD_DIR]
 # BUILD_DIR holds `dflash` and `dflash_tests`; when absent it is configured and built here with
-# -DCMAKE_CUDA_ARCHITECTURES=native. The GPU machine lacks OpenBLAS, so the usual way is to build on the
+# -DDFLASH_CUDA_ARCHITECTURES=native. The GPU machine lacks OpenBLAS, so the usual way is to build on the
 # Debian dev machine with -DDFLASH_PORTABLE=ON (static deps) and carry build-portable/.
 # Env: OUT (report directory, default bench/results), DFLASH_COMMIT (commit id when .git is absent),
 #      DFLASH_SMOLLM2_GGUF (the real model, for the SmolLM2 tests).
@@ -21,7 +21,7 @@ log="$out/gpu_check.log"
 : > "$log"
 
 if [ ! -x "$build/dflash_tests" ]; then
-  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=native >>"$log" 2>&1
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDFLASH_CUDA_ARCHITECTURES=native >>"$log" 2>&1
   cmake --build "$build" -j >>"$log" 2>&1 || { echo "gpu_check: build failed, see $log"; exit 1; }
 fi
 

@@ -14,6 +14,7 @@ namespace dflash::cli {
 namespace {
 
 std::vector<int32_t> parse_ids(const std::string& s) {
+  if (s.empty() || s.back() == ',') throw std::invalid_argument("--ids '" + s + "': empty token id");
   std::vector<int32_t> ids;
   std::stringstream ss(s);
   std::string item;
@@ -31,14 +32,6 @@ std::vector<int32_t> parse_ids(const std::string& s) {
   }
   if (ids.empty()) throw std::invalid_argument("--ids: empty sequence");
   return ids;
-}
-
-/// Rows [b, e) of a [T, C] tensor.
-Tensor slice_rows(const Tensor& t, int64_t b, int64_t e) {
-  const int64_t C = t.dim(1);
-  Tensor r({e - b, C});
-  std::copy(t.ptr() + b * C, t.ptr() + e * C, r.ptr());
-  return r;
 }
 
 }  // namespace

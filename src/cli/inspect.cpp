@@ -56,7 +56,7 @@ nlohmann::json describe(const std::string& path) {
   nlohmann::json layers = nlohmann::json::array();
   for (int64_t i = 0; i < s.num_hidden_layers; ++i) {
     nlohmann::json k = nlohmann::json::object();
-    for (const KernelChoice& c : layer_kernels(s, s.layer_types[size_t(i)]))
+    for (const KernelChoice& c : layer_kernels(s.layer_types[size_t(i)]))
       k[c.device] = c.kernel.empty() ? nlohmann::json(nullptr) : nlohmann::json(c.kernel);
     layers.push_back({{"index", i}, {"type", layer_kind_name(s.layer_types[size_t(i)])}, {"kernels", k}});
   }

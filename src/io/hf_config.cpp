@@ -1,6 +1,8 @@
 #include "io/hf_config.h"
 
 #include <fstream>
+
+#include "models/architectures.h"
 #include <stdexcept>
 
 namespace dflash {
@@ -15,6 +17,12 @@ int64_t req_int(const nlohmann::json& cfg, const char* key, const std::string& w
 }
 
 namespace {
+double num_req(const nlohmann::json& j, const char* key, const std::string& where) {
+  auto it = j.find(key);
+  if (it == j.end() || !it->is_number()) throw std::runtime_error(where + ": rope field '" + key + "' is missing or not a number");
+  return it->get<double>();
+}
+
 double num_or(const nlohmann::json& j, const char* key, double dflt, const std::string& where) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return dflt;
@@ -22,7 +30,7 @@ double num_or(const nlohmann::json& j, const char* key, double dflt, const std::
   return it->get<double>();
 }
 
-void read_rope(const nlohmann::json& cfg, RopeSpec& rope, double default_theta, const std::string& where) {
+void read_rope(const nlohmann::json& cfg, RopeSpec& rope, const DenseDefaults& d, const std::string& where) {
   // transformers 5 writes rope_parameters {rope_type, rope_theta, partial_rotary_factor, ...};
   // older files have rope_theta / partial_rotary_factor at the top and rope_scaling.
   nlohmann::json rp = nlohmann::json::object();
@@ -35,20 +43,23 @@ void read_rope(const nlohmann::json& cfg, RopeSpec& rope, double default_theta, 
   if (rp.contains("rope_type")) type = rp["rope_type"].get<std::string>();
   else if (rp.contains("type")) type = rp["type"].get<std::string>();
   rope.type = type;
-  rope.theta = num_or(rp, "rope_theta", num_or(cfg, "rope_theta", default_theta, where), where);
-  rope.partial_rotary_factor = num_or(rp, "partial_rotary_factor", num_or(cfg, "partial_rotary_factor", 1.0, where), where);
-  if (type == "llama3") {
-    rope.factor = num_or(rp, "factor", 8.0, where);
-    rope.low_freq_factor = num_or(rp, "low_freq_factor", 1.0, where);
-    rope.high_freq_factor = num_or(rp, "high_freq_factor", 4.0, where);
-    rope.original_max_position_embeddings = int64_t(num_or(rp, "original_max_position_embeddings", 8192, where));
+  rope.theta = num_or(rp, "rope_theta", num_or(cfg, "rope_theta", d.rope_theta, where), where);
+  rope.partial_rotary_factor =
+      num_or(rp, "partial_rotary_factor", num_or(cfg, "partial_rotary_factor", d.partial_rotary_factor, where), where);
+  if (type == "llama3") {  // transformers requires all four fields for llama3 scaling
+    rope.factor = num_req(rp, "factor", where);
+    rope.low_freq_factor = num_req(rp, "low_freq_factor", where);
+    rope.high_freq_factor = num_req(rp, "high_freq_factor", where);
+    rope.original_max_position_embeddings = int64_t(num_req(rp, "original_max_position_embeddings", where));
+    if (!(rope.factor > 0) || !(rope.high_freq_factor > rope.low_freq_factor) || rope.original_max_position_embeddings <= 0)
+      throw std::runtime_error(where + ": llama3 rope scaling needs factor > 0, high_freq_factor > low_freq_factor and "
+                               "original_max_position_embeddings > 0");
   } else if (type != "default") {
     throw std::runtime_error(where + ": rope type '" + type + "' is not supported (supported: default, llama3)");
   }
   if (!(rope.theta > 0)) throw std::runtime_error(where + ": rope_theta must be positive");
 }
-}  // namespace
-
+// Fails for features the engine does not implement (attention_bias, mlp_bias, sliding windows).
 void reject_unsupported(const nlohmann::json& cfg, const std::string& where) {
   for (const char* key : {"attention_bias", "mlp_bias"})
     if (cfg.value(key, false)) throw std::runtime_error(where + ": '" + key + "': true is not supported");
@@ -56,18 +67,25 @@ void reject_unsupported(const nlohmann::json& cfg, const std::string& where) {
     throw std::runtime_error(where + ": sliding-window targets (use_sliding_window: true) are not supported");
 }
 
-void read_dense_fields(const nlohmann::json& cfg, ModelSpec& s, double default_theta, const std::string& where) {
+}  // namespace
+
+void read_dense_fields(const nlohmann::json& cfg, ModelSpec& s, const DenseDefaults& d, const std::string& where) {
   if (!cfg.is_object()) throw std::runtime_error(where + ": config must be a JSON object");
   s.vocab_size = req_int(cfg, "vocab_size", where);
   s.hidden_size = req_int(cfg, "hidden_size", where);
   s.intermediate_size = req_int(cfg, "intermediate_size", where);
   s.num_hidden_layers = req_int(cfg, "num_hidden_layers", where);
   s.num_attention_heads = req_int(cfg, "num_attention_heads", where);
-  s.num_key_value_heads = cfg.contains("num_key_value_heads") && !cfg["num_key_value_heads"].is_null()
-                              ? req_int(cfg, "num_key_value_heads", where)
-                              : s.num_attention_heads;
-  if (cfg.contains("head_dim") && !cfg["head_dim"].is_null()) s.head_dim = req_int(cfg, "head_dim", where);
-  else if (s.num_attention_heads > 0) s.head_dim = s.hidden_size / s.num_attention_heads;
+  if (!d.derive_head_shape) {
+    s.num_key_value_heads = req_int(cfg, "num_key_value_heads", where);
+    s.head_dim = req_int(cfg, "head_dim", where);
+  } else {
+    s.num_key_value_heads = cfg.contains("num_key_value_heads") && !cfg["num_key_value_heads"].is_null()
+                                ? req_int(cfg, "num_key_value_heads", where)
+                                : s.num_attention_heads;
+    if (cfg.contains("head_dim") && !cfg["head_dim"].is_null()) s.head_dim = req_int(cfg, "head_dim", where);
+    else if (s.num_attention_heads > 0) s.head_dim = s.hidden_size / s.num_attention_heads;
+  }
   s.rms_norm_eps = num_or(cfg, "rms_norm_eps", 1e-6, where);
   s.max_position_embeddings = int64_t(num_or(cfg, "max_position_embeddings", 0, where));
   s.hidden_act = cfg.value("hidden_act", std::string("silu"));
@@ -77,7 +95,7 @@ void read_dense_fields(const nlohmann::json& cfg, ModelSpec& s, double default_t
     if (it->is_number_integer()) s.eos_token_ids = {it->get<int64_t>()};
     else if (it->is_array()) s.eos_token_ids = it->get<std::vector<int64_t>>();
   }
-  read_rope(cfg, s.rope, default_theta, where);
+  read_rope(cfg, s.rope, d, where);
   reject_unsupported(cfg, where);
 }
 

@@ -20,20 +20,19 @@ ModelSpec load_hf_config(const std::string& path);
 ModelSpec model_spec_from_hf_config(const nlohmann::json& cfg, const std::string& where);
 
 namespace hf {
+/// What a family assumes when config.json leaves a field out.
+struct DenseDefaults {
+  double rope_theta = 10000.0;
+  double partial_rotary_factor = 1.0;
+  /// Llama derives head_dim = hidden / heads and kv heads = heads; the Qwen families' classes have
+  /// other defaults, so their configs must state both fields (a clear error otherwise).
+  bool derive_head_shape = true;
+};
 /// Shared dense fields (sizes, heads, head_dim, eps, rope, bos/eos, tie_word_embeddings, act)
-/// from one config object (the text_config for wrappers). `default_theta` when the file has none.
-void read_dense_fields(const nlohmann::json& cfg, ModelSpec& spec, double default_theta, const std::string& where);
+/// from one config object (the text_config for wrappers).
+void read_dense_fields(const nlohmann::json& cfg, ModelSpec& spec, const DenseDefaults& d, const std::string& where);
 /// Integer field that must be present.
 int64_t req_int(const nlohmann::json& cfg, const char* key, const std::string& where);
-/// Fails for features the engine does not implement yet (attention_bias, mlp_bias, sliding windows).
-void reject_unsupported(const nlohmann::json& cfg, const std::string& where);
 }  // namespace hf
-
-// Per-architecture readers (src/models/{llama,qwen3,qwen3_5}.cpp).
-ModelSpec llama_spec_from_config(const nlohmann::json& cfg, const std::string& where);
-ModelSpec qwen3_spec_from_config(const nlohmann::json& cfg, const std::string& where);
-/// Accepts both Qwen3_5ForCausalLM (fields at top level) and Qwen3_5ForConditionalGeneration
-/// (fields in text_config, weights under model.language_model.*).
-ModelSpec qwen3_5_spec_from_config(const nlohmann::json& cfg, const std::string& where);
 
 }  // namespace dflash

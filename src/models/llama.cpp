@@ -1,6 +1,7 @@
 // Llama (transformers models/llama): RMSNorm with a plain weight, full RoPE ("default" or
 // "llama3" scaling), GQA causal attention without q/k norms, SwiGLU MLP.
 #include "io/hf_config.h"
+#include "models/architectures.h"
 
 namespace dflash {
 
@@ -9,7 +10,7 @@ ModelSpec llama_spec_from_config(const nlohmann::json& cfg, const std::string& w
   s.arch = Arch::Llama;
   s.architecture = "LlamaForCausalLM";
   s.model_type = "llama";
-  hf::read_dense_fields(cfg, s, 10000.0, where);
+  hf::read_dense_fields(cfg, s, hf::DenseDefaults{}, where);
   if (s.rope.partial_rotary_factor != 1.0)
     throw std::runtime_error(where + ": partial_rotary_factor is not used by Llama models");
   s.layer_types.assign(size_t(s.num_hidden_layers), LayerKind::Attention);

@@ -4,31 +4,24 @@
 
 namespace dflash {
 
-std::string arch_name(Arch a) {
-  switch (a) {
-    case Arch::Llama: return "llama";
-    case Arch::Qwen3: return "qwen3";
-    case Arch::Qwen3_5: return "qwen3_5";
-  }
-  return "?";
-}
-
 std::string layer_kind_name(LayerKind k) {
   return k == LayerKind::Attention ? "full_attention" : "linear_attention (GatedDeltaNet)";
 }
 
 void ModelSpec::validate(const std::string& where) const {
   auto fail = [&](const std::string& m) { throw std::runtime_error(where + ": " + m); };
-  auto pos = [&](int64_t v, const char* name) {
-    if (v <= 0) fail(std::string(name) + " must be positive (got " + std::to_string(v) + ")");
+  // Upper bounds far above any real model keep a hostile config from asking for absurd memory.
+  auto pos = [&](int64_t v, const char* name, int64_t max = int64_t(1) << 24) {
+    if (v <= 0 || v > max)
+      fail(std::string(name) + " must be in [1, " + std::to_string(max) + "] (got " + std::to_string(v) + ")");
   };
   pos(vocab_size, "vocab_size");
   pos(hidden_size, "hidden_size");
   pos(intermediate_size, "intermediate_size");
-  pos(num_hidden_layers, "num_hidden_layers");
-  pos(num_attention_heads, "num_attention_heads");
-  pos(num_key_value_heads, "num_key_value_heads");
-  pos(head_dim, "head_dim");
+  pos(num_hidden_layers, "num_hidden_layers", 4096);
+  pos(num_attention_heads, "num_attention_heads", 4096);
+  pos(num_key_value_heads, "num_key_value_heads", 4096);
+  pos(head_dim, "head_dim", 4096);
   if (num_attention_heads % num_key_value_heads != 0)
     fail("num_attention_heads (" + std::to_string(num_attention_heads) + ") is not a multiple of num_key_value_heads (" +
          std::to_string(num_key_value_heads) + ")");
@@ -46,7 +39,7 @@ void ModelSpec::validate(const std::string& where) const {
     pos(linear_num_value_heads, "linear_num_value_heads");
     pos(linear_key_head_dim, "linear_key_head_dim");
     pos(linear_value_head_dim, "linear_value_head_dim");
-    pos(linear_conv_kernel_dim, "linear_conv_kernel_dim");
+    pos(linear_conv_kernel_dim, "linear_conv_kernel_dim", 64);
     if (linear_num_value_heads % linear_num_key_heads != 0)
       fail("linear_num_value_heads is not a multiple of linear_num_key_heads");
     break;

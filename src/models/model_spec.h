@@ -63,7 +63,6 @@ struct ModelSpec {
   void validate(const std::string& where) const;
 };
 
-std::string arch_name(Arch a);
 std::string layer_kind_name(LayerKind k);
 
 }  // namespace dflash

@@ -1,6 +1,7 @@
 // Qwen3 (transformers models/qwen3): Llama layout plus per-head q_norm / k_norm (plain RMSNorm over
 // head_dim) before RoPE; head_dim may differ from hidden_size / num_attention_heads.
 #include "io/hf_config.h"
+#include "models/architectures.h"
 
 namespace dflash {
 
@@ -9,7 +10,7 @@ ModelSpec qwen3_spec_from_config(const nlohmann::json& cfg, const std::string& w
   s.arch = Arch::Qwen3;
   s.architecture = "Qwen3ForCausalLM";
   s.model_type = "qwen3";
-  hf::read_dense_fields(cfg, s, 10000.0, where);
+  hf::read_dense_fields(cfg, s, hf::DenseDefaults{.derive_head_shape = false}, where);
   if (auto it = cfg.find("layer_types"); it != cfg.end() && it->is_array())
     for (const auto& t : *it)
       if (t != "full_attention")

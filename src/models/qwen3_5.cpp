@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "io/hf_config.h"
+#include "models/architectures.h"
 #include "models/target.h"
 #include "ops/activation.h"
 #include "ops/gated_delta_rule.h"
@@ -23,14 +24,12 @@ ModelSpec qwen3_5_spec_from_config(const nlohmann::json& cfg, const std::string&
   s.architecture = wrapper ? "Qwen3_5ForConditionalGeneration" : "Qwen3_5ForCausalLM";
   s.model_type = wrapper ? "qwen3_5" : "qwen3_5_text";
   s.weight_prefix = wrapper ? "model.language_model." : "model.";
-  s.tie_word_embeddings = false;  // Qwen3_5(Text)Config default
-  hf::read_dense_fields(t, s, 10000.0, where + (wrapper ? " (text_config)" : ""));
   // Qwen3_5TextConfig.__post_init__: partial_rotary_factor defaults to 0.25.
-  const bool has_prf = (t.contains("rope_parameters") && t["rope_parameters"].is_object() &&
-                        t["rope_parameters"].contains("partial_rotary_factor")) ||
-                       t.contains("partial_rotary_factor");
-  if (!has_prf) s.rope.partial_rotary_factor = 0.25;
-  if (wrapper && cfg.contains("tie_word_embeddings")) s.tie_word_embeddings = cfg["tie_word_embeddings"].get<bool>();
+  hf::read_dense_fields(t, s, hf::DenseDefaults{.partial_rotary_factor = 0.25, .derive_head_shape = false},
+                        where + (wrapper ? " (text_config)" : ""));
+  // The multimodal wrapper owns tying (Qwen3_5Config.tie_word_embeddings, default false); the
+  // text_config value is not consulted, as in transformers.
+  if (wrapper) s.tie_word_embeddings = cfg.value("tie_word_embeddings", false);
 
   s.linear_num_key_heads = hf::req_int(t, "linear_num_key_heads", where);
   s.linear_num_value_heads = hf::req_int(t, "linear_num_value_heads", where);
@@ -63,7 +62,7 @@ GatedDeltaNetWeights load_gated_deltanet_weights(const ModelSpec& s, const Weigh
   w.in_proj_z = load_checked(src, p + "in_proj_z.weight", {Hv * dv, D});
   w.in_proj_b = load_checked(src, p + "in_proj_b.weight", {Hv, D});
   w.in_proj_a = load_checked(src, p + "in_proj_a.weight", {Hv, D});
-  w.conv1d = load_checked(src, p + "conv1d.weight", {C, K});
+  w.conv1d = load_checked(src, p + "conv1d.weight", {C, K}, {C, 1, K});
   w.A_log = load_checked(src, p + "A_log", {Hv});
   w.dt_bias = load_checked(src, p + "dt_bias", {Hv});
   w.norm = load_checked(src, p + "norm.weight", {dv});

@@ -16,14 +16,19 @@
 
 namespace dflash {
 
-Tensor load_checked(const WeightSource& src, const std::string& name, const std::vector<int64_t>& shape) {
+Tensor load_checked(const WeightSource& src, const std::string& name, const std::vector<int64_t>& shape,
+                    const std::vector<int64_t>& stored) {
   if (!src.has(name)) throw std::runtime_error(src.origin() + ": missing tensor '" + name + "'");
   const TensorInfo info = src.info(name);
-  if (Tensor::numel_of(info.shape) != Tensor::numel_of(shape) ||
-      (info.shape != shape && !(info.shape.size() == 3 && shape.size() == 2 && info.shape[1] == 1)))
+  const std::vector<int64_t>& want = stored.empty() ? shape : stored;
+  if (info.shape != want)
     throw std::runtime_error(info.file + ": tensor '" + name + "' has shape " + shape_str(info.shape) +
-                             ", expected " + shape_str(shape));
+                             ", expected " + shape_str(want));
   Tensor t = src.load_f32(name);
+  for (size_t i = 0; i < t.data.size(); ++i)
+    if (!std::isfinite(t.data[i]))
+      throw std::runtime_error(info.file + ": tensor '" + name + "' holds a non-finite value (" +
+                               std::to_string(t.data[i]) + ") at flat index " + std::to_string(i));
   t.shape = shape;
   return t;
 }
@@ -133,7 +138,7 @@ ForwardOutput TargetModel::forward(const std::vector<int32_t>& ids, const std::v
   return out;
 }
 
-std::vector<KernelChoice> layer_kernels(const ModelSpec&, LayerKind kind) {
+std::vector<KernelChoice> layer_kernels(LayerKind kind) {
   std::vector<KernelChoice> r;
   r.push_back({"cpu", kind == LayerKind::Attention ? "cpu::causal_attention (reference, fp32)"
                                                    : "cpu::gated_delta_rule_recurrent + causal_conv1d_silu (reference, fp32)"});

@@ -94,7 +94,7 @@ class TargetModel {
 };
 
 /// Kernels that run a layer of this kind on each device of this build (reference on CPU).
-std::vector<KernelChoice> layer_kernels(const ModelSpec& spec, LayerKind kind);
+std::vector<KernelChoice> layer_kernels(LayerKind kind);
 
 /// Opens the weights of MODEL (directory or .gguf) and reads its spec, without loading tensors.
 struct OpenedModel {
@@ -117,7 +117,10 @@ Tensor attention_forward(const ModelSpec& s, const AttentionWeights& w, const Te
 GatedDeltaNetWeights load_gated_deltanet_weights(const ModelSpec& s, const WeightSource& src, const std::string& p);
 Tensor gated_deltanet_forward(const ModelSpec& s, const GatedDeltaNetWeights& w, const Tensor& x,
                               const std::vector<int64_t>& cu_seqlens);
-/// Reads tensor `name` as float32 and checks its shape; throws naming the file and tensor.
-Tensor load_checked(const WeightSource& src, const std::string& name, const std::vector<int64_t>& shape);
+/// Reads tensor `name` as float32, checks its shape (`stored` when the file keeps it in another
+/// layout of the same data, e.g. conv1d [C, 1, K] read as [C, K]) and that every value is finite.
+/// Throws std::runtime_error naming the file and the tensor.
+Tensor load_checked(const WeightSource& src, const std::string& name, const std::vector<int64_t>& shape,
+                    const std::vector<int64_t>& stored = {});
 
 }  // namespace dflash

@@ -6,7 +6,7 @@
 
 namespace dflash::cpu {
 
-/// In place over the last dim of size `d` of x (numel divisible by d):
+/// In place over the last dim of x, which must have size d = w.numel():
 /// plain (Llama/Qwen3):       y = w * x / sqrt(mean(x^2) + eps)
 /// zero_centered (Qwen3.5):   y = (1 + w) * x / sqrt(mean(x^2) + eps)
 /// w has shape [d]. Computed in fp32 (float accumulation in double for the mean).

@@ -17,11 +17,12 @@ struct Tensor {
   Tensor() = default;
   explicit Tensor(std::vector<int64_t> s) : shape(std::move(s)), data(size_t(numel_of(shape)), 0.0f) {}
 
+  /// Product of the dims; throws std::invalid_argument for a negative dim or an int64 overflow.
   static int64_t numel_of(const std::vector<int64_t>& s) {
     int64_t n = 1;
     for (int64_t d : s) {
       if (d < 0) throw std::invalid_argument("Tensor: negative dimension");
-      n *= d;
+      if (__builtin_mul_overflow(n, d, &n)) throw std::invalid_argument("Tensor: element count overflows int64");
     }
     return n;
   }
@@ -37,5 +38,8 @@ struct Tensor {
 
 /// "[2, 3, 4]" for messages.
 std::string shape_str(const std::vector<int64_t>& s);
+
+/// Copy of rows [b, e) along dim 0 of `t` (any rank). Throws std::out_of_range for a bad range.
+Tensor slice_rows(const Tensor& t, int64_t b, int64_t e);
 
 }  // namespace dflash

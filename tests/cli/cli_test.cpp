@@ -83,6 +83,9 @@ TEST(Cli, BadInputGivesClearErrors) {
   std::string out = run_dflash("forward --model " + fixture("llama") + " --ids 1,x,3" + o, &rc);
   EXPECT_NE(rc, 0);
   EXPECT_NE(out.find("'x' is not a token id"), std::string::npos) << out;
+  out = run_dflash("forward --model " + fixture("llama") + " --ids 1,2," + o, &rc);
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(out.find("empty token id"), std::string::npos) << out;
   out = run_dflash("forward --model " + fixture("llama") + " --ids 1,99999" + o, &rc);
   EXPECT_NE(rc, 0);
   EXPECT_NE(out.find("99999"), std::string::npos) << out;

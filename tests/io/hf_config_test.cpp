@@ -25,7 +25,8 @@ std::string error_of(const json& cfg) {
 
 TEST(HfConfig, Llama) {
   json c = dense("LlamaForCausalLM", "llama");
-  c["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}, {"original_max_position_embeddings", 8192}};
+  c["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 1.0},
+                       {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 8192}};
   const ModelSpec s = model_spec_from_hf_config(c, "x");
   EXPECT_EQ(s.arch, Arch::Llama);
   EXPECT_EQ(s.head_dim, 16);
@@ -100,6 +101,7 @@ TEST(HfConfig, ErrorsNameFileAndField) {
   c["hidden_size"] = "64";
   EXPECT_NE(error_of(c).find("hidden_size"), std::string::npos);
   c = dense("Qwen3_5ForCausalLM", "qwen3_5_text");
+  c["head_dim"] = 16;
   EXPECT_NE(error_of(c).find("linear_num_key_heads"), std::string::npos);
 }
 
@@ -113,4 +115,31 @@ TEST(HfConfig, FileErrors) {
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("bad.json"), std::string::npos);
   }
+}
+
+TEST(HfConfig, WrapperTyingIsTheOuterConfigs) {
+  json inner = dense("Qwen3_5ForCausalLM", "qwen3_5_text");
+  inner.erase("architectures");
+  inner["head_dim"] = 16;
+  inner["linear_num_key_heads"] = 2;
+  inner["linear_num_value_heads"] = 2;
+  inner["linear_key_head_dim"] = 8;
+  inner["linear_value_head_dim"] = 8;
+  inner["tie_word_embeddings"] = true;  // ignored: Qwen3_5Config owns tying (default false)
+  json w{{"architectures", {"Qwen3_5ForConditionalGeneration"}}, {"model_type", "qwen3_5"}, {"text_config", inner}};
+  EXPECT_FALSE(model_spec_from_hf_config(w, "x").tie_word_embeddings);
+}
+
+TEST(HfConfig, QwenConfigsMustStateHeadShapeAndLlama3FieldsAreRequired) {
+  json c = dense("Qwen3ForCausalLM", "qwen3");
+  EXPECT_NE(error_of(c).find("'head_dim'"), std::string::npos);
+  c["head_dim"] = 16;
+  c.erase("num_key_value_heads");
+  EXPECT_NE(error_of(c).find("'num_key_value_heads'"), std::string::npos);
+  c = dense("LlamaForCausalLM", "llama");
+  c["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}};
+  EXPECT_NE(error_of(c).find("low_freq_factor"), std::string::npos);
+  c = dense("LlamaForCausalLM", "llama");
+  c["num_hidden_layers"] = 100000000;
+  EXPECT_NE(error_of(c).find("num_hidden_layers"), std::string::npos);
 }

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "io/safetensors.h"
 #include "models/target.h"
 #include "test_util.h"
 
@@ -96,5 +97,12 @@ TEST(SmolLM2, ForwardCommandWritesLogitsAndHiddenStates) {
   const std::string cmd = test::dflash_binary().string() + " forward --model " + gguf_path() +
                           " --ids 1,9690,198 --ids 504,2365 --out " + (d / "o.safetensors").string();
   ASSERT_EQ(test::run_command(cmd, &out), 0) << out;
-  EXPECT_TRUE(std::filesystem::exists(d / "o.safetensors"));
+  auto o = SafetensorsCheckpoint::open((d / "o.safetensors").string());
+  EXPECT_EQ(o->info("seq0.logits").shape, (std::vector<int64_t>{3, 49152}));
+  EXPECT_EQ(o->info("seq1.hidden_states.30").shape, (std::vector<int64_t>{2, 576}));
+  EXPECT_FALSE(o->has("seq1.hidden_states.31"));
+  // The packed second sequence equals a forward of that sequence alone.
+  auto model = TargetModel::load(gguf_path());
+  const ForwardOutput alone = model->forward({504, 2365}, {0, 2}, ForwardOptions{});
+  EXPECT_LE(test::rel_l2(o->load_f32("seq1.logits").data, alone.logits.data), test::kTolF32);
 }

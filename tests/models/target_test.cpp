@@ -3,6 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <cmath>
+#include <functional>
+#include <map>
 
 #include "io/safetensors.h"
 #include "models/target.h"
@@ -33,12 +36,6 @@ Golden load_golden(const std::filesystem::path& dir) {
       r.hidden.back().push_back(g->load_f32(p + "hidden_states." + std::to_string(j)));
   }
   r.num_layers = r.hidden.empty() ? 0 : int(r.hidden[0].size()) - 1;
-  return r;
-}
-
-Tensor rows(const Tensor& t, int64_t b, int64_t e) {
-  Tensor r({e - b, t.dim(1)});
-  std::copy(t.ptr() + b * t.dim(1), t.ptr() + e * t.dim(1), r.ptr());
   return r;
 }
 
@@ -89,9 +86,9 @@ TEST_P(TargetFixture, PackedBatchMatchesTransformersPerSequence) {
   for (size_t i = 0; i < order.size(); ++i) {
     const size_t s = order[i];
     const std::string what = GetParam() + " packed seq" + std::to_string(s);
-    expect_close(rows(out.logits, cu[i], cu[i + 1]), g.logits[s], what + " logits");
+    expect_close(slice_rows(out.logits, cu[i], cu[i + 1]), g.logits[s], what + " logits");
     for (int j = 0; j <= g.num_layers; ++j)
-      expect_close(rows(out.hidden_states.at(j), cu[i], cu[i + 1]), g.hidden[s][size_t(j)],
+      expect_close(slice_rows(out.hidden_states.at(j), cu[i], cu[i + 1]), g.hidden[s][size_t(j)],
                    what + " hidden_states." + std::to_string(j));
   }
 }
@@ -107,8 +104,74 @@ TEST_P(TargetFixture, StopsAtDeepestRequestedLayerWithoutLmHead) {
   EXPECT_EQ(out.logits.numel(), 0);
   ASSERT_EQ(out.hidden_states.size(), 2u);
   expect_close(out.hidden_states.at(2), g.hidden[2][2], GetParam() + " taps only, hidden_states.2");
+  // The last hidden state without logits still gets the final norm.
+  opt.hidden_states = {g.num_layers};
+  const auto last = model->forward(g.ids[2], {0, int64_t(g.ids[2].size())}, opt);
+  EXPECT_EQ(last.logits.numel(), 0);
+  expect_close(last.hidden_states.at(g.num_layers), g.hidden[2][size_t(g.num_layers)],
+               GetParam() + " no logits, hidden_states.L");
   opt.hidden_states = {g.num_layers + 1};
   EXPECT_THROW(model->forward(g.ids[2], {0, int64_t(g.ids[2].size())}, opt), std::invalid_argument);
 }
 
 INSTANTIATE_TEST_SUITE_P(Target, TargetFixture, ::testing::Values("llama", "qwen3", "qwen3_5_text", "qwen3_5"));
+
+namespace {
+/// Copies the llama fixture into `dir`, with `edit` applied to its tensors before writing.
+void write_edited_llama(const std::filesystem::path& dir,
+                        const std::function<void(std::map<std::string, Tensor>&)>& edit) {
+  const auto src = test::fixtures_dir() / "llama";
+  std::filesystem::copy_file(src / "config.json", dir / "config.json");
+  auto ck = SafetensorsCheckpoint::open(src.string());
+  std::map<std::string, Tensor> ts;
+  for (const auto& n : ck->names()) ts[n] = ck->load_f32(n);
+  edit(ts);
+  std::vector<std::pair<std::string, const Tensor*>> refs;
+  for (auto& [n, t] : ts) refs.emplace_back(n, &t);
+  write_safetensors((dir / "model.safetensors").string(), refs);
+}
+std::string load_error(const std::filesystem::path& dir) {
+  try {
+    TargetModel::load(dir.string());
+  } catch (const std::runtime_error& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST(TargetLoad, BadWeightsGiveErrorsNamingFileAndTensor) {
+  {
+    test::TempDir d;
+    write_edited_llama(d.path(), [](auto& ts) { ts["model.layers.1.mlp.up_proj.weight"].data[7] = NAN; });
+    const std::string e = load_error(d.path());
+    EXPECT_NE(e.find("model.layers.1.mlp.up_proj.weight"), std::string::npos) << e;
+    EXPECT_NE(e.find("non-finite"), std::string::npos) << e;
+  }
+  {
+    test::TempDir d;
+    write_edited_llama(d.path(), [](auto& ts) { ts.erase("model.layers.2.self_attn.k_proj.weight"); });
+    const std::string e = load_error(d.path());
+    EXPECT_NE(e.find("missing tensor 'model.layers.2.self_attn.k_proj.weight'"), std::string::npos) << e;
+  }
+  {
+    test::TempDir d;  // transposed: same element count, wrong layout
+    write_edited_llama(d.path(), [](auto& ts) {
+      auto& t = ts["model.layers.0.mlp.down_proj.weight"];
+      std::swap(t.shape[0], t.shape[1]);
+    });
+    const std::string e = load_error(d.path());
+    EXPECT_NE(e.find("model.safetensors: tensor 'model.layers.0.mlp.down_proj.weight' has shape"), std::string::npos) << e;
+  }
+}
+
+TEST(TargetLoad, BadForwardInputsAreRejected) {
+  auto model = TargetModel::load((test::fixtures_dir() / "llama").string());
+  EXPECT_THROW(model->forward({1, 2, 301}, {0, 3}, ForwardOptions{}), std::out_of_range);
+  EXPECT_THROW(model->forward({1, 2, 3}, {0, 2}, ForwardOptions{}), std::invalid_argument);
+  EXPECT_THROW(model->forward({1, 2, 3}, {1, 3}, ForwardOptions{}), std::invalid_argument);
+  // An empty sequence inside a packed batch is allowed and changes nothing for the others.
+  const auto a = model->forward({5, 6, 7}, {0, 0, 3}, ForwardOptions{});
+  const auto b = model->forward({5, 6, 7}, {0, 3}, ForwardOptions{});
+  EXPECT_EQ(a.logits.data, b.logits.data);
+}

@@ -22,13 +22,6 @@ Tensor randn(std::vector<int64_t> shape, uint32_t seed, float scale = 1.0f) {
   for (auto& x : t.data) x = nd(rng);
   return t;
 }
-Tensor rows(const Tensor& t, int64_t b, int64_t e) {
-  const int64_t inner = t.numel() / t.dim(0);
-  Tensor r = t;
-  r.shape[0] = e - b;
-  r.data.assign(t.data.begin() + b * inner, t.data.begin() + e * inner);
-  return r;
-}
 }  // namespace
 
 TEST(Ops, LinearMatchesNaiveProduct) {
@@ -124,9 +117,9 @@ TEST(Ops, AttentionPackedEqualsSeparate) {
   Tensor packed = cpu::causal_attention(q, k, v, cu, 0.3f);
   for (size_t s = 0; s + 1 < cu.size(); ++s) {
     if (cu[s] == cu[s + 1]) continue;
-    Tensor one = cpu::causal_attention(rows(q, cu[s], cu[s + 1]), rows(k, cu[s], cu[s + 1]),
-                                       rows(v, cu[s], cu[s + 1]), {0, cu[s + 1] - cu[s]}, 0.3f);
-    EXPECT_EQ(rows(packed, cu[s], cu[s + 1]).data, one.data);
+    Tensor one = cpu::causal_attention(slice_rows(q, cu[s], cu[s + 1]), slice_rows(k, cu[s], cu[s + 1]),
+                                       slice_rows(v, cu[s], cu[s + 1]), {0, cu[s + 1] - cu[s]}, 0.3f);
+    EXPECT_EQ(slice_rows(packed, cu[s], cu[s + 1]).data, one.data);
   }
   EXPECT_THROW(cpu::causal_attention(q, k, v, {0, 4, 8}, 0.3f), std::invalid_argument);
   EXPECT_THROW(cpu::causal_attention(q, k, v, {0, 5, 4, 9}, 0.3f), std::invalid_argument);
@@ -172,13 +165,13 @@ TEST(Ops, GatedDeltaRuleMatchesClosedFormAndPacking) {
   Tensor init = randn({3, Hv, dk, dv}, 9, 0.5f), fin_packed;
   Tensor packed = cpu::gated_delta_rule_recurrent(Q, K, V, G, B, 0.5f, true, cu, &init, &fin_packed);
   for (int s = 0; s < 3; ++s) {
-    Tensor init1 = rows(init, s, s + 1), fin1;
-    Tensor one = cpu::gated_delta_rule_recurrent(rows(Q, cu[s], cu[s + 1]), rows(K, cu[s], cu[s + 1]),
-                                                 rows(V, cu[s], cu[s + 1]), rows(G, cu[s], cu[s + 1]),
-                                                 rows(B, cu[s], cu[s + 1]), 0.5f, true, {0, cu[s + 1] - cu[s]},
+    Tensor init1 = slice_rows(init, s, s + 1), fin1;
+    Tensor one = cpu::gated_delta_rule_recurrent(slice_rows(Q, cu[s], cu[s + 1]), slice_rows(K, cu[s], cu[s + 1]),
+                                                 slice_rows(V, cu[s], cu[s + 1]), slice_rows(G, cu[s], cu[s + 1]),
+                                                 slice_rows(B, cu[s], cu[s + 1]), 0.5f, true, {0, cu[s + 1] - cu[s]},
                                                  &init1, &fin1);
-    EXPECT_EQ(rows(packed, cu[s], cu[s + 1]).data, one.data);
-    EXPECT_EQ(rows(fin_packed, s, s + 1).data, fin1.data);
+    EXPECT_EQ(slice_rows(packed, cu[s], cu[s + 1]).data, one.data);
+    EXPECT_EQ(slice_rows(fin_packed, s, s + 1).data, fin1.data);
   }
 }
 
@@ -194,4 +187,37 @@ TEST(Ops, GatedDeltaRuleStateDecaysAndCorrects) {
   Tensor o = cpu::gated_delta_rule_recurrent(q, k, v, g, b, 1.0f, false, {0, 2}, nullptr, nullptr);
   EXPECT_NEAR(o.data[0], 3.0f, 1e-6);
   EXPECT_NEAR(o.data[1], 5.0f, 1e-6);  // 0.5*3 decayed, then corrected to 5
+}
+
+TEST(Ops, RopeLlama3ScalingMatchesFormula) {
+  // transformers _compute_llama3_parameters, evaluated here in double.
+  RopeSpec r;
+  r.type = "llama3";
+  r.theta = 500000.0;
+  r.factor = 8.0;
+  r.low_freq_factor = 1.0;
+  r.high_freq_factor = 4.0;
+  r.original_max_position_embeddings = 8192;
+  const int64_t dim = 128;
+  const auto inv = cpu::rope_inv_freq(r, dim);
+  const double pi = 3.14159265358979323846, low_wl = 8192 / 1.0, high_wl = 8192 / 4.0;
+  int scaled = 0, smoothed = 0, kept = 0;
+  for (int64_t i = 0; i < dim / 2; ++i) {
+    const double f = 1.0 / std::pow(500000.0, double(2 * i) / dim), wl = 2 * pi / f;
+    double want = f;
+    if (wl > low_wl) {
+      want = f / 8.0;
+      ++scaled;
+    } else if (wl >= high_wl) {
+      const double s = (8192 / wl - 1.0) / (4.0 - 1.0);
+      want = (1 - s) * f / 8.0 + s * f;
+      ++smoothed;
+    } else {
+      ++kept;
+    }
+    EXPECT_NEAR(inv[size_t(i)], want, 2e-6 * want) << i;
+  }
+  EXPECT_GT(scaled, 0);  // all three regimes are exercised
+  EXPECT_GT(smoothed, 0);
+  EXPECT_GT(kept, 0);
 }

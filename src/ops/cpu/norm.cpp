@@ -17,7 +17,7 @@ float inv_rms(const float* x, int64_t d, double eps) {
 
 void rms_norm(Tensor& x, const Tensor& w, double eps, bool zero_centered) {
   const int64_t d = w.numel();
-  if (d == 0 || x.numel() % d != 0 || x.shape.back() % d != 0)
+  if (d == 0 || x.ndim() == 0 || x.shape.back() != d)
     throw std::invalid_argument("rms_norm: input " + shape_str(x.shape) + " vs weight " + shape_str(w.shape));
   const int64_t rows = x.numel() / d;
   for (int64_t r = 0; r < rows; ++r) {
