@@ -67,7 +67,7 @@ void append_line(const std::filesystem::path& p, const std::string& line) {
 
 }  // namespace
 
-BenchRecord append_bench_record(const std::string& dir, BenchRecord r, bool gpu) {
+BenchRecord append_bench_record(const std::string& dir, BenchRecord r, [[maybe_unused]] bool gpu) {
   if (r.bench.empty() || r.metric.empty()) throw std::invalid_argument("benchmark record needs bench and metric");
   if (r.commit.empty()) r.commit = git_commit();
   if (r.date.empty()) r.date = utc_now();

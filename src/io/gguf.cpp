@@ -1,13 +1,7 @@
 // GGUF container parsing (see gguf.h for the layout and the checks made).
 #include "io/gguf.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <bit>
-#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
@@ -197,53 +191,21 @@ std::string ggml_type_name(GGMLType t) {
 // ---------------------------------------------------------------------------------------------
 // GGUFFile
 
-GGUFFile::GGUFFile(const std::string& path) : path_(path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0)
-    throw std::runtime_error(
-        fmt::format("GGUF file '{}': cannot open: {}", path, std::strerror(errno)));
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    const int e = errno;
-    ::close(fd);
-    throw std::runtime_error(fmt::format("GGUF file '{}': cannot stat: {}", path, std::strerror(e)));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    throw std::runtime_error(fmt::format("GGUF file '{}': not a regular file", path));
-  }
-  map_size_ = std::size_t(st.st_size);
-  if (map_size_ < 24) {
-    ::close(fd);
+GGUFFile::GGUFFile(const std::string& path)
+    : file_(path, fmt::format("GGUF file '{}': ", path)) {
+  if (file_.size() < 24)
     throw std::runtime_error(fmt::format(
-        "GGUF file '{}': {} bytes is too small for a GGUF header (24 bytes)", path, map_size_));
-  }
-  void* m = ::mmap(nullptr, map_size_, PROT_READ, MAP_PRIVATE, fd, 0);
-  const int e = errno;
-  ::close(fd);
-  if (m == MAP_FAILED)
-    throw std::runtime_error(fmt::format("GGUF file '{}': mmap failed: {}", path, std::strerror(e)));
-  map_ = static_cast<const unsigned char*>(m);
-  try {
-    parse();
-  } catch (...) {
-    release();
-    throw;
-  }
-}
-
-GGUFFile::~GGUFFile() { release(); }
-
-void GGUFFile::release() noexcept {
-  if (map_) ::munmap(const_cast<unsigned char*>(map_), map_size_);
-  map_ = nullptr;
+        "GGUF file '{}': {} bytes is too small for a GGUF header (24 bytes)", path, file_.size()));
+  parse();
 }
 
 void GGUFFile::parse() {
-  Reader r(map_, map_size_, path_);
-  if (std::memcmp(map_, "GGUF", 4) != 0)
+  const unsigned char* map = file_.data();
+  const std::size_t map_size = file_.size();
+  Reader r(map, map_size, file_.path());
+  if (std::memcmp(map, "GGUF", 4) != 0)
     r.fail(fmt::format("bad magic (expected \"GGUF\", got bytes {:02x} {:02x} {:02x} {:02x})",
-                       map_[0], map_[1], map_[2], map_[3]));
+                       map[0], map[1], map[2], map[3]));
   r.get<uint32_t>("magic");
   version_ = r.get<uint32_t>("version");
   if (version_ != 2 && version_ != 3)
@@ -322,18 +284,18 @@ void GGUFFile::parse() {
     if (ti.offset % alignment_ != 0)
       r.fail(fmt::format("tensor '{}': offset {} is not a multiple of the alignment {}", ti.name,
                          ti.offset, alignment_));
-    const uint64_t avail = map_size_ > data_start_ ? map_size_ - data_start_ : 0;
+    const uint64_t avail = map_size > data_start_ ? map_size - data_start_ : 0;
     if (ti.offset > avail || ti.nbytes > avail - ti.offset)
       r.fail(fmt::format("tensor '{}': data [{}, +{}) lies outside the file (data section starts "
                          "at {}, file has {} bytes)",
-                         ti.name, ti.offset, ti.nbytes, data_start_, map_size_));
+                         ti.name, ti.offset, ti.nbytes, data_start_, map_size));
   }
 }
 
 GGUFValueType GGUFFile::metadata_type(const std::string& key) const {
   auto it = metadata_types_.find(key);
   if (it == metadata_types_.end())
-    throw std::runtime_error(fmt::format("GGUF file '{}': no metadata key '{}'", path_, key));
+    throw std::runtime_error(fmt::format("GGUF file '{}': no metadata key '{}'", path(), key));
   return it->second;
 }
 
@@ -349,12 +311,12 @@ const GGUFTensorInfo* GGUFFile::find(const std::string& name) const {
 
 const GGUFTensorInfo& GGUFFile::tensor(const std::string& name) const {
   const auto* ti = find(name);
-  if (!ti) throw std::runtime_error(fmt::format("GGUF file '{}': no tensor '{}'", path_, name));
+  if (!ti) throw std::runtime_error(fmt::format("GGUF file '{}': no tensor '{}'", path(), name));
   return *ti;
 }
 
 const unsigned char* GGUFFile::data(const std::string& name) const {
-  return map_ + data_start_ + tensor(name).offset;
+  return file_.data() + data_start_ + tensor(name).offset;
 }
 
 Tensor GGUFFile::dequantize(const std::string& name) const {
@@ -363,13 +325,13 @@ Tensor GGUFFile::dequantize(const std::string& name) const {
     throw std::runtime_error(fmt::format(
         "GGUF file '{}': tensor '{}' has ggml type {}, which cannot be dequantized (supported: "
         "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)",
-        path_, name, ti.type_name()));
+        path(), name, ti.type_name()));
   Tensor out(ti.shape());
   try {
-    ggml_dequantize(ti.type, map_ + data_start_ + ti.offset, out.ptr(), ti.numel);
+    ggml_dequantize(ti.type, file_.data() + data_start_ + ti.offset, out.ptr(), ti.numel);
   } catch (const std::exception& e) {
     throw std::runtime_error(
-        fmt::format("GGUF file '{}': tensor '{}': {}", path_, name, e.what()));
+        fmt::format("GGUF file '{}': tensor '{}': {}", path(), name, e.what()));
   }
   return out;
 }

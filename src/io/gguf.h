@@ -18,6 +18,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "io/mapped_file.h"
 #include "io/weights.h"
 #include "models/model_spec.h"
 #include "tensor/tensor.h"
@@ -100,16 +101,15 @@ class GGUFFile {
  public:
   /// Opens and validates `path`. Throws std::runtime_error naming the path on any problem.
   explicit GGUFFile(const std::string& path);
-  ~GGUFFile();
   GGUFFile(const GGUFFile&) = delete;
   GGUFFile& operator=(const GGUFFile&) = delete;
 
-  const std::string& path() const { return path_; }
+  const std::string& path() const { return file_.path(); }
   uint32_t version() const { return version_; }
   uint64_t alignment() const { return alignment_; }
   /// Absolute file offset of the data section.
   uint64_t data_offset() const { return data_start_; }
-  uint64_t file_size() const { return map_size_; }
+  uint64_t file_size() const { return file_.size(); }
 
   /// All metadata as a JSON object {key: value}.
   const nlohmann::json& metadata() const { return metadata_; }
@@ -134,11 +134,8 @@ class GGUFFile {
 
  private:
   void parse();
-  void release() noexcept;
 
-  std::string path_;
-  const unsigned char* map_ = nullptr;
-  std::size_t map_size_ = 0;
+  MappedFile file_;
   uint32_t version_ = 0;
   uint64_t alignment_ = 32;
   uint64_t data_start_ = 0;

@@ -1,8 +1,6 @@
 #include "io/safetensors.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -105,43 +103,6 @@ std::string offsets_str(uint64_t b, uint64_t e) {
   return "[" + std::to_string(b) + ", " + std::to_string(e) + "]";
 }
 
-/// Reads a whole (small) regular file; throws naming `path`.
-std::string read_small_file(const std::string& path, uint64_t max_bytes) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail(path + ": cannot open: " + errno_text(errno));
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    const int e = errno;
-    ::close(fd);
-    fail(path + ": cannot stat: " + errno_text(e));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    fail(path + ": not a regular file");
-  }
-  if (uint64_t(st.st_size) > max_bytes) {
-    ::close(fd);
-    fail(path + ": file is " + std::to_string(st.st_size) + " bytes, more than the limit of " +
-         std::to_string(max_bytes));
-  }
-  std::string out(std::size_t(st.st_size), '\0');
-  std::size_t got = 0;
-  while (got < out.size()) {
-    const ssize_t n = ::read(fd, out.data() + got, out.size() - got);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const int e = errno;
-      ::close(fd);
-      fail(path + ": read failed: " + errno_text(e));
-    }
-    if (n == 0) break;  // file shrank
-    got += std::size_t(n);
-  }
-  ::close(fd);
-  out.resize(got);
-  return out;
-}
-
 /// Writes all of [p, p + n); returns 0 or an errno value.
 int write_all(int fd, const void* p, std::size_t n) {
   const auto* b = static_cast<const unsigned char*>(p);
@@ -161,52 +122,23 @@ int write_all(int fd, const void* p, std::size_t n) {
 // ---------------------------------------------------------------------------------------------
 // SafetensorsFile
 
-SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail(path + ": cannot open: " + errno_text(errno));
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    const int e = errno;
-    ::close(fd);
-    fail(path + ": cannot stat: " + errno_text(e));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    fail(path + ": not a regular file");
-  }
-  const auto size = uint64_t(st.st_size);
-  if (size < 8) {
-    ::close(fd);
+SafetensorsFile::SafetensorsFile(const std::string& path) : file_(path) {
+  const uint64_t size = file_.size();
+  if (size < 8)
     fail(path + ": file is " + std::to_string(size) +
          " bytes, too small for a safetensors file (the header length alone is 8 bytes)");
-  }
-  if (size > uint64_t(std::numeric_limits<std::size_t>::max())) {
-    ::close(fd);
-    fail(path + ": file too large to map");
-  }
-  void* m = ::mmap(nullptr, std::size_t(size), PROT_READ, MAP_PRIVATE, fd, 0);
-  const int map_errno = errno;
-  ::close(fd);
-  if (m == MAP_FAILED) fail(path + ": mmap failed: " + errno_text(map_errno));
-  map_ = static_cast<const unsigned char*>(m);
-  map_size_ = std::size_t(size);
-
-  try {
-    uint64_t header_len = 0;
-    for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | map_[i];
-    if (header_len > kMaxHeaderBytes)
-      fail(path_ + ": header length " + std::to_string(header_len) + " exceeds the limit of " +
-           std::to_string(kMaxHeaderBytes) + " bytes");
-    if (header_len > size - 8)
-      fail(path_ + ": header length " + std::to_string(header_len) + " runs past the end of the " +
-           std::to_string(size) + "-byte file");
-    data_start_ = std::size_t(8 + header_len);
-    parse_header(reinterpret_cast<const char*>(map_ + 8), std::size_t(header_len),
-                 size - 8 - header_len);
-  } catch (...) {
-    release();
-    throw;
-  }
+  const unsigned char* map = file_.data();
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | map[i];
+  if (header_len > kMaxHeaderBytes)
+    fail(path + ": header length " + std::to_string(header_len) + " exceeds the limit of " +
+         std::to_string(kMaxHeaderBytes) + " bytes");
+  if (header_len > size - 8)
+    fail(path + ": header length " + std::to_string(header_len) + " runs past the end of the " +
+         std::to_string(size) + "-byte file");
+  data_start_ = std::size_t(8 + header_len);
+  parse_header(reinterpret_cast<const char*>(map + 8), std::size_t(header_len),
+               size - 8 - header_len);
 }
 
 void SafetensorsFile::parse_header(const char* header, std::size_t header_len, uint64_t data_size) {
@@ -224,22 +156,22 @@ void SafetensorsFile::parse_header(const char* header, std::size_t header_len, u
       case json::parse_event_t::object_start:
       case json::parse_event_t::array_start:
         if (depth >= kMaxHeaderDepth)
-          fail(path_ + ": header JSON is nested too deeply" + context());
+          fail(path() + ": header JSON is nested too deeply" + context());
         if (depth == kMaxHeaderDepth - 1) count = 0;
         break;
       case json::parse_event_t::key:
         if (depth == 1) {
           current = parsed.get_ref<const std::string&>();
           if (!seen.insert(current).second)
-            fail(path_ + ": entry " + quote(current) + " appears twice in the header");
+            fail(path() + ": entry " + quote(current) + " appears twice in the header");
         } else if (depth == kMaxHeaderDepth && ++count > kMaxRank) {
-          fail(path_ + ": tensor " + quote(current) + ": a field has more than " +
+          fail(path() + ": tensor " + quote(current) + ": a field has more than " +
                std::to_string(kMaxRank) + " elements");
         }
         break;
       case json::parse_event_t::value:
         if (depth == kMaxHeaderDepth && ++count > kMaxRank)
-          fail(path_ + ": tensor " + quote(current) + ": a field has more than " +
+          fail(path() + ": tensor " + quote(current) + ": a field has more than " +
                std::to_string(kMaxRank) + " elements (shape rank is limited to " +
                std::to_string(kMaxRank) + ")");
         break;
@@ -252,15 +184,15 @@ void SafetensorsFile::parse_header(const char* header, std::size_t header_len, u
   // nlohmann treats a NUL byte as end of input; raw NULs are never valid JSON, so refuse them
   // rather than silently ignoring whatever follows.
   if (std::memchr(header, 0, header_len) != nullptr)
-    fail(path_ + ": header is not valid JSON: it contains a NUL byte");
+    fail(path() + ": header is not valid JSON: it contains a NUL byte");
   json root;
   try {
     root = json::parse(header, header + header_len, cb);
   } catch (const json::exception& e) {
-    fail(path_ + ": header is not valid JSON: " + truncated(e.what()));
+    fail(path() + ": header is not valid JSON: " + truncated(e.what()));
   }
   if (!root.is_object())
-    fail(path_ + ": header is not a JSON object (it is " + std::string(root.type_name()) + ")");
+    fail(path() + ": header is not a JSON object (it is " + std::string(root.type_name()) + ")");
 
   struct Entry {
     TensorInfo info;
@@ -271,17 +203,17 @@ void SafetensorsFile::parse_header(const char* header, std::size_t header_len, u
   for (const auto& [name, v] : root.items()) {
     if (name == kMetadataKey) {
       if (!v.is_object())
-        fail(path_ + ": __metadata__ is not a JSON object (it is " + std::string(v.type_name()) + ")");
+        fail(path() + ": __metadata__ is not a JSON object (it is " + std::string(v.type_name()) + ")");
       for (const auto& [k, mv] : v.items()) {
         if (!mv.is_string())
-          fail(path_ + ": __metadata__ value for key " + quote(k) + " is not a string (it is " +
+          fail(path() + ": __metadata__ value for key " + quote(k) + " is not a string (it is " +
                std::string(mv.type_name()) + ")");
         metadata_.emplace(k, mv.get<std::string>());
       }
       continue;
     }
-    const std::string where = path_ + ": tensor " + quote(name);
-    if (name.empty()) fail(path_ + ": a tensor has an empty name");
+    const std::string where = path() + ": tensor " + quote(name);
+    if (name.empty()) fail(path() + ": a tensor has an empty name");
     if (!v.is_object()) fail(where + ": entry is not a JSON object");
 
     const auto dt_it = v.find("dtype");
@@ -333,7 +265,7 @@ void SafetensorsFile::parse_header(const char* header, std::size_t header_len, u
     e.info.dtype = dtype;
     e.info.storage = dt_name;
     e.info.shape = std::move(shape);
-    e.info.file = path_;
+    e.info.file = path();
     e.range = {begin, end};
     entries.push_back(std::move(e));
   }
@@ -348,7 +280,7 @@ void SafetensorsFile::parse_header(const char* header, std::size_t header_len, u
   for (const Entry& e : entries) {
     if (e.range.begin == e.range.end) continue;
     if (furthest && e.range.begin < furthest->range.end)
-      fail(path_ + ": tensors " + quote(furthest->info.name) + " " +
+      fail(path() + ": tensors " + quote(furthest->info.name) + " " +
            offsets_str(furthest->range.begin, furthest->range.end) + " and " +
            quote(e.info.name) + " " + offsets_str(e.range.begin, e.range.end) + " overlap");
     if (!furthest || e.range.end > furthest->range.end) furthest = &e;
@@ -364,42 +296,9 @@ void SafetensorsFile::parse_header(const char* header, std::size_t header_len, u
   }
 }
 
-SafetensorsFile::~SafetensorsFile() { release(); }
-
-void SafetensorsFile::release() noexcept {
-  if (map_) ::munmap(const_cast<unsigned char*>(map_), map_size_);
-  map_ = nullptr;
-  map_size_ = 0;
-}
-
-SafetensorsFile::SafetensorsFile(SafetensorsFile&& o) noexcept
-    : path_(std::move(o.path_)),
-      map_(std::exchange(o.map_, nullptr)),
-      map_size_(std::exchange(o.map_size_, 0)),
-      data_start_(std::exchange(o.data_start_, 0)),
-      tensors_(std::move(o.tensors_)),
-      ranges_(std::move(o.ranges_)),
-      index_(std::move(o.index_)),
-      metadata_(std::move(o.metadata_)) {}
-
-SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& o) noexcept {
-  if (this != &o) {
-    release();
-    path_ = std::move(o.path_);
-    map_ = std::exchange(o.map_, nullptr);
-    map_size_ = std::exchange(o.map_size_, 0);
-    data_start_ = std::exchange(o.data_start_, 0);
-    tensors_ = std::move(o.tensors_);
-    ranges_ = std::move(o.ranges_);
-    index_ = std::move(o.index_);
-    metadata_ = std::move(o.metadata_);
-  }
-  return *this;
-}
-
 std::size_t SafetensorsFile::index_of(const std::string& name) const {
   const auto it = index_.find(name);
-  if (it == index_.end()) fail(path_ + ": no tensor " + quote(name));
+  if (it == index_.end()) fail(path() + ": no tensor " + quote(name));
   return it->second;
 }
 
@@ -409,7 +308,7 @@ const TensorInfo* SafetensorsFile::find(const std::string& name) const {
 }
 
 const void* SafetensorsFile::data(const std::string& name) const {
-  return map_ + data_start_ + ranges_[index_of(name)].begin;
+  return file_.data() + data_start_ + ranges_[index_of(name)].begin;
 }
 
 std::size_t SafetensorsFile::nbytes(const std::string& name) const {

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "io/mapped_file.h"
 #include "io/weights.h"
 #include "tensor/dtype.h"
 #include "tensor/tensor.h"
@@ -36,11 +37,10 @@ class SafetensorsFile {
  public:
   /// Opens and validates `path`. Throws std::runtime_error naming the path on any problem.
   explicit SafetensorsFile(const std::string& path);
-  ~SafetensorsFile();
   SafetensorsFile(const SafetensorsFile&) = delete;
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
-  SafetensorsFile(SafetensorsFile&& other) noexcept;
-  SafetensorsFile& operator=(SafetensorsFile&& other) noexcept;
+  SafetensorsFile(SafetensorsFile&& other) noexcept = default;
+  SafetensorsFile& operator=(SafetensorsFile&& other) noexcept = default;
 
   /// All tensors, in order of their data offsets. TensorInfo::file is the path.
   const std::vector<TensorInfo>& tensors() const { return tensors_; }
@@ -53,7 +53,7 @@ class SafetensorsFile {
   /// The "__metadata__" object (empty when absent).
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
   /// Path as given to the constructor.
-  const std::string& path() const { return path_; }
+  const std::string& path() const { return file_.path(); }
 
  private:
   struct Range {
@@ -61,11 +61,8 @@ class SafetensorsFile {
   };
   std::size_t index_of(const std::string& name) const;  // throws if absent
   void parse_header(const char* header, std::size_t header_len, uint64_t data_size);
-  void release() noexcept;
 
-  std::string path_;
-  const unsigned char* map_ = nullptr;  // whole file
-  std::size_t map_size_ = 0;
+  MappedFile file_;                     // the whole file
   std::size_t data_start_ = 0;          // 8 + header length
   std::vector<TensorInfo> tensors_;
   std::vector<Range> ranges_;           // parallel to tensors_
