@@ -1,0 +1,56 @@
+// Chat templates rendered natively (no Jinja): the families real targets ship, with output identical
+// to transformers' apply_chat_template for the supported features (system, multi-turn,
+// add_generation_prompt; Qwen3 <think> handling).
+#pragma once
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace dflash {
+
+/// One chat message. role: "system", "user" or "assistant" (others are rejected with an error).
+struct ChatMessage {
+  std::string role;
+  std::string content;
+  /// Qwen3 / Qwen3.5 `reasoning_content` (the text inside <think></think>), when given separately.
+  std::optional<std::string> reasoning_content;
+};
+
+/// Template families. Names as accepted by --chat-template.
+enum class ChatFamily {
+  Qwen3,    // "qwen3": ChatML with Qwen3's <think> handling
+  Qwen3_5,  // "qwen3.5": Qwen3.5 / Qwen3.6 ChatML
+  SmolLM2,  // "smollm2": ChatML with SmolLM2's default system prompt
+  ChatML,   // "chatml": plain ChatML
+  Llama3,   // "llama3": <|start_header_id|>role<|end_header_id|>\n\n ... <|eot_id|>
+};
+
+/// Recognizes the family from a model's Jinja `chat_template`; throws std::runtime_error listing the
+/// known families (and suggesting --chat-template) when it is not recognized.
+ChatFamily detect_chat_family(const std::string& chat_template);
+/// Parses a --chat-template name; throws std::invalid_argument listing the names.
+ChatFamily chat_family_from_name(const std::string& name);
+std::string chat_family_name(ChatFamily f);
+
+/// A rendered piece of the conversation; `assistant` marks text a drafter is trained on: an
+/// assistant turn's content and its end-of-turn token (not the role header).
+struct ChatSegment {
+  std::string text;
+  bool assistant = false;
+};
+
+struct ChatOptions {
+  bool add_generation_prompt = false;
+  /// Qwen3: enable_thinking=false appends an empty <think></think> after the generation prompt.
+  std::optional<bool> enable_thinking;
+};
+
+/// Renders `messages` as transformers' apply_chat_template(tokenize=False) does for that family.
+/// Throws std::invalid_argument for an unknown role or an empty conversation.
+std::vector<ChatSegment> render_chat(ChatFamily family, const std::vector<ChatMessage>& messages,
+                                     const ChatOptions& opt = {});
+/// The concatenated text of render_chat.
+std::string render_chat_text(ChatFamily family, const std::vector<ChatMessage>& messages,
+                             const ChatOptions& opt = {});
+
+}  // namespace dflash
