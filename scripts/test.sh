@@ -23,6 +23,7 @@ fi
 (cd build && ctest --output-on-failure -j "$jobs")
 
 if [ "${DFLASH_TEST_ASAN:-1}" != 0 ]; then
+  echo "test: second pass: the whole suite under AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/)"
   cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DDFLASH_CUDA=OFF -DDFLASH_SANITIZE=address,undefined
   cmake --build build-asan -j "$jobs" --target dflash_tests dflash
   (cd build-asan && UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ASAN_OPTIONS=detect_leaks=1 \

@@ -17,15 +17,16 @@ void add_bench(CLI::App& app, Runner& run) {
   auto* bench = app.add_subcommand("bench", "Benchmarks; results are appended to bench/results/");
   bench->require_subcommand(1);
   auto* tf = bench->add_subcommand("target-forward", "Time a target's forward pass (random token ids)");
+  add_bench_tokenize(*bench, run);
   static std::string model, preset, results = "bench/results", device = "cpu";
   static int64_t tokens = 256;
   static int repeat = 3;
   tf->add_option("--model", model, "Checkpoint directory or .gguf file")->required();
-  tf->add_option("--tokens", tokens, "Sequence length T")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
-  tf->add_option("--repeat", repeat, "Timed runs (the median is recorded)")->check(CLI::Range(1, 1000));
+  tf->add_option("--tokens", tokens, "Sequence length T")->capture_default_str()->check(CLI::Range(int64_t(1), int64_t(1) << 20));
+  tf->add_option("--repeat", repeat, "Timed runs (the median is recorded)")->capture_default_str()->check(CLI::Range(1, 1000));
   tf->add_option("--preset", preset, "Preset name in the record (default: the model's file name)");
   tf->add_option("--device", device, "Device")->check(CLI::IsMember({"cpu"}));
-  tf->add_option("--results", results, "Directory of the JSONL records");
+  tf->add_option("--results", results, "Directory of the JSONL records")->capture_default_str();
   tf->callback([&run] {
     run = [] {
       auto target = TargetModel::load(model);
@@ -44,7 +45,7 @@ void add_bench(CLI::App& app, Runner& run) {
       const double med = secs[secs.size() / 2];
       BenchRecord rec;
       rec.bench = "target-forward";
-      rec.preset = preset.empty() ? std::filesystem::path(model).filename().string() + "-" + device : preset;
+      rec.preset = preset.empty() ? std::filesystem::path(model).stem().string() + "-" + device : preset;
       rec.metric = "tokens_per_s";
       rec.value = double(tokens) / med;
       rec.unit = "tokens/s";

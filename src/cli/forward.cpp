@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <fmt/core.h>
 
+#include <filesystem>
 #include <sstream>
 
 #include "cli/commands.h"
@@ -42,7 +43,9 @@ void add_forward(CLI::App& app, Runner& run) {
   static std::vector<std::string> id_lists;
   static bool no_logits = false;
   cmd->add_option("--model", model, "Checkpoint directory or .gguf file")->required();
-  cmd->add_option("--ids", id_lists, "Comma-separated token ids; repeat for a packed batch of sequences")->required();
+  cmd->add_option("--ids", id_lists, "Comma-separated token ids (no spaces); repeat --ids for a packed batch")
+      ->required()
+      ->allow_extra_args(false);
   cmd->add_option("--device", device, "Device to run on")->check(CLI::IsMember({"cpu", "cuda"}));
   cmd->add_option("--out", out, "Output .safetensors file")->required();
   cmd->add_flag("--no-logits", no_logits, "Skip the LM head (hidden states only)");
@@ -50,6 +53,10 @@ void add_forward(CLI::App& app, Runner& run) {
     run = [] {
       if (device != "cpu")
         throw std::runtime_error("--device " + device + ": the GPU forward is not part of this build yet; use --device cpu");
+      namespace fs = std::filesystem;
+      if (fs::is_directory(out)) throw std::runtime_error("--out " + out + " is a directory; give a .safetensors file path");
+      if (const fs::path parent = fs::path(out).parent_path(); !parent.empty() && !fs::is_directory(parent))
+        throw std::runtime_error("--out " + out + ": directory " + parent.string() + " does not exist");
       std::vector<int32_t> ids;
       std::vector<int64_t> cu{0};
       for (const auto& s : id_lists) {
@@ -75,7 +82,8 @@ void add_forward(CLI::App& app, Runner& run) {
       std::vector<std::pair<std::string, const Tensor*>> refs;
       for (auto& [n, t] : named) refs.emplace_back(n, &t);
       write_safetensors(out, refs, {{"model", model}, {"device", device}});
-      fmt::print("wrote {} ({} sequences, {} tokens, {} tensors)\n", out, cu.size() - 1, ids.size(), refs.size());
+      fmt::print("wrote {} ({} sequence{}, {} tokens, {} tensors)\n", out, cu.size() - 1, cu.size() == 2 ? "" : "s",
+                 ids.size(), refs.size());
       return 0;
     };
   });

@@ -74,7 +74,10 @@ nlohmann::json describe(const std::string& path) {
   return j;
 }
 
-std::string gib(int64_t b) { return fmt::format("{:.2f} GiB", double(b) / (1ull << 30)); }
+std::string gib(int64_t b) {
+  return b >= (int64_t(1) << 30) ? fmt::format("{:.2f} GiB", double(b) / (1ull << 30))
+                                 : fmt::format("{:.2f} MiB", double(b) / (1ull << 20));
+}
 
 void print_text(const nlohmann::json& j) {
   fmt::print("model        {}\nformat       {}\narchitecture {} (model_type {})\n", j["path"].get<std::string>(),

@@ -14,6 +14,20 @@ int main(int argc, char** argv) {
   dflash::cli::add_forward(app, run);
   dflash::cli::add_train(app, run);
   dflash::cli::add_bench(app, run);
+  dflash::cli::add_prepare(app, run);
+  dflash::cli::add_tokenize(app, run);
+  if (argc > 1 && argv[1][0] != '-') {  // a mistyped command gets named, not "a subcommand is required"
+    std::string names;
+    bool known = false;
+    for (const CLI::App* s : app.get_subcommands([](CLI::App*) { return true; })) {
+      names += (names.empty() ? "" : ", ") + s->get_name();
+      known = known || s->get_name() == argv[1];
+    }
+    if (!known) {
+      fmt::print(stderr, "dflash: unknown command '{}'; commands: {} (see dflash --help)\n", argv[1], names);
+      return 2;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

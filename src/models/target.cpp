@@ -38,7 +38,9 @@ OpenedModel open_model(const std::string& path) {
   OpenedModel m;
   if (fs::is_directory(path)) {
     const fs::path cfg = fs::path(path) / "config.json";
-    if (!fs::exists(cfg)) throw std::runtime_error(path + ": no config.json in this directory");
+    if (!fs::exists(cfg))
+      throw std::runtime_error(path + ": no config.json in this directory (a model directory holds config.json and "
+                               "model.safetensors or model.safetensors.index.json + shards; or give a .gguf file)");
     m.spec = load_hf_config(cfg.string());
     m.weights = SafetensorsCheckpoint::open(path);
     m.format = "safetensors";
@@ -108,7 +110,13 @@ ForwardOutput TargetModel::forward(const std::vector<int32_t>& ids, const std::v
   };
   std::vector<int64_t> positions(static_cast<size_t>(T));
   for (size_t s = 0; s + 1 < cu.size(); ++s)
-    for (int64_t t = cu[s]; t < cu[s + 1]; ++t) positions[size_t(t)] = t - cu[s];
+    for (int64_t t = cu[s]; t < cu[s + 1]; ++t) {
+      positions[size_t(t)] = t - cu[s];
+      if (ids[size_t(t)] < 0 || ids[size_t(t)] >= spec_.vocab_size)
+        throw std::out_of_range("token id " + std::to_string(ids[size_t(t)]) + " (sequence " + std::to_string(s) +
+                                ", position " + std::to_string(t - cu[s]) + ") is outside the vocabulary [0, " +
+                                std::to_string(spec_.vocab_size) + ")");
+    }
 
   ForwardOutput out;
   Tensor x = cpu::embedding(embed_tokens_, ids);  // [T, D]

@@ -18,11 +18,13 @@ struct ChatMessage {
 
 /// Template families. Names as accepted by --chat-template.
 enum class ChatFamily {
-  Qwen3,    // "qwen3": ChatML with Qwen3's <think> handling
-  Qwen3_5,  // "qwen3.5": Qwen3.5 / Qwen3.6 ChatML
-  SmolLM2,  // "smollm2": ChatML with SmolLM2's default system prompt
-  ChatML,   // "chatml": plain ChatML
-  Llama3,   // "llama3": <|start_header_id|>role<|end_header_id|>\n\n ... <|eot_id|>
+  Qwen3,           // "qwen3": ChatML with Qwen3's <think> handling
+  Qwen3_5,         // "qwen3.5" (alias "qwen3.6"): Qwen3.5-9B/27B and Qwen3.6 ChatML (thinking on by default)
+  SmolLM2,         // "smollm2": ChatML with SmolLM2's default system prompt
+  ChatML,          // "chatml": plain ChatML
+  Llama3,          // "llama3": <|start_header_id|>role<|end_header_id|>\n\n ... <|eot_id|> (Llama 3.0)
+  Llama3_1,        // "llama3.1": Llama 3.1/3.2/3.3, with the "Cutting Knowledge Date" system header
+  Qwen3_5NoThink,  // "qwen3.5-nothink": Qwen3.5-0.8B's template (generation prompt: thinking off by default)
 };
 
 /// Recognizes the family from a model's Jinja `chat_template`; throws std::runtime_error listing the
@@ -33,7 +35,8 @@ ChatFamily chat_family_from_name(const std::string& name);
 std::string chat_family_name(ChatFamily f);
 
 /// A rendered piece of the conversation; `assistant` marks text a drafter is trained on: an
-/// assistant turn's content and its end-of-turn token (not the role header).
+/// assistant turn's content and its end-of-turn token (not the role header, not the newline after the
+/// end token). For Qwen the content includes the <think>...</think> block the template writes.
 struct ChatSegment {
   std::string text;
   bool assistant = false;
@@ -42,11 +45,16 @@ struct ChatSegment {
 struct ChatOptions {
   bool add_generation_prompt = false;
   /// Qwen3: enable_thinking=false appends an empty <think></think> after the generation prompt.
+  /// Qwen3.5: the generation prompt opens <think> unless thinking is off (unset: the template's default).
+  /// Ignored by the other families, as their templates ignore it.
   std::optional<bool> enable_thinking;
 };
 
 /// Renders `messages` as transformers' apply_chat_template(tokenize=False) does for that family.
-/// Throws std::invalid_argument for an unknown role or an empty conversation.
+/// Llama 3.x text starts with <|begin_of_text|> (as the templates write it: encode without adding special
+/// tokens); Llama 3.1's "Today Date" is always "26 Jul 2024" (the template's default date_string).
+/// Throws std::invalid_argument for an unknown role or an empty conversation, and where the real
+/// template raises (Qwen3.5: no user query, or a system message after the first).
 std::vector<ChatSegment> render_chat(ChatFamily family, const std::vector<ChatMessage>& messages,
                                      const ChatOptions& opt = {});
 /// The concatenated text of render_chat.
