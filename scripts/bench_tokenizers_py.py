@@ -68,11 +68,15 @@ def git_commit():
 def append_record(results, rec):
     d = Path(results)
     d.mkdir(parents=True, exist_ok=True)
+    # The same text as src/bench/record.cpp writes (nlohmann's compact dump with sorted keys, %.6g).
+    def dump(x):
+        return json.dumps(x, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
     with open(d / f"{rec['bench']}.jsonl", "a") as f:
-        f.write(json.dumps(rec, sort_keys=True) + "\n")
+        f.write(dump(rec) + "\n")
     with open(d / f"{rec['bench']}.md", "a") as f:
-        f.write(f"- {rec['date']} | {rec['preset']} | {rec['metric']} = {rec['value']:.2f} {rec['unit']} | "
-                f"commit {rec['commit']} | {rec['device']} | {json.dumps(rec['extra'], sort_keys=True)}\n")
+        f.write(f"- {rec['date']} | {rec['preset']} | {rec['metric']} = {rec['value']:.6g} {rec['unit']} | "
+                f"commit {rec['commit']} | {rec['device']} | {dump(rec['extra'])}\n")
 
 
 def time_passes(fn, repeat):

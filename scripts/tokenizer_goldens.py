@@ -22,6 +22,9 @@ Usage:
   /tmp/hfenv/bin/python scripts/tokenizer_goldens.py --only qwen3
   python3 scripts/tokenizer_goldens.py --only smollm2 --gguf .cache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
       [--dump /tmp/smollm2_converted_tokenizer.json]
+  python3 scripts/tokenizer_goldens.py --strip-gguf SRC.gguf DST.gguf
+      writes a copy of SRC with all its metadata and no tensors (1.8 MB for SmolLM2 instead of 98 MB: small
+      enough to carry to the GPU machine); transformers builds the same tokenizer from it. No dependencies.
 Options: --only qwen3|smollm2|all (default all), --qwen3 DIR (default ../shared/tokenizers/qwen3 beside the
 repository), --out-dir (default tests/fixtures/tokenizer).
 """
@@ -115,6 +118,13 @@ STRINGS = [
     "a\x85b\u00a0c\u2028d\u3000e\u2009f\u000bg\u000ch",
     "zero\u200bwidth\u200cnon\u200djoiner\ufeffbom",
     "\U000f0000\ue000\U00050000\U00050001x\U0010ffff",
+    # Where the Unicode tables of tokenizers (Oniguruma: Unicode 16; NFC: Unicode 9) differ from PCRE2's / utf8proc's:
+    "!\u180e! a\u180eb \u180e",  # MONGOLIAN VOWEL SEPARATOR: not white space since Unicode 6.3
+    "\ua7dc\ua7cb're \U0001e5d0\U0001e5f1\U0001e5f2 \U00011f50\U00011f51 x\U0001ccf0",  # Unicode 15/16 letters, digits
+    "a\u0322\u0d3c \u0d15\u0d3c\u0301 q\u0301\u1df6\u0316",  # marks newer than tokenizers' NFC tables
+    "\uac00\u11a7 \uac00\u11a8 \u1100\u1161\u11a7",  # Hangul: U+11A7 is not a trailing consonant
+    "\U00011935\U00011930 \U00011938",  # a composition newer than tokenizers' NFC tables
+    "o" + "\u0301\u0316" * 20 + "\u0327 end",  # a long run of unordered marks
     "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n",
     "<think>\nreasoning\n</think>\n\nanswer",
     "<|endoftext|>",
@@ -270,7 +280,46 @@ def run_smollm2(args):
     })
 
 
+def strip_gguf(src, dst):
+    """Copy of a GGUF file (v2/v3) with its header and metadata and no tensors."""
+    import struct
+
+    b = Path(src).read_bytes()
+    magic, version, _n_tensors, n_kv = struct.unpack_from("<4sIQQ", b, 0)
+    if magic != b"GGUF" or version not in (2, 3):
+        sys.exit(f"{src}: not a GGUF v2/v3 file")
+    fixed = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+    def skip(t, pos):
+        if t in fixed:
+            return pos + fixed[t]
+        if t == 8:
+            (n,) = struct.unpack_from("<Q", b, pos)
+            return pos + 8 + n
+        if t == 9:
+            et, n = struct.unpack_from("<IQ", b, pos)
+            pos += 12
+            if et in fixed:
+                return pos + n * fixed[et]
+            for _ in range(n):
+                pos = skip(et, pos)
+            return pos
+        sys.exit(f"{src}: unknown metadata value type {t}")
+
+    pos = 24
+    for _ in range(n_kv):
+        (n,) = struct.unpack_from("<Q", b, pos)
+        pos += 8 + n
+        (t,) = struct.unpack_from("<I", b, pos)
+        pos = skip(t, pos + 4)
+    Path(dst).write_bytes(struct.pack("<4sIQQ", magic, version, 0, n_kv) + b[24:pos])
+    print(f"wrote {dst} ({pos} bytes: {n_kv} metadata keys, no tensors)")
+
+
 def main():
+    if len(sys.argv) == 4 and sys.argv[1] == "--strip-gguf":
+        strip_gguf(sys.argv[2], sys.argv[3])
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=["qwen3", "smollm2", "all"], default="all")
     ap.add_argument("--qwen3", default=str(ROOT.parent / "shared" / "tokenizers" / "qwen3"),

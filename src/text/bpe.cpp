@@ -1,6 +1,9 @@
 #include "text/bpe.h"
 
+#include <algorithm>
+#include <atomic>
 #include <climits>
+#include <cstring>
 #include <queue>
 
 namespace dflash::text {
@@ -26,7 +29,72 @@ BpeMergeTable::BpeMergeTable(const std::vector<BpeMerge>& merges) {
   }
 }
 
-BpeModel::BpeModel(Options opt, const std::vector<BpeMerge>& merges) : opt_(std::move(opt)), merges_(merges) {}
+BpeWordCache::BpeWordCache() : slots_(kSlots) {}
+
+uint64_t BpeWordCache::hash(std::string_view w) {
+  uint64_t h = 0x243F6A8885A308D3ull ^ w.size();
+  std::size_t i = 0;
+  for (; i + 8 <= w.size(); i += 8) {
+    uint64_t x;
+    std::memcpy(&x, w.data() + i, 8);
+    h = (h ^ x) * 0x9E3779B97F4A7C15ull;
+    h ^= h >> 29;
+  }
+  uint64_t x = 0;
+  std::memcpy(&x, w.data() + i, w.size() - i);
+  h = (h ^ x) * 0x9E3779B97F4A7C15ull;
+  h ^= h >> 32;
+  h *= 0xD6E8FEB86659FD93ull;
+  h ^= h >> 32;
+  return h | 1;
+}
+
+bool BpeWordCache::find(std::string_view w, uint64_t h, std::vector<BpePiece>& out) const {
+  for (std::size_t i = h & (kSlots - 1);; i = (i + 1) & (kSlots - 1)) {
+    const Slot& s = slots_[i];
+    if (s.hash == 0) return false;
+    if (s.hash == h && s.key_len == w.size() && std::memcmp(keys_.data() + s.key, w.data(), w.size()) == 0) {
+      out.insert(out.end(), vals_.begin() + s.val, vals_.begin() + s.val + s.val_len);
+      return true;
+    }
+  }
+}
+
+void BpeWordCache::insert(std::string_view w, uint64_t h, const BpePiece* p, std::size_t n) {
+  if (used_ >= kSlots / 2) {  // start over
+    std::fill(slots_.begin(), slots_.end(), Slot{});
+    keys_.clear();
+    vals_.clear();
+    used_ = 0;
+  }
+  std::size_t i = h & (kSlots - 1);
+  while (slots_[i].hash != 0) i = (i + 1) & (kSlots - 1);
+  slots_[i] = Slot{h, uint32_t(keys_.size()), uint32_t(vals_.size()), uint16_t(w.size()), uint16_t(n)};
+  keys_.append(w);
+  vals_.insert(vals_.end(), p, p + n);
+  ++used_;
+}
+
+namespace {
+std::atomic<uint64_t> next_model_id{1};
+}  // namespace
+
+BpeModel::BpeModel(Options opt, const std::vector<BpeMerge>& merges)
+    : opt_(std::move(opt)), merges_(merges), id_(next_model_id++), alive_(std::make_shared<const int>(0)) {}
+
+BpeWordCache& BpeModel::thread_cache() const {
+  struct Entry {
+    uint64_t model;
+    std::weak_ptr<const int> alive;
+    std::unique_ptr<BpeWordCache> cache;
+  };
+  thread_local std::vector<Entry> caches;
+  for (auto& e : caches)
+    if (e.model == id_) return *e.cache;
+  std::erase_if(caches, [](const Entry& e) { return e.alive.expired(); });
+  caches.push_back({id_, alive_, std::make_unique<BpeWordCache>()});
+  return *caches.back().cache;
+}
 
 void BpeModel::merge_word(std::string_view word, std::vector<BpePiece>& out) const {
   if (opt_.ignore_merges) {
@@ -147,7 +215,7 @@ void BpeModel::merge_large(std::vector<BpePiece>& sym) const {
   sym.resize(k);
 }
 
-void BpeModel::encode_word(std::string_view word, std::vector<BpePiece>& out) const {
+void BpeModel::encode_word(std::string_view word, std::vector<BpePiece>& out, BpeWordCache& cache) const {
   if (word.size() == 1) {
     const int32_t id = opt_.byte_ids[static_cast<unsigned char>(word[0])];
     if (id >= 0 && !opt_.ignore_merges) {
@@ -159,21 +227,11 @@ void BpeModel::encode_word(std::string_view word, std::vector<BpePiece>& out) co
     merge_word(word, out);
     return;
   }
-  const std::size_t h = Hash{}(word);
-  Shard& shard = cache_[(h >> 20) % kShards];
-  {
-    std::lock_guard<std::mutex> lock(shard.mu);
-    if (auto it = shard.words.find(word); it != shard.words.end()) {
-      out.insert(out.end(), it->second.begin(), it->second.end());
-      return;
-    }
-  }
+  const uint64_t h = BpeWordCache::hash(word);
+  if (cache.find(word, h, out)) return;
   const std::size_t start = out.size();
   merge_word(word, out);
-  std::vector<BpePiece> pieces(out.begin() + std::ptrdiff_t(start), out.end());
-  std::lock_guard<std::mutex> lock(shard.mu);
-  if (shard.words.size() >= kShardCapacity) shard.words.clear();
-  shard.words.emplace(std::string(word), std::move(pieces));
+  cache.insert(word, h, out.data() + start, out.size() - start);
 }
 
 }  // namespace dflash::text

@@ -3,7 +3,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
-#include <mutex>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -55,10 +55,33 @@ class BpeMergeTable {
   int shift_ = 64;
 };
 
+/// Words already merged -> their tokens, for one thread (not thread-safe). Open addressing over a
+/// flat table with the word bytes and tokens in two arenas; when half full it starts over.
+class BpeWordCache {
+ public:
+  BpeWordCache();
+  static uint64_t hash(std::string_view word);  // never 0
+  /// Appends the cached tokens of `word` (hash `h`) to `out`; false when it is not cached.
+  bool find(std::string_view word, uint64_t h, std::vector<BpePiece>& out) const;
+  void insert(std::string_view word, uint64_t h, const BpePiece* pieces, std::size_t n);
+
+ private:
+  struct Slot {
+    uint64_t hash = 0;  // 0: empty
+    uint32_t key = 0, val = 0;
+    uint16_t key_len = 0, val_len = 0;
+  };
+  static constexpr std::size_t kSlots = std::size_t(1) << 15;
+  std::vector<Slot> slots_;
+  std::string keys_;
+  std::vector<BpePiece> vals_;
+  std::size_t used_ = 0;
+};
+
 /// The BPE model over bytes: a word (bytes of one pre-tokenized piece) starts as one symbol per byte
 /// (the vocabulary id of the byte's byte-level character) and is merged pair by pair, lowest rank
-/// first and leftmost first among equal ranks. Immutable apart from its word cache, which is
-/// sharded and locked: encode_word is safe from many threads at once.
+/// first and leftmost first among equal ranks. Immutable apart from its word caches, one per
+/// thread: encode_word is safe from many threads at once.
 class BpeModel {
  public:
   struct Options {
@@ -77,8 +100,15 @@ class BpeModel {
   };
   BpeModel(Options opt, const std::vector<BpeMerge>& merges);
 
-  /// Appends the tokens of `word` (non-empty) to `out`, from the cache when it has them.
-  void encode_word(std::string_view word, std::vector<BpePiece>& out) const;
+  BpeModel(const BpeModel&) = delete;
+  BpeModel& operator=(const BpeModel&) = delete;
+
+  /// The calling thread's word cache for this model (made on first use; a thread drops the caches
+  /// of models that no longer exist when it makes a new one).
+  BpeWordCache& thread_cache() const;
+  /// Appends the tokens of `word` (non-empty) to `out`, from `cache` (the calling thread's
+  /// thread_cache()) when it has them.
+  void encode_word(std::string_view word, std::vector<BpePiece>& out, BpeWordCache& cache) const;
   /// The same without the cache.
   void merge_word(std::string_view word, std::vector<BpePiece>& out) const;
 
@@ -89,16 +119,9 @@ class BpeModel {
   Options opt_;
   BpeMergeTable merges_;
 
-  struct Hash {
-    using is_transparent = void;
-    std::size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
-  };
-  struct Shard {
-    std::mutex mu;
-    std::unordered_map<std::string, std::vector<BpePiece>, Hash, std::equal_to<>> words;
-  };
-  static constexpr std::size_t kShards = 64, kShardCapacity = 4096, kMaxCachedWord = 256;
-  mutable std::array<Shard, kShards> cache_;
+  static constexpr std::size_t kMaxCachedWord = 256;
+  uint64_t id_;                       // unique per model, keys the thread caches
+  std::shared_ptr<const int> alive_;  // expires with the model
 };
 
 }  // namespace dflash::text

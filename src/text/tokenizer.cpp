@@ -6,7 +6,6 @@
 #include <fmt/core.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -82,7 +81,7 @@ class BpeTokenizer final : public Tokenizer {
   void encode_gap(std::string_view gap, uint32_t base, std::vector<int32_t>* ids, std::vector<TokenSpan>* spans,
                   std::vector<BpePiece>& pieces) const;
   template <class Emit>
-  void split(std::size_t level, const char* s, std::size_t b, std::size_t e, Emit& emit) const;
+  void split(std::size_t level, const char* s, std::size_t b, std::size_t e, bool exact, Emit& emit) const;
   void trim(std::vector<TokenSpan>& spans) const;
   void decode_chunk(const std::vector<int32_t>& chunk, std::string& out) const;
   void check_id(int32_t id, const char* what) const {
@@ -114,8 +113,12 @@ BpeTokenizer::BpeTokenizer(TokenizerSpec spec) : origin_(spec.origin) {
   const ByteLevelAlphabet& alpha = byte_level_alphabet();
 
   // Vocabulary.
+  // Ids index dense tables: a hostile id must not make them huge.
+  constexpr int32_t kMaxId = (1 << 24) - 1;
   int32_t max_id = -1;
   for (const auto& [tok, id] : spec.vocab) max_id = std::max(max_id, id);
+  for (const auto& a : spec.added) max_id = std::max(max_id, a.id);
+  if (max_id > kMaxId) fail(fmt::format("token id {} is too large (at most {} is supported)", max_id, kMaxId));
   vocab_.reserve(spec.vocab.size());
   std::vector<const std::string*> model_token(std::size_t(max_id + 1), nullptr);
   for (const auto& [tok, id] : spec.vocab) {
@@ -262,7 +265,7 @@ BpeTokenizer::BpeTokenizer(TokenizerSpec spec) : origin_(spec.origin) {
 }
 
 template <class Emit>
-void BpeTokenizer::split(std::size_t level, const char* s, std::size_t b, std::size_t e, Emit& emit) const {
+void BpeTokenizer::split(std::size_t level, const char* s, std::size_t b, std::size_t e, bool exact, Emit& emit) const {
   if (level == splits_.size()) {
     emit(b, e);
     return;
@@ -270,14 +273,14 @@ void BpeTokenizer::split(std::size_t level, const char* s, std::size_t b, std::s
   const SplitRegex& re = *splits_[level];
   std::size_t pos = b, mb, me;
   // The regex sees the piece alone, as tokenizers applies it to each piece's own string.
-  while (pos < e && re.find(s + b, e - b, pos - b, &mb, &me)) {
+  while (pos < e && re.find(s + b, e - b, pos - b, &mb, &me, exact)) {
     mb += b;
     me += b;
-    if (mb > pos) split(level + 1, s, pos, mb, emit);
-    split(level + 1, s, mb, me, emit);
+    if (mb > pos) split(level + 1, s, pos, mb, exact, emit);
+    split(level + 1, s, mb, me, exact, emit);
     pos = me;
   }
-  if (pos < e) split(level + 1, s, pos, e, emit);
+  if (pos < e) split(level + 1, s, pos, e, exact, emit);
 }
 
 template <bool kOffsets>
@@ -304,9 +307,10 @@ void BpeTokenizer::encode_gap(std::string_view gap, uint32_t base, std::vector<i
     while (ne < norm.size() && (static_cast<unsigned char>(norm[ne]) & 0xC0) == 0x80) ++ne;
     return {base + uint32_t(nb), base + uint32_t(ne)};
   };
+  BpeWordCache& cache = bpe_->thread_cache();
   auto emit = [&](std::size_t b, std::size_t e) {
     pieces.clear();
-    bpe_->encode_word(norm.substr(b, e - b), pieces);
+    bpe_->encode_word(norm.substr(b, e - b), pieces, cache);
     if constexpr (kOffsets) {
       std::size_t pos = b;
       for (const BpePiece& p : pieces) {
@@ -318,10 +322,13 @@ void BpeTokenizer::encode_gap(std::string_view gap, uint32_t base, std::vector<i
       for (const BpePiece& p : pieces) ids->push_back(p.id);
     }
   };
+  // PCRE2's exact (Oniguruma-compatible) programs are slower; only text with a code point where
+  // the Unicode tables differ needs them.
+  const bool exact = !splits_.empty() && has_onig_divergent_chars(norm);
   std::size_t pos = 0;
   AddedTokenMatcher::Match m;
   while (normalized_added_.find(norm, pos, &m)) {
-    if (m.begin > pos) split(0, norm.data(), pos, m.begin, emit);
+    if (m.begin > pos) split(0, norm.data(), pos, m.begin, exact, emit);
     if constexpr (kOffsets) {
       const auto [ob, oe] = span_of(m.begin, m.end);
       spans->push_back({m.id, ob, oe});
@@ -330,7 +337,7 @@ void BpeTokenizer::encode_gap(std::string_view gap, uint32_t base, std::vector<i
     }
     pos = m.end;
   }
-  if (pos < norm.size()) split(0, norm.data(), pos, norm.size(), emit);
+  if (pos < norm.size()) split(0, norm.data(), pos, norm.size(), exact, emit);
 }
 
 template <bool kOffsets>
@@ -385,83 +392,10 @@ void BpeTokenizer::decode_chunk(const std::vector<int32_t>& chunk, std::string& 
     append_utf8_lossy(bytes, out);
     return;
   }
-  // The decoder chain of tokenizers, step by step over the token strings.
   std::vector<std::string> toks;
   toks.reserve(chunk.size());
   for (int32_t id : chunk) toks.push_back(tokens_[std::size_t(id)]);
-  const ByteLevelAlphabet& alpha = byte_level_alphabet();
-  for (const DecoderStep& d : decoder_) {
-    std::vector<std::string> next;
-    switch (d.kind) {
-      case DecoderStep::ByteFallback: {
-        std::string bytes;
-        std::size_t n_bytes = 0;
-        auto flush = [&] {
-          if (n_bytes == 0) return;
-          if (utf8_invalid_offset(bytes) == bytes.size())
-            next.push_back(bytes);
-          else
-            for (std::size_t k = 0; k < n_bytes; ++k) next.emplace_back("\xEF\xBF\xBD");
-          bytes.clear();
-          n_bytes = 0;
-        };
-        for (auto& t : toks) {
-          const bool is_byte = t.size() == 6 && t.compare(0, 3, "<0x") == 0 && t[5] == '>' &&
-                               std::isxdigit(static_cast<unsigned char>(t[3])) && std::isxdigit(static_cast<unsigned char>(t[4]));
-          if (is_byte) {
-            bytes += char(std::stoi(t.substr(3, 2), nullptr, 16));
-            ++n_bytes;
-          } else {
-            flush();
-            next.push_back(std::move(t));
-          }
-        }
-        flush();
-        break;
-      }
-      case DecoderStep::Fuse: {
-        std::string all;
-        for (const auto& t : toks) all += t;
-        next.push_back(std::move(all));
-        break;
-      }
-      case DecoderStep::Replace:
-        for (auto& t : toks) {
-          std::string r;
-          std::size_t p = 0, q;
-          while ((q = t.find(d.pattern, p)) != std::string::npos) {
-            r.append(t, p, q - p);
-            r += d.content;
-            p = q + d.pattern.size();
-          }
-          r.append(t, p, std::string::npos);
-          next.push_back(std::move(r));
-        }
-        break;
-      case DecoderStep::ByteLevel: {
-        std::string bytes;
-        for (const auto& t : toks)
-          if (!alpha.decode(t, bytes)) bytes += t;
-        std::string s;
-        append_utf8_lossy(bytes, s);
-        next.push_back(std::move(s));
-        break;
-      }
-      case DecoderStep::Strip: {
-        const std::string& c = d.content;
-        for (auto& t : toks) {
-          std::size_t b = 0, e = t.size();
-          for (int k = 0; k < d.start && !c.empty() && b + c.size() <= e && t.compare(b, c.size(), c) == 0; ++k) b += c.size();
-          for (int k = 0; k < d.stop && !c.empty() && e >= b + c.size() && t.compare(e - c.size(), c.size(), c) == 0; ++k)
-            e -= c.size();
-          next.push_back(t.substr(b, e - b));
-        }
-        break;
-      }
-    }
-    toks = std::move(next);
-  }
-  for (const auto& t : toks) out += t;
+  run_decoder(decoder_, std::move(toks), out);
 }
 
 std::string BpeTokenizer::decode(const std::vector<int32_t>& ids, bool skip_special_tokens) const {

@@ -13,7 +13,9 @@ namespace dflash {
 class GGUFFile;
 
 /// One token of an encoding: its id and the byte range [begin, end) of the input text it came from
-/// (for a token made of part of a multi-byte character both halves cover the whole character).
+/// (for a token made of part of a multi-byte character both halves cover the whole character;
+/// where NFC changed the text, a token covers all the input characters its normalized characters
+/// came from, e.g. both "e" and U+0301 for "é"; tokens added by the post-processor have [0, 0)).
 struct TokenSpan {
   int32_t id;
   uint32_t begin, end;
@@ -34,11 +36,14 @@ class Tokenizer {
   /// Token ids of `text` as tokenizers' `encode(text, add_special_tokens=add_special_tokens)`:
   /// added/special tokens inside the text are matched first, the rest is normalized (NFC where the
   /// tokenizer says so), split by the pre-tokenizer regex, byte-level mapped and BPE-merged.
+  /// Throws std::invalid_argument when `text` is not valid UTF-8 (naming the byte offset).
   virtual std::vector<int32_t> encode(std::string_view text, bool add_special_tokens = false) const = 0;
   /// Same with each token's byte range in `text`.
   virtual std::vector<TokenSpan> encode_with_offsets(std::string_view text, bool add_special_tokens = false) const = 0;
-  /// Text of `ids` as tokenizers' decode (byte-level decoder); decode(encode(s)) == s for valid
-  /// UTF-8 s. Throws std::out_of_range for ids outside the vocabulary.
+  /// Text of `ids` as tokenizers' decode (byte-level decoder; incomplete UTF-8 becomes U+FFFD);
+  /// decode(encode(s)) == s for valid UTF-8 s (NFC(s) when the tokenizer normalizes with NFC; a
+  /// byte without a token, like some control characters for SmolLM2, comes back as the unk token).
+  /// Throws std::out_of_range for ids outside the vocabulary.
   virtual std::string decode(const std::vector<int32_t>& ids, bool skip_special_tokens = false) const = 0;
 
   /// Id of a token string (vocabulary or added token), or nullopt.

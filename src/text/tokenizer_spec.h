@@ -72,6 +72,11 @@ TokenizerSpec parse_tokenizer_json(const std::string& path, const std::string& c
 /// file for other architectures / tokenizer models and for missing or ill-typed keys.
 TokenizerSpec spec_from_gguf(const GGUFFile& gguf);
 
+/// Appends the text of `toks` (the token strings of consecutive model tokens) after the decoder
+/// chain `steps`, as tokenizers' Decoder::decode does: ByteFallback ("<0xAB>" tokens to bytes), Fuse
+/// (join), Replace (literal), ByteLevel (characters to bytes, lossy UTF-8), Strip.
+void run_decoder(const std::vector<DecoderStep>& steps, std::vector<std::string> toks, std::string& out);
+
 /// Builds the Tokenizer. Throws std::runtime_error (prefixed by spec.origin) for inconsistent data:
 /// merges naming unknown tokens, a merge result missing from the vocabulary, duplicate or negative
 /// ids, an unknown unk_token, regexes that do not compile...

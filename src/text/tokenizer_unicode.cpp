@@ -2,6 +2,7 @@
 
 #include <utf8proc.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -134,6 +135,81 @@ char32_t next_utf8(std::string_view sv, std::size_t& i) {
   return cp;
 }
 
+namespace {
+
+// Code points that utf8proc (Unicode 13) normalizes but tokenizers' NFC does not: its
+// unicode-normalization-alignments tables are Unicode 9.0, so these later marks (non-zero
+// combining class) and U+11930 (second half of the composition U+11938) are plain, non-composing
+// starters there. Found by probing tokenizers 0.23 on every code point. Also U+11A7 (the Hangul
+// T base, not a trailing consonant), which utf8proc 2.6 wrongly absorbs into a preceding LV syllable.
+constexpr char32_t kNfcUnknown[][2] = {
+    {0x7FD, 0x7FD},     {0x898, 0x89F},     {0x8CA, 0x8D3},     {0x9FE, 0x9FE},     {0xC3C, 0xC3C},
+    {0xD3B, 0xD3C},     {0xEBA, 0xEBA},     {0x11A7, 0x11A7},   {0x1715, 0x1715},   {0x1ABF, 0x1ACE},   {0x1DF6, 0x1DFA},
+    {0xA82C, 0xA82C},   {0x10D24, 0x10D27}, {0x10EAB, 0x10EAC}, {0x10F46, 0x10F50}, {0x10F82, 0x10F85},
+    {0x11070, 0x11070}, {0x1133B, 0x1133B}, {0x1145E, 0x1145E}, {0x11839, 0x1183A}, {0x11930, 0x11930},
+    {0x1193D, 0x1193E}, {0x11943, 0x11943}, {0x119E0, 0x119E0}, {0x11A34, 0x11A34}, {0x11A47, 0x11A47},
+    {0x11A99, 0x11A99}, {0x11D42, 0x11D42}, {0x11D44, 0x11D45}, {0x11D97, 0x11D97}, {0x16FF0, 0x16FF1},
+    {0x1E130, 0x1E136}, {0x1E2AE, 0x1E2AE}, {0x1E2EC, 0x1E2EF},
+};
+
+bool nfc_unknown(char32_t c) {
+  for (const auto& r : kNfcUnknown) {  // sorted
+    if (c < r[0]) return false;
+    if (c <= r[1]) return true;
+  }
+  return false;
+}
+
+int combining_class(char32_t c) { return utf8proc_get_property(utf8proc_int32_t(c))->combining_class; }
+
+// s fully decomposed and canonically ordered (each run of non-starters stably sorted by combining
+// class). utf8proc orders marks with a bubble sort, quadratic on a long run of unsorted marks;
+// given this it only checks the order.
+std::string decompose_and_order(std::string_view s) {
+  std::vector<utf8proc_int32_t> cps;
+  cps.reserve(s.size());
+  utf8proc_int32_t buf[32];
+  for (std::size_t i = 0; i < s.size();) {
+    int boundclass = 0;
+    const utf8proc_ssize_t n = utf8proc_decompose_char(utf8proc_int32_t(next_utf8(s, i)), buf, 32, UTF8PROC_DECOMPOSE, &boundclass);
+    if (n < 0 || n > 32) throw std::runtime_error(std::string("NFC normalization failed: ") + utf8proc_errmsg(n < 0 ? n : UTF8PROC_ERROR_OVERFLOW));
+    cps.insert(cps.end(), buf, buf + n);
+  }
+  for (std::size_t i = 0; i < cps.size();) {
+    if (combining_class(char32_t(cps[i])) == 0) {
+      ++i;
+      continue;
+    }
+    std::size_t j = i;
+    while (j < cps.size() && combining_class(char32_t(cps[j])) != 0) ++j;
+    std::stable_sort(cps.begin() + std::ptrdiff_t(i), cps.begin() + std::ptrdiff_t(j),
+                     [](utf8proc_int32_t a, utf8proc_int32_t b) { return combining_class(char32_t(a)) < combining_class(char32_t(b)); });
+    i = j;
+  }
+  std::string out;
+  out.reserve(s.size());
+  for (utf8proc_int32_t c : cps) append_utf8(char32_t(c), out);
+  return out;
+}
+
+// utf8proc's NFC of s, appended to out (`presort`: s has a long run of marks).
+void utf8proc_nfc(std::string_view s, std::string& out, bool presort) {
+  if (s.empty()) return;
+  std::string ordered;
+  if (presort) {
+    ordered = decompose_and_order(s);
+    s = ordered;
+  }
+  utf8proc_uint8_t* dst = nullptr;
+  const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()), utf8proc_ssize_t(s.size()), &dst,
+                                          utf8proc_option_t(UTF8PROC_STABLE | UTF8PROC_COMPOSE));
+  std::unique_ptr<utf8proc_uint8_t, decltype(&std::free)> hold(dst, &std::free);
+  if (n < 0) throw std::runtime_error(std::string("NFC normalization failed: ") + utf8proc_errmsg(n));
+  out.append(reinterpret_cast<const char*>(dst), std::size_t(n));
+}
+
+}  // namespace
+
 bool nfc(std::string_view s, std::string& out) {
   out.clear();
   // Every code point below U+0300 is NFC-stable and never composes with what precedes it: a text of
@@ -145,14 +221,35 @@ bool nfc(std::string_view s, std::string& out) {
       break;
     }
   if (simple) return false;
-  utf8proc_uint8_t* dst = nullptr;
-  const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()),
-                                          utf8proc_ssize_t(s.size()), &dst, utf8proc_option_t(UTF8PROC_STABLE | UTF8PROC_COMPOSE));
-  std::unique_ptr<utf8proc_uint8_t, decltype(&std::free)> hold(dst, &std::free);
-  if (n < 0) throw std::runtime_error(std::string("NFC normalization failed: ") + utf8proc_errmsg(n));
-  const std::string_view r(reinterpret_cast<const char*>(dst), std::size_t(n));
-  if (r == s) return false;
-  out.assign(r);
+  // A non-composing starter is a boundary NFC never crosses: normalize the text between the code
+  // points tokenizers does not know, and keep those as they are.
+  std::size_t seg = 0, marks = 0;
+  bool long_run = false;  // a run of more than 32 non-starters in the current segment
+  for (std::size_t i = 0; i < s.size();) {
+    const std::size_t b = i;
+    if (static_cast<unsigned char>(s[i]) < 0x80) {
+      ++i;
+      marks = 0;
+      continue;
+    }
+    const char32_t c = next_utf8(s, i);
+    if (nfc_unknown(c)) {
+      utf8proc_nfc(s.substr(seg, b - seg), out, long_run);
+      out.append(s.substr(b, i - b));
+      seg = i;
+      marks = 0;
+      long_run = false;
+    } else if (combining_class(c) != 0) {
+      long_run |= ++marks > 32;
+    } else {
+      marks = 0;
+    }
+  }
+  utf8proc_nfc(s.substr(seg), out, long_run);
+  if (out == s) {
+    out.clear();
+    return false;
+  }
   return true;
 }
 
