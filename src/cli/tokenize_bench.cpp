@@ -70,15 +70,17 @@ void add_bench_tokenize(CLI::App& bench, Runner& run) {
       int64_t bytes = 0;
       for (const auto& t : texts) bytes += int64_t(t.size());
       int64_t tokens = 0;
+      double cold_s = 0;  // pass 0, on an empty word cache
       std::vector<double> secs;
       for (int r = 0; r <= repeat; ++r) {  // pass 0 is the warm-up (fills the word cache)
         int64_t n = 0;
         const auto t0 = std::chrono::steady_clock::now();
         for (const auto& t : texts) n += int64_t(tok->encode(t, false).size());
         const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        if (r == 0)
+        if (r == 0) {
           tokens = n;
-        else
+          cold_s = s;
+        } else
           secs.push_back(s);
       }
       std::sort(secs.begin(), secs.end());
@@ -106,6 +108,8 @@ void add_bench_tokenize(CLI::App& bench, Runner& run) {
                    {"min_s", secs.front()},
                    {"max_s", secs.back()},
                    {"load_s", load_s},
+                   {"cold_first_pass_s", cold_s},
+                   {"cold_tokens_per_s", double(tokens) / cold_s},
                    {"data", dp.filename().string()},
                    {"text", "question + \\n + answer"},
                    {"add_special_tokens", false}};
