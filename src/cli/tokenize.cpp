@@ -1,10 +1,10 @@
 // `dflash tokenize`: token ids of a text or of a whole rendered conversation, as one JSON line.
 #include <fmt/core.h>
 
-#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "io/json_file.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
 
@@ -13,14 +13,7 @@ namespace dflash::cli {
 namespace {
 
 std::vector<ChatMessage> read_messages(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) throw std::runtime_error(path + ": cannot open");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(f);
-  } catch (const nlohmann::json::exception& e) {
-    throw std::runtime_error(path + ": invalid JSON: " + e.what());
-  }
+  nlohmann::json j = read_json_file(path);
   if (j.is_object() && j.contains("messages")) j = j["messages"];
   if (!j.is_array()) throw std::runtime_error(path + ": expected a list of {\"role\", \"content\"} messages");
   std::vector<ChatMessage> m;

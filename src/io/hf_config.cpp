@@ -1,6 +1,6 @@
 #include "io/hf_config.h"
 
-#include <fstream>
+#include "io/json_file.h"
 
 #include "models/architectures.h"
 #include <stdexcept>
@@ -125,15 +125,7 @@ ModelSpec model_spec_from_hf_config(const nlohmann::json& cfg, const std::string
 }
 
 ModelSpec load_hf_config(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) throw std::runtime_error(path + ": cannot open config file");
-  nlohmann::json cfg;
-  try {
-    cfg = nlohmann::json::parse(f);
-  } catch (const nlohmann::json::exception& e) {
-    throw std::runtime_error(path + ": invalid JSON: " + e.what());
-  }
-  return model_spec_from_hf_config(cfg, path);
+  return model_spec_from_hf_config(read_json_file(path), path);
 }
 
 }  // namespace dflash

@@ -14,6 +14,8 @@
 #include <system_error>
 #include <unordered_set>
 
+#include "io/json_file.h"
+
 namespace dflash {
 
 namespace {
@@ -324,13 +326,7 @@ namespace {
 /// Opens the shards an index file names. `index_path` is used in messages, `dir` holds shards.
 void load_index(const std::string& index_path, const std::filesystem::path& dir,
                 const std::function<void(SafetensorsFile)>& add) {
-  const std::string text = read_small_file(index_path, kMaxIndexBytes);
-  json root;
-  try {
-    root = json::parse(text);
-  } catch (const json::exception& e) {
-    fail(index_path + ": not valid JSON: " + truncated(e.what()));
-  }
+  const json root = read_json_file(index_path, kMaxIndexBytes);
   if (!root.is_object()) fail(index_path + ": not a JSON object");
   const auto wm = root.find("weight_map");
   if (wm == root.end()) fail(index_path + ": missing \"weight_map\"");

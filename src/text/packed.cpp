@@ -1,5 +1,7 @@
 #include "text/packed.h"
 
+#include "io/json_file.h"
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -83,11 +85,7 @@ void PackedWriter::finish(nlohmann::json manifest) {
 PackedDataset::PackedDataset(const std::string& dir)
     : dir_(dir), tokens_(dir + "/tokens.i32"), mask_(dir + "/loss_mask.u8") {
   const std::string mpath = dir + "/manifest.json";
-  try {
-    manifest_ = nlohmann::json::parse(read_small_file(mpath, 1ull << 30));
-  } catch (const nlohmann::json::exception& e) {
-    throw std::runtime_error(mpath + ": invalid JSON: " + e.what());
-  }
+  manifest_ = read_json_file(mpath, 1ull << 30);
   if (manifest_.value("format", "") != kPackedFormat)
     throw std::runtime_error(mpath + ": not a " + std::string(kPackedFormat) + " manifest");
   MappedFile off(dir + "/offsets.i64");

@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "io/json_file.h"
 #include "io/mapped_file.h"
 #include "text/tokenizer_regex.h"
 #include "text/tokenizer_spec.h"
@@ -240,13 +241,7 @@ std::optional<std::string> special_token_name(const json& j) {
 }
 
 void read_config(const std::string& path, TokenizerSpec& spec) {
-  const std::string text = read_small_file(path, uint64_t(64) << 20);
-  json c;
-  try {
-    c = json::parse(text);
-  } catch (const json::exception& e) {
-    throw std::runtime_error(path + ": not valid JSON: " + e.what());
-  }
+  const json c = read_json_file(path);
   if (!c.is_object()) throw std::runtime_error(path + ": not a JSON object");
   if (c.contains("chat_template")) {
     const json& t = c["chat_template"];
@@ -269,13 +264,7 @@ void read_config(const std::string& path, TokenizerSpec& spec) {
 TokenizerSpec parse_tokenizer_json(const std::string& path, const std::string& config_path) {
   TokenizerSpec spec;
   spec.origin = path;
-  const std::string text = read_small_file(path, uint64_t(2) << 30);
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    throw std::runtime_error(path + ": not valid JSON (tokenizer.json): " + e.what());
-  }
+  const json j = read_json_file(path, uint64_t(2) << 30);
   const JsonReader r(path);
   if (!j.is_object()) r.fail("not a JSON object (tokenizer.json)");
   for (const char* k : {"truncation", "padding"})
