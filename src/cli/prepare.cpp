@@ -1,12 +1,15 @@
 // `dflash prepare`: chat data files -> a packed, memory-mapped training directory (src/text/packed.h).
 #include <fmt/core.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <csignal>
 #include <filesystem>
 
 #include "cli/commands.h"
+#include "io/json_file.h"
 #include "text/chat_template.h"
 #include "text/dataset.h"
 #include "text/packed.h"
@@ -19,6 +22,33 @@ namespace {
 
 std::atomic<bool> g_interrupted{false};
 void on_signal(int) { g_interrupted = true; }
+
+/// Removes `<out>.partial-<pid>` directories of earlier runs whose process is gone (killed hard).
+void remove_stale_partials(const std::filesystem::path& out) {
+  namespace fs = std::filesystem;
+  const fs::path parent = out.parent_path().empty() ? fs::path(".") : out.parent_path();
+  const std::string prefix = out.filename().string() + ".partial-";
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(parent, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(prefix, 0) != 0) continue;
+    const std::string pid = name.substr(prefix.size());
+    if (pid.empty() || pid.find_first_not_of("0123456789") != std::string::npos) continue;
+    if (::kill(pid_t(std::stol(pid)), 0) != 0 && errno == ESRCH) {
+      fmt::print(stderr, "prepare: removing {} left by an interrupted run\n", e.path().string());
+      fs::remove_all(e.path(), ec);
+    }
+  }
+}
+
+/// True when `dir` is the output of an earlier prepare (safe to replace with --overwrite).
+bool is_packed_dir(const std::filesystem::path& dir) {
+  try {
+    return read_json_file((dir / "manifest.json").string()).value("format", "") == kPackedFormat;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
 
 struct SourceStats {
   int64_t records = 0, samples = 0, skipped = 0, tokens = 0, truncated = 0;
@@ -47,17 +77,20 @@ void add_prepare(CLI::App& app, Runner& run) {
   cmd->add_flag("--strict", strict, "Stop at the first bad record instead of skipping it");
   cmd->add_flag("--overwrite", overwrite, "Replace an existing output directory");
   cmd->callback([&run] {
-    run = [] {
+    run = []() -> int {
       namespace fs = std::filesystem;
+      while (out.size() > 1 && out.back() == '/') out.pop_back();  // "DIR/" names DIR
       if (fs::exists(out) && !overwrite) throw std::runtime_error(out + ": exists (pass --overwrite to replace it)");
+      if (fs::exists(out) && !is_packed_dir(out))
+        throw std::runtime_error(out + ": exists and is not the output of dflash prepare; refusing to replace it");
       const auto tok = Tokenizer::load(tok_path);
       const ChatFamily family = chat_family_for(*tok, chat_template, tok_path);
       for (const auto& d : data)
         if (!fs::is_regular_file(d)) throw std::runtime_error(d + ": no such data file");
 
+      remove_stale_partials(out);
       const std::string tmp = out + ".partial-" + std::to_string(::getpid());
-      std::signal(SIGINT, on_signal);
-      std::signal(SIGTERM, on_signal);
+      for (int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, on_signal);
       std::vector<SkippedRecord> skipped;
       nlohmann::json sources = nlohmann::json::array();
       try {
@@ -65,23 +98,27 @@ void add_prepare(CLI::App& app, Runner& run) {
         for (const auto& file : data) {
           SourceStats st;
           const size_t skipped_before = skipped.size();
+          auto skip = [&](const Conversation& c, const std::string& why) {
+            if (strict) throw std::runtime_error(c.file + ":" + std::to_string(c.line) + ": " + why);
+            skipped.push_back({c.file, c.line, why});
+          };
           read_chat_file(file, strict, [&](Conversation&& c) {
-            if (g_interrupted) throw std::runtime_error("interrupted");
-            ++st.records;
             if (c.prompt_only) {
-              const std::string why = "prompt-only record (no assistant turn): its responses must be generated first";
-              if (strict) throw std::runtime_error(c.file + ":" + std::to_string(c.line) + ": " + why);
-              skipped.push_back({c.file, c.line, why});
+              skip(c, "prompt-only record (no assistant turn): its responses must be generated first");
               return;
             }
             bool truncated = false;
-            Sample s = build_sample(*tok, family, c, max_length, &truncated);
+            Sample s;
+            try {
+              s = build_sample(*tok, family, c, max_length, &truncated);
+            } catch (const std::invalid_argument& e) {  // the template refuses this conversation
+              skip(c, e.what());
+              return;
+            }
             int64_t loss = 0;
             for (uint8_t m : s.loss_mask) loss += m;
             if (loss == 0) {
-              const std::string why = "no assistant token within --max-length " + std::to_string(max_length);
-              if (strict) throw std::runtime_error(c.file + ":" + std::to_string(c.line) + ": " + why);
-              skipped.push_back({c.file, c.line, why});
+              skip(c, "no assistant token within --max-length " + std::to_string(max_length));
               return;
             }
             w.add(s);
@@ -90,19 +127,28 @@ void add_prepare(CLI::App& app, Runner& run) {
             st.truncated += truncated;
             if (w.num_samples() % 10000 == 0)
               fmt::print(stderr, "prepare: {} samples, {} tokens\n", w.num_samples(), w.num_tokens());
-          }, skipped);
+          }, skipped, [] { return g_interrupted.load(); });
           st.skipped = int64_t(skipped.size() - skipped_before);
+          st.records = st.samples + st.skipped;
           sources.push_back({{"file", fs::absolute(file).string()}, {"records", st.records}, {"samples", st.samples},
                              {"skipped", st.skipped}, {"tokens", st.tokens}, {"truncated", st.truncated}});
         }
+        if (w.num_samples() == 0)
+          throw std::runtime_error("prepare: no sample was produced (" + std::to_string(skipped.size()) +
+                                   " records skipped, e.g. " +
+                                   (skipped.empty() ? std::string("none")
+                                                    : skipped[0].file + ":" + std::to_string(skipped[0].line) + ": " +
+                                                          skipped[0].reason) +
+                                   "); nothing was written");
         nlohmann::json sk = nlohmann::json::array();
-        for (size_t i = 0; i < skipped.size() && i < 10000; ++i)
+        const size_t kMaxListed = 10000;
+        for (size_t i = 0; i < skipped.size() && i < kMaxListed; ++i)
           sk.push_back({{"file", skipped[i].file}, {"line", skipped[i].line}, {"reason", skipped[i].reason}});
         int64_t truncated = 0;
         for (const auto& s : sources) truncated += s["truncated"].get<int64_t>();
         w.finish({{"tokenizer", fs::absolute(tok_path).string()}, {"chat_template", chat_family_name(family)},
                   {"max_length", max_length}, {"sources", sources}, {"num_truncated", truncated},
-                  {"num_skipped", skipped.size()}, {"skipped", sk}});
+                  {"num_skipped", skipped.size()}, {"skipped_listed", sk.size()}, {"skipped", sk}});
         if (fs::exists(out)) fs::remove_all(out);  // --overwrite (checked above)
         fs::rename(tmp, out);
         fmt::print("prepare: wrote {}: {} samples, {} tokens ({} with loss), {} truncated to {}, {} records skipped\n",
@@ -110,8 +156,9 @@ void add_prepare(CLI::App& app, Runner& run) {
       } catch (...) {
         std::error_code ec;
         fs::remove_all(tmp, ec);
-        if (g_interrupted) throw std::runtime_error("prepare interrupted: nothing was written to " + out);
-        throw;
+        if (!g_interrupted) throw;
+        fmt::print(stderr, "prepare: interrupted; nothing was written to {}\n", out);
+        return 130;
       }
       for (size_t i = 0; i < skipped.size() && i < 5; ++i)
         fmt::print("  skipped {}:{}: {}\n", skipped[i].file, skipped[i].line, skipped[i].reason);

@@ -120,7 +120,7 @@ void check_messages(const std::vector<ChatMessage>& m) {
   if (m.empty()) throw std::invalid_argument("chat template: the conversation has no messages");
   for (size_t i = 0; i < m.size(); ++i) {
     const std::string& r = m[i].role;
-    if (r != "system" && r != "user" && r != "assistant")
+    if (!is_supported_role(r))
       throw std::invalid_argument("chat template: message " + std::to_string(i) + " has role '" + r +
                                   "'; only system, user and assistant are supported (no tool calls)");
   }

@@ -4,6 +4,7 @@
 #pragma once
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace dflash {
@@ -15,6 +16,9 @@ struct ChatMessage {
   /// Qwen3 / Qwen3.5 `reasoning_content` (the text inside <think></think>), when given separately.
   std::optional<std::string> reasoning_content;
 };
+
+/// The roles every family renders: system, user, assistant (tool turns are not supported).
+inline bool is_supported_role(std::string_view r) { return r == "system" || r == "user" || r == "assistant"; }
 
 /// Template families. Names as accepted by --chat-template.
 enum class ChatFamily {

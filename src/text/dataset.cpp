@@ -30,11 +30,12 @@ std::string role_from_sharegpt(const std::string& from) {
   throw BadRecord("unknown ShareGPT speaker \"" + from + "\" (expected human, gpt or system)");
 }
 
-void add_message(Conversation& c, std::string role, std::string content) {
-  if (role != "system" && role != "user" && role != "assistant")
-    throw BadRecord("unknown role \"" + role + "\" (expected system, user or assistant)");
-  if (content.empty()) throw BadRecord("empty " + role + " turn (message " + std::to_string(c.messages.size() + 1) + ")");
-  c.messages.push_back({std::move(role), std::move(content), std::nullopt});
+void add_message(Conversation& c, std::string role, std::string content,
+                 std::optional<std::string> reasoning = std::nullopt) {
+  if (!is_supported_role(role)) throw BadRecord("unknown role \"" + role + "\" (expected system, user or assistant)");
+  if (content.find_first_not_of(" \t\r\n") == std::string::npos)
+    throw BadRecord("empty " + role + " turn (message " + std::to_string(c.messages.size() + 1) + ")");
+  c.messages.push_back({std::move(role), std::move(content), std::move(reasoning)});
 }
 
 Conversation from_json(const json& j) {
@@ -44,7 +45,10 @@ Conversation from_json(const json& j) {
     if (!it->is_array()) throw BadRecord("\"messages\" is not a list");
     for (const auto& m : *it) {
       if (!m.is_object()) throw BadRecord("a message is not an object");
-      add_message(c, str_field(m, "role", "message"), str_field(m, "content", "message"));
+      std::optional<std::string> reasoning;  // Qwen3 / Qwen3.5 thinking given apart from the content
+      if (auto r = m.find("reasoning_content"); r != m.end() && !r->is_null())
+        reasoning = str_field(m, "reasoning_content", "message");
+      add_message(c, str_field(m, "role", "message"), str_field(m, "content", "message"), std::move(reasoning));
     }
   } else if (auto it = j.find("conversations"); it != j.end()) {
     if (!it->is_array()) throw BadRecord("\"conversations\" is not a list");
@@ -78,10 +82,11 @@ Conversation from_json(const json& j) {
 }  // namespace
 
 void read_chat_file(const std::string& path, bool strict, const std::function<void(Conversation&&)>& on_record,
-                    std::vector<SkippedRecord>& skipped) {
+                    std::vector<SkippedRecord>& skipped, const std::function<bool()>& stop) {
   std::ifstream f(path, std::ios::binary);
   if (!f) throw std::runtime_error(path + ": cannot open data file");
   auto handle = [&](int64_t line, const std::function<json()>& parse) {
+    if (stop && stop()) throw std::runtime_error("interrupted");
     try {
       Conversation c = from_json(parse());
       c.file = path;
@@ -96,7 +101,13 @@ void read_chat_file(const std::string& path, bool strict, const std::function<vo
       skipped.push_back({path, line, why});
     }
   };
-  // A JSON array when the first non-space character is '['; JSONL otherwise.
+  // Skip a UTF-8 byte order mark; then a JSON array when the first non-space character is '[',
+  // JSONL otherwise.
+  char bom[3] = {};
+  if (!(f.read(bom, 3) && bom[0] == '\xEF' && bom[1] == '\xBB' && bom[2] == '\xBF')) {
+    f.clear();
+    f.seekg(0);
+  }
   char first = 0;
   while (f.get(first) && std::isspace(static_cast<unsigned char>(first))) {
   }

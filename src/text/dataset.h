@@ -32,10 +32,12 @@ struct SkippedRecord {
 
 /// Reads every record of `path` (JSONL, or a JSON array when the first non-space byte is '['),
 /// calling `on_record` for each valid one, in file order. Invalid JSON, unknown layouts, missing or
-/// non-string fields, unknown roles and empty turns are appended to `skipped`; with `strict` the
+/// non-string fields, unknown roles and empty (or whitespace-only) turns are appended to `skipped`; with `strict` the
 /// first one throws std::runtime_error "file:line: reason" instead. A missing file always throws.
 /// JSONL is streamed line by line (files larger than memory are fine).
+/// `stop`, when given, is polled before every record; when it returns true reading ends with
+/// std::runtime_error("interrupted"). A UTF-8 byte order mark at the start is skipped.
 void read_chat_file(const std::string& path, bool strict, const std::function<void(Conversation&&)>& on_record,
-                    std::vector<SkippedRecord>& skipped);
+                    std::vector<SkippedRecord>& skipped, const std::function<bool()>& stop = {});
 
 }  // namespace dflash

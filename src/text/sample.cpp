@@ -21,7 +21,9 @@ Sample build_sample(const Tokenizer& tok, ChatFamily family, const Conversation&
   for (const TokenSpan& sp : spans) {
     while (a < assistant.size() && assistant[a].second <= sp.begin) ++a;
     out.ids.push_back(sp.id);
-    out.loss_mask.push_back(a < assistant.size() && assistant[a].first <= sp.begin ? 1 : 0);
+    // Loss on every token that overlaps an assistant segment (one that straddles the role header and
+    // the content carries content bytes too).
+    out.loss_mask.push_back(a < assistant.size() && assistant[a].first < sp.end ? 1 : 0);
   }
   *truncated = max_length > 0 && int64_t(out.ids.size()) > max_length;
   if (*truncated) {

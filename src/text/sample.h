@@ -17,7 +17,7 @@ struct Sample {
 
 /// Renders `conv` with `family` (the whole conversation, no generation prompt), tokenizes it the way
 /// transformers' apply_chat_template(tokenize=True) does (no extra special tokens), and sets the loss
-/// mask on tokens that start inside an assistant segment. Sequences longer than `max_length` are cut
+/// mask on tokens that overlap an assistant segment. Sequences longer than `max_length` are cut
 /// to it and `*truncated` is set. Throws std::invalid_argument for a bad conversation.
 Sample build_sample(const Tokenizer& tok, ChatFamily family, const Conversation& conv, int64_t max_length,
                     bool* truncated);

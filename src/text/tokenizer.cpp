@@ -128,7 +128,7 @@ BpeTokenizer::BpeTokenizer(TokenizerSpec spec) : origin_(spec.origin) {
     vocab_[tok] = id;  // a repeated token keeps its last id
   }
   for (auto& a : spec.added) {
-    if (a.id < 0) {  // resolve by content (GGUF): the vocabulary id, else the next free id
+    if (a.id < 0) {  // resolve by content (GGUF): the vocabulary id; a token outside it is an error
       if (auto it = vocab_.find(a.content); it != vocab_.end())
         a.id = it->second;
       else

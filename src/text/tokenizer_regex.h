@@ -44,7 +44,6 @@ class SplitRegex {
   /// as [*begin, *end); false when there is none. `exact`: use the Oniguruma-compatible program
   /// (required when s[0, n) has_onig_divergent_chars).
   bool find(const char* s, std::size_t n, std::size_t from, std::size_t* begin, std::size_t* end, bool exact) const;
-  bool jit() const { return jit_; }
 
  private:
   pcre2_real_code_8* fast_ = nullptr;

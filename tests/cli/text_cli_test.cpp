@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "text/packed.h"
@@ -95,4 +96,68 @@ TEST(TextCli, StrictPrepareFailsWithFileLineAndLeavesNothing) {
   ASSERT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("bad.jsonl:2: empty assistant turn"), std::string::npos) << out;
   EXPECT_EQ(PackedDataset(out_dir).num_samples(), 1);
+}
+
+TEST(TextCli, TokenizeChatEqualsApplyChatTemplateIds) {
+  REQUIRE_SHARED();
+  std::ifstream f(test::fixtures_dir() / "chat" / "qwen3_ids.json");
+  const auto g = nlohmann::json::parse(f);
+  test::TempDir d;
+  int checked = 0;
+  for (const auto& c : g["cases"]) {
+    if (c["options"].value("add_generation_prompt", false) || c["options"].contains("enable_thinking")) continue;
+    test::write_file(d / "c.json", c["messages"].dump());
+    int rc;
+    const std::string out = run("tokenize --tokenizer " + tok() + " --chat " + (d / "c.json").string(), &rc);
+    ASSERT_EQ(rc, 0) << out;
+    EXPECT_EQ(nlohmann::json::parse(out), c["ids"]) << c["name"];
+    ++checked;
+  }
+  EXPECT_GE(checked, 10);
+}
+
+TEST(TextCli, PrepareEdgeCases) {
+  REQUIRE_SHARED();
+  test::TempDir d;
+  int rc;
+  // reasoning_content reaches the sample (Qwen3 renders it inside <think>), a BOM before a JSON array
+  // is skipped, and "DIR/" names DIR.
+  test::write_file(d / "r.json",
+                   "\xEF\xBB\xBF[{\"messages\": [{\"role\": \"user\", \"content\": \"2+2?\"}, {\"role\": \"assistant\", "
+                   "\"content\": \"4\", \"reasoning_content\": \"two plus two is four\"}]}]");
+  std::string out = run("prepare --tokenizer " + tok() + " --data " + (d / "r.json").string() + " --out " +
+                            (d / "p").string() + "/",
+                        &rc);
+  ASSERT_EQ(rc, 0) << out;
+  PackedDataset p((d / "p").string());
+  ASSERT_EQ(p.num_samples(), 1);
+  std::string ids_csv;
+  for (int32_t id : p.ids(0)) ids_csv += (ids_csv.empty() ? "" : ",") + std::to_string(id);
+  test::write_file(d / "c.json", R"([{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning_content": "two plus two is four"}])");
+  const std::string want = run("tokenize --tokenizer " + tok() + " --chat " + (d / "c.json").string(), &rc);
+  EXPECT_EQ(nlohmann::json::parse(want), nlohmann::json::parse("[" + ids_csv + "]"));
+  // --overwrite replaces only an earlier prepare output.
+  fs::create_directory(d / "mine");
+  test::write_file(d / "mine" / "keep.txt", "x");
+  out = run("prepare --overwrite --tokenizer " + tok() + " --data " + (d / "r.json").string() + " --out " +
+                (d / "mine").string(),
+            &rc);
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(out.find("not the output of dflash prepare"), std::string::npos) << out;
+  EXPECT_TRUE(fs::exists(d / "mine" / "keep.txt"));
+  out = run("prepare --overwrite --tokenizer " + tok() + " --data " + (d / "r.json").string() + " --out " +
+                (d / "p").string(),
+            &rc);
+  EXPECT_EQ(rc, 0) << out;
+  // A conversation the template refuses is skipped with file:line, and no sample at all is an error.
+  test::write_file(d / "t.jsonl",
+                   "{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}, {\"role\": \"system\", \"content\": \"late\"}, "
+                   "{\"role\": \"assistant\", \"content\": \"b\"}]}\n");
+  out = run("prepare --chat-template qwen3.5 --tokenizer " + tok() + " --data " + (d / "t.jsonl").string() + " --out " +
+                (d / "q").string(),
+            &rc);
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(out.find("no sample was produced"), std::string::npos) << out;
+  EXPECT_NE(out.find("t.jsonl:1:"), std::string::npos) << out;
+  EXPECT_FALSE(fs::exists(d / "q"));
 }
