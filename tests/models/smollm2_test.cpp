@@ -11,6 +11,8 @@
 
 #include "io/safetensors.h"
 #include "models/target.h"
+#include "text/chat_template.h"
+#include "text/tokenizer.h"
 #include "test_util.h"
 
 using namespace dflash;
@@ -105,4 +107,19 @@ TEST(SmolLM2, ForwardCommandWritesLogitsAndHiddenStates) {
   auto model = TargetModel::load(gguf_path());
   const ForwardOutput alone = model->forward({504, 2365}, {0, 2}, ForwardOptions{});
   EXPECT_LE(test::rel_l2(o->load_f32("seq1.logits").data, alone.logits.data), test::kTolF32);
+}
+
+TEST(SmolLM2, GgufTokenizerAndChatTemplateGiveTransformersPromptIds) {
+  REQUIRE_SMOLLM2();
+  const nlohmann::json g = golden();
+  const auto tok = Tokenizer::load(gguf_path());
+  const ChatFamily f = detect_chat_family(tok->chat_template());
+  EXPECT_EQ(f, ChatFamily::SmolLM2);
+  std::vector<ChatMessage> msgs;
+  for (const auto& m : g["prompt_messages"]) msgs.push_back({m["role"], m["content"], std::nullopt});
+  ChatOptions opt;
+  opt.add_generation_prompt = true;
+  EXPECT_EQ(render_chat_text(f, msgs, opt), g["prompt_text"].get<std::string>());
+  EXPECT_EQ(tok->encode(render_chat_text(f, msgs, opt)), g["prompt_ids"].get<std::vector<int32_t>>());
+  EXPECT_EQ(tok->encode(g["plain"]["prompt_text"].get<std::string>()), g["plain"]["prompt_ids"].get<std::vector<int32_t>>());
 }
