@@ -1,0 +1,65 @@
+// The DFlash drafter's configuration: derived from a target (../shared/docs/dflash.md, "Drafter
+// architecture"), overridable, and written / read as the DFlash checkpoint's config.json.
+#pragma once
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "models/model_spec.h"
+
+namespace dflash {
+
+class Tokenizer;
+
+/// Shapes and DFlash fields of a drafter. Field names follow the checkpoint's config.json.
+struct DrafterConfig {
+  int64_t hidden_size = 0, intermediate_size = 0, num_hidden_layers = 5;
+  int64_t num_attention_heads = 0, num_key_value_heads = 0, head_dim = 0;
+  double rope_theta = 1e6, rms_norm_eps = 1e-6;
+  int64_t vocab_size = 0, max_position_embeddings = 0;
+  int64_t block_size = 16;
+  int64_t num_target_layers = 0;              // layers of the target
+  std::vector<int64_t> target_layer_ids;      // taps: output of target layer i = hidden_states[i + 1]
+  int64_t mask_token_id = -1;
+  std::vector<std::string> layer_types;       // "full_attention" | "sliding_attention", one per layer
+  int64_t sliding_window = 0;                 // used by sliding_attention layers
+
+  /// Throws std::runtime_error prefixed by `where` when fields disagree (head shapes, taps outside
+  /// the target, mask id outside the vocabulary, layer_types size, sliding window).
+  void validate(const std::string& where) const;
+};
+
+/// What a user may override (unset = the default the doc gives).
+struct DrafterOverrides {
+  std::optional<int64_t> num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim;
+  std::optional<int64_t> intermediate_size, block_size, mask_token_id, num_taps, sliding_window;
+  std::optional<double> rope_theta;
+  std::optional<std::vector<int64_t>> target_layer_ids;
+  /// Indices of drafter layers that use sliding-window attention (needs sliding_window).
+  std::vector<int64_t> sliding_layers;
+};
+
+/// dflash.md's default taps for a target of `num_target_layers` layers and `n` taps:
+/// n == 1 -> [L / 2]; else round(1 + i * (L - 4) / (n - 1)), i = 0..n-1 (Python's round: half to even).
+/// Examples: (36, 5) -> [1, 9, 17, 25, 33]; (64, 5) -> [1, 16, 31, 46, 61].
+std::vector<int64_t> default_target_layer_ids(int64_t num_target_layers, int64_t n);
+
+/// The mask token: `<|MASK|>` when the tokenizer has it; else the first embedding row past the
+/// tokenizer's ids when the target has spare rows (Qwen3: 151669); else the highest-id special token
+/// that is neither BOS/EOS nor written by the chat template. Throws when none exists.
+int64_t default_mask_token_id(const ModelSpec& target, const Tokenizer& tok);
+
+/// The drafter for `target` (hidden size, intermediate size and rope theta of the target; attention
+/// shape of the target for Llama / Qwen3, 32 / 8 / 128 for Qwen3.5 hybrids), with overrides applied.
+/// `tok` supplies the default mask token (required unless overrides.mask_token_id is set).
+DrafterConfig derive_drafter_config(const ModelSpec& target, const Tokenizer* tok, const DrafterOverrides& o);
+
+/// config.json of a DFlash checkpoint (architectures DFlashDraftModel, model_type qwen3,
+/// dflash_config {mask_token_id, target_layer_ids}, standard Qwen3 fields).
+nlohmann::json drafter_config_to_json(const DrafterConfig& c);
+/// Reads a DFlash config.json (ours, z-lab's or SpecForge's). Throws naming `where` and the field.
+DrafterConfig drafter_config_from_json(const nlohmann::json& j, const std::string& where);
+
+}  // namespace dflash
