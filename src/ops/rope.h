@@ -13,8 +13,17 @@ namespace dflash::cpu {
 std::vector<float> rope_inv_freq(const RopeSpec& rope, int64_t rotary_dim);
 
 /// In place on x [T, H, Dh]: for each token t rotates dims [0, rotary_dim) with the rotate_half
-/// pairing (dim i with i + rotary_dim/2) by angle positions[t] * inv_freq; dims >= rotary_dim pass.
-void apply_rope(Tensor& x, const std::vector<int64_t>& positions, const std::vector<float>& inv_freq,
+/// pairing (dim i with i + rotary_dim/2) by angle positions[t] * inv_freq; dims >= rotary_dim pass
+/// (partial rotary). T = float (angle as torch's fp32 product) or double (angle in double).
+/// The rotation saves nothing: it is linear and orthogonal.
+template <typename T>
+void apply_rope(BasicTensor<T>& x, const std::vector<int64_t>& positions, const std::vector<float>& inv_freq,
                 int64_t rotary_dim);
+
+/// Backward of apply_rope, in place on dy [T, H, Dh] (becomes dx): the transpose of a rotation is the
+/// rotation by the negative angle; pass-through dims pass through.
+template <typename T>
+void apply_rope_backward(BasicTensor<T>& dy, const std::vector<int64_t>& positions,
+                         const std::vector<float>& inv_freq, int64_t rotary_dim);
 
 }  // namespace dflash::cpu

@@ -1,21 +1,25 @@
-// Host tensor used by the CPU reference path: float32, contiguous, row-major, shapes in PyTorch order.
+// Host tensor used by the CPU reference path: contiguous, row-major, shapes in PyTorch order.
 #pragma once
 #include <cstdint>
 #include <initializer_list>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace dflash {
 
-/// A contiguous float32 host tensor. `shape` is in PyTorch order (e.g. [T, D]); `data` holds
-/// numel() values, row-major. The CPU reference computes in this type; device tensors come later.
-struct Tensor {
+/// A contiguous host tensor of element type T. `shape` is in PyTorch order (e.g. [T, D]); `data`
+/// holds numel() values, row-major. The CPU reference computes in `Tensor` (float32); `Tensor64`
+/// (float64) exists for finite-difference gradient checks of the hand-written backwards.
+template <typename T>
+struct BasicTensor {
+  using value_type = T;
   std::vector<int64_t> shape;
-  std::vector<float> data;
+  std::vector<T> data;
 
-  Tensor() = default;
-  explicit Tensor(std::vector<int64_t> s) : shape(std::move(s)), data(size_t(numel_of(shape)), 0.0f) {}
+  BasicTensor() = default;
+  explicit BasicTensor(std::vector<int64_t> s) : shape(std::move(s)), data(size_t(numel_of(shape)), T(0)) {}
 
   /// Product of the dims; throws std::invalid_argument for a negative dim or an int64 overflow.
   static int64_t numel_of(const std::vector<int64_t>& s) {
@@ -29,17 +33,45 @@ struct Tensor {
   int64_t numel() const { return int64_t(data.size()); }
   int64_t dim(int i) const { return shape.at(size_t(i < 0 ? int(shape.size()) + i : i)); }
   int ndim() const { return int(shape.size()); }
-  float* ptr() { return data.data(); }
-  const float* ptr() const { return data.data(); }
+  T* ptr() { return data.data(); }
+  const T* ptr() const { return data.data(); }
   /// Row r of a 2-D tensor [R, C].
-  float* row(int64_t r) { return data.data() + r * shape.back(); }
-  const float* row(int64_t r) const { return data.data() + r * shape.back(); }
+  T* row(int64_t r) { return data.data() + r * shape.back(); }
+  const T* row(int64_t r) const { return data.data() + r * shape.back(); }
 };
+
+using Tensor = BasicTensor<float>;
+using Tensor64 = BasicTensor<double>;
+
+/// BasicTensor<T> excluded from template argument deduction: the type of the optional output
+/// parameters (`OutTensor<T>* dx`) of the templated ops, so that callers may pass nullptr.
+template <typename T>
+using OutTensor = std::type_identity_t<BasicTensor<T>>;
 
 /// "[2, 3, 4]" for messages.
 std::string shape_str(const std::vector<int64_t>& s);
 
 /// Copy of rows [b, e) along dim 0 of `t` (any rank). Throws std::out_of_range for a bad range.
-Tensor slice_rows(const Tensor& t, int64_t b, int64_t e);
+template <typename T>
+BasicTensor<T> slice_rows(const BasicTensor<T>& t, int64_t b, int64_t e) {
+  if (t.ndim() == 0 || b < 0 || e < b || e > t.dim(0))
+    throw std::out_of_range("slice_rows: rows [" + std::to_string(b) + ", " + std::to_string(e) + ") of " +
+                            shape_str(t.shape));
+  const int64_t inner = t.dim(0) ? t.numel() / t.dim(0) : 0;
+  BasicTensor<T> r;
+  r.shape = t.shape;
+  r.shape[0] = e - b;
+  r.data.assign(t.data.begin() + b * inner, t.data.begin() + e * inner);
+  return r;
+}
+
+/// Element-type conversion (e.g. Tensor64 -> Tensor for float32-vs-float64 comparisons).
+template <typename To, typename From>
+BasicTensor<To> tensor_cast(const BasicTensor<From>& t) {
+  BasicTensor<To> r;
+  r.shape = t.shape;
+  r.data.assign(t.data.begin(), t.data.end());
+  return r;
+}
 
 }  // namespace dflash

@@ -35,29 +35,52 @@ std::vector<float> rope_inv_freq(const RopeSpec& rope, int64_t rotary_dim) {
   throw std::invalid_argument("rope: unsupported rope_type '" + rope.type + "' (supported: default, llama3)");
 }
 
-void apply_rope(Tensor& x, const std::vector<int64_t>& positions, const std::vector<float>& inv_freq,
-                int64_t rotary_dim) {
+namespace {
+template <typename T>
+void rotate(BasicTensor<T>& x, const std::vector<int64_t>& positions, const std::vector<float>& inv_freq,
+            int64_t rotary_dim, T sign, const char* what) {
   if (x.ndim() != 3 || x.dim(0) != int64_t(positions.size()) || rotary_dim > x.dim(2) ||
       int64_t(inv_freq.size()) * 2 != rotary_dim)
-    throw std::invalid_argument("apply_rope: x " + shape_str(x.shape) + ", " + std::to_string(positions.size()) +
-                                " positions, rotary_dim " + std::to_string(rotary_dim));
-  const int64_t T = x.dim(0), H = x.dim(1), D = x.dim(2), half = rotary_dim / 2;
-  std::vector<float> c(static_cast<size_t>(half)), s(static_cast<size_t>(half));
-  for (int64_t t = 0; t < T; ++t) {
+    throw std::invalid_argument(std::string(what) + ": x " + shape_str(x.shape) + ", " +
+                                std::to_string(positions.size()) + " positions, rotary_dim " +
+                                std::to_string(rotary_dim));
+  const int64_t n = x.dim(0), H = x.dim(1), D = x.dim(2), half = rotary_dim / 2;
+  std::vector<T> c(static_cast<size_t>(half)), s(static_cast<size_t>(half));
+  for (int64_t t = 0; t < n; ++t) {
     for (int64_t i = 0; i < half; ++i) {
-      const float ang = float(positions[size_t(t)]) * inv_freq[size_t(i)];  // fp32 product as torch
+      // float: fp32 product as torch; double: exact product of the same fp32 frequency.
+      const T ang = T(positions[size_t(t)]) * T(inv_freq[size_t(i)]);
       c[size_t(i)] = std::cos(ang);
-      s[size_t(i)] = std::sin(ang);
+      s[size_t(i)] = sign * std::sin(ang);
     }
     for (int64_t h = 0; h < H; ++h) {
-      float* p = x.ptr() + (t * H + h) * D;
+      T* p = x.ptr() + (t * H + h) * D;
       for (int64_t i = 0; i < half; ++i) {
-        const float a = p[i], b = p[i + half];
+        const T a = p[i], b = p[i + half];
         p[i] = a * c[size_t(i)] - b * s[size_t(i)];
         p[i + half] = b * c[size_t(i)] + a * s[size_t(i)];
       }
     }
   }
 }
+}  // namespace
+
+template <typename T>
+void apply_rope(BasicTensor<T>& x, const std::vector<int64_t>& positions, const std::vector<float>& inv_freq,
+                int64_t rotary_dim) {
+  rotate(x, positions, inv_freq, rotary_dim, T(1), "apply_rope");
+}
+
+template <typename T>
+void apply_rope_backward(BasicTensor<T>& dy, const std::vector<int64_t>& positions,
+                         const std::vector<float>& inv_freq, int64_t rotary_dim) {
+  rotate(dy, positions, inv_freq, rotary_dim, T(-1), "apply_rope_backward");
+}
+
+template void apply_rope<float>(Tensor&, const std::vector<int64_t>&, const std::vector<float>&, int64_t);
+template void apply_rope<double>(Tensor64&, const std::vector<int64_t>&, const std::vector<float>&, int64_t);
+template void apply_rope_backward<float>(Tensor&, const std::vector<int64_t>&, const std::vector<float>&, int64_t);
+template void apply_rope_backward<double>(Tensor64&, const std::vector<int64_t>&, const std::vector<float>&,
+                                          int64_t);
 
 }  // namespace dflash::cpu
