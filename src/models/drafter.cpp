@@ -1,0 +1,351 @@
+// DFlash drafter: checkpoint loader and the forward + hand-written backward of one training sequence.
+#include "models/drafter.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <set>
+#include <stdexcept>
+
+#include "io/json_file.h"
+#include "io/safetensors.h"
+#include "ops/activation.h"
+#include "ops/chunked_ce.h"
+#include "ops/dflash_attention.h"
+#include "ops/linear.h"
+#include "ops/norm.h"
+
+namespace dflash {
+
+namespace {
+
+template <typename W, typename L>
+auto named_impl(W& w) {
+  std::vector<std::pair<std::string, L*>> r;
+  for (size_t i = 0; i < w.layers.size(); ++i) {
+    auto& l = w.layers[i];
+    const std::string p = "layers." + std::to_string(i) + ".";
+    r.emplace_back(p + "self_attn.q_proj.weight", &l.q_proj);
+    r.emplace_back(p + "self_attn.k_proj.weight", &l.k_proj);
+    r.emplace_back(p + "self_attn.v_proj.weight", &l.v_proj);
+    r.emplace_back(p + "self_attn.o_proj.weight", &l.o_proj);
+    r.emplace_back(p + "self_attn.q_norm.weight", &l.q_norm);
+    r.emplace_back(p + "self_attn.k_norm.weight", &l.k_norm);
+    r.emplace_back(p + "mlp.gate_proj.weight", &l.gate_proj);
+    r.emplace_back(p + "mlp.up_proj.weight", &l.up_proj);
+    r.emplace_back(p + "mlp.down_proj.weight", &l.down_proj);
+    r.emplace_back(p + "input_layernorm.weight", &l.input_layernorm);
+    r.emplace_back(p + "post_attention_layernorm.weight", &l.post_attention_layernorm);
+  }
+  r.emplace_back("fc.weight", &w.fc);
+  r.emplace_back("hidden_norm.weight", &w.hidden_norm);
+  r.emplace_back("norm.weight", &w.norm);
+  return r;
+}
+
+template <typename T>
+BasicTensor<T> reshaped(BasicTensor<T> t, std::vector<int64_t> shape) {
+  if (BasicTensor<T>::numel_of(shape) != t.numel())
+    throw std::invalid_argument("drafter: cannot reshape " + shape_str(t.shape) + " to " + shape_str(shape));
+  t.shape = std::move(shape);
+  return t;
+}
+
+template <typename T>
+void add_into(BasicTensor<T>& a, const BasicTensor<T>& b) {
+  for (size_t i = 0; i < a.data.size(); ++i) a.data[i] += b.data[i];
+}
+
+/// cos / sin tables [n, hd/2] of the HF default RoPE, angles in double (reference: float64 inv_freq,
+/// float64 angle, cos/sin rounded to the compute dtype).
+template <typename T>
+struct Rope {
+  int64_t half = 0;
+  std::vector<T> c, s;
+  Rope(const std::vector<int64_t>& pos, int64_t hd, double theta) : half(hd / 2) {
+    c.resize(pos.size() * size_t(half));
+    s.resize(c.size());
+    for (size_t t = 0; t < pos.size(); ++t)
+      for (int64_t i = 0; i < half; ++i) {
+        const double inv = 1.0 / std::pow(theta, double(2 * i) / double(hd));
+        const double ang = double(pos[t]) * inv;
+        c[t * size_t(half) + size_t(i)] = T(std::cos(ang));
+        s[t * size_t(half) + size_t(i)] = T(std::sin(ang));
+      }
+  }
+  // x [n, H, hd] in place; sign -1 = transpose (backward)
+  void apply(BasicTensor<T>& x, T sign) const {
+    const int64_t n = x.dim(0), H = x.dim(1), D = x.dim(2);
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        T* p = x.ptr() + (t * H + h) * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const T cc = c[size_t(t * half + i)], ss = sign * s[size_t(t * half + i)];
+          const T a = p[i], b = p[i + half];
+          p[i] = a * cc - b * ss;
+          p[i + half] = b * cc + a * ss;
+        }
+      }
+  }
+};
+
+template <typename T>
+struct LayerSaved {
+  BasicTensor<T> x_in, inv_in, hn, kv_in;
+  BasicTensor<T> q_pre, q_inv, q_rot, k_pre, k_inv, k_rot, v, o, lse;
+  BasicTensor<T> x_mid, inv_post, hp, g, u, act;
+};
+
+void check_shape(const std::string& what, const std::vector<int64_t>& got, const std::vector<int64_t>& want) {
+  if (got != want)
+    throw std::invalid_argument("drafter_step: " + what + " has shape " + shape_str(got) + ", expected " +
+                                shape_str(want));
+}
+
+}  // namespace
+
+template <typename T>
+std::vector<std::pair<std::string, BasicTensor<T>*>> DrafterWeights<T>::named() {
+  return named_impl<DrafterWeights<T>, BasicTensor<T>>(*this);
+}
+template <typename T>
+std::vector<std::pair<std::string, const BasicTensor<T>*>> DrafterWeights<T>::named() const {
+  return named_impl<const DrafterWeights<T>, const BasicTensor<T>>(*this);
+}
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> drafter_param_shapes(const DrafterConfig& c) {
+  const int64_t d = c.hidden_size, hd = c.head_dim, nh = c.num_attention_heads, nkv = c.num_key_value_heads;
+  const int64_t I = c.intermediate_size, K = int64_t(c.target_layer_ids.size());
+  std::vector<std::pair<std::string, std::vector<int64_t>>> r;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string p = "layers." + std::to_string(i) + ".";
+    r.push_back({p + "self_attn.q_proj.weight", {nh * hd, d}});
+    r.push_back({p + "self_attn.k_proj.weight", {nkv * hd, d}});
+    r.push_back({p + "self_attn.v_proj.weight", {nkv * hd, d}});
+    r.push_back({p + "self_attn.o_proj.weight", {d, nh * hd}});
+    r.push_back({p + "self_attn.q_norm.weight", {hd}});
+    r.push_back({p + "self_attn.k_norm.weight", {hd}});
+    r.push_back({p + "mlp.gate_proj.weight", {I, d}});
+    r.push_back({p + "mlp.up_proj.weight", {I, d}});
+    r.push_back({p + "mlp.down_proj.weight", {d, I}});
+    r.push_back({p + "input_layernorm.weight", {d}});
+    r.push_back({p + "post_attention_layernorm.weight", {d}});
+  }
+  r.push_back({"fc.weight", {d, K * d}});
+  r.push_back({"hidden_norm.weight", {d}});
+  r.push_back({"norm.weight", {d}});
+  return r;
+}
+
+template <typename T>
+DrafterWeights<T> drafter_zeros(const DrafterConfig& c) {
+  DrafterWeights<T> w;
+  w.layers.resize(size_t(c.num_hidden_layers));
+  const auto shapes = drafter_param_shapes(c);
+  auto named = w.named();
+  for (size_t i = 0; i < named.size(); ++i) *named[i].second = BasicTensor<T>(shapes[i].second);
+  return w;
+}
+
+template <typename T>
+DrafterWeights<T> load_drafter_weights(const std::string& dir, DrafterConfig* cfg_out) {
+  namespace fs = std::filesystem;
+  const std::string cfg_path = (fs::path(dir) / "config.json").string();
+  const DrafterConfig cfg = drafter_config_from_json(read_json_file(cfg_path), cfg_path);
+  const std::string st_path = (fs::path(dir) / "model.safetensors").string();
+  if (!fs::exists(st_path)) throw std::runtime_error(st_path + ": no such file");
+  const auto ckpt = SafetensorsCheckpoint::open(st_path);
+  const auto shapes = drafter_param_shapes(cfg);
+  std::set<std::string> expected;
+  for (const auto& [n, s] : shapes) expected.insert(n);
+  std::map<std::string, std::string> stored;  // stripped name -> stored name
+  for (const std::string& n : ckpt->names()) {
+    const std::string key = n.rfind("model.", 0) == 0 ? n.substr(6) : n;
+    if (!expected.count(key)) throw std::runtime_error(st_path + ": unexpected tensor '" + n + "'");
+    if (!stored.emplace(key, n).second) throw std::runtime_error(st_path + ": tensor '" + key + "' stored twice");
+  }
+  DrafterWeights<T> w;
+  w.layers.resize(size_t(cfg.num_hidden_layers));
+  auto named = w.named();
+  for (size_t i = 0; i < named.size(); ++i) {
+    const auto& [name, shape] = shapes[i];
+    auto it = stored.find(name);
+    if (it == stored.end()) throw std::runtime_error(st_path + ": missing tensor '" + name + "'");
+    const TensorInfo info = ckpt->info(it->second);
+    if (info.shape != shape)
+      throw std::runtime_error(st_path + ": tensor '" + it->second + "' has shape " + shape_str(info.shape) +
+                               ", expected " + shape_str(shape));
+    *named[i].second = tensor_cast<T>(ckpt->load_f32(it->second));
+  }
+  if (cfg_out) *cfg_out = cfg;
+  return w;
+}
+
+template <typename T>
+DrafterStepResult<T> drafter_step(const DrafterConfig& cfg, const DrafterWeights<T>& w, const DrafterSequence<T>& seq,
+                                  const DrafterStepOptions& opt) {
+  using namespace dflash::cpu;
+  if (!seq.taps || !seq.embed || !seq.lm_head) throw std::invalid_argument("drafter_step: null input tensor");
+  const int64_t d = cfg.hidden_size, hd = cfg.head_dim, H = cfg.num_attention_heads, Hkv = cfg.num_key_value_heads;
+  const int64_t K = int64_t(cfg.target_layer_ids.size()), B = cfg.block_size, L = cfg.num_hidden_layers;
+  const int64_t S = int64_t(seq.ids.size()), N = seq.num_blocks, Q = N * B;
+  const int64_t V = seq.embed->ndim() == 2 ? seq.embed->dim(0) : -1;
+  check_shape("taps", seq.taps->shape, {S, K * d});
+  check_shape("embed", seq.embed->shape, {V, d});
+  check_shape("lm_head", seq.lm_head->shape, {V, d});
+  if (int64_t(seq.loss_mask.size()) != S) throw std::invalid_argument("drafter_step: loss_mask size != ids size");
+  if (int64_t(w.layers.size()) != L) throw std::invalid_argument("drafter_step: weights have the wrong layer count");
+  if (N < int64_t(seq.anchors.size())) throw std::invalid_argument("drafter_step: more anchors than blocks");
+  if (!(seq.gamma > 0)) throw std::invalid_argument("drafter_step: gamma must be > 0");
+  for (size_t b = 0; b < seq.anchors.size(); ++b) {
+    const int64_t a = seq.anchors[b];
+    if (a < 0 || a >= S || (b > 0 && a < seq.anchors[b - 1]))
+      throw std::invalid_argument("drafter_step: anchors must be sorted and inside [0, " + std::to_string(S) + ")");
+  }
+  for (int64_t t : seq.ids)
+    if (t < 0 || t >= V) throw std::invalid_argument("drafter_step: token id " + std::to_string(t) + " outside vocab");
+  if (cfg.mask_token_id < 0 || cfg.mask_token_id >= V) throw std::invalid_argument("drafter_step: bad mask_token_id");
+  const int64_t nanchors = int64_t(seq.anchors.size());
+
+  // Block inputs, positions, labels and weights.
+  std::vector<int64_t> pos_q(static_cast<size_t>(Q)), pos_kv(static_cast<size_t>(S + Q));
+  std::vector<int32_t> labels(size_t(Q), 0);
+  std::vector<T> wts(size_t(Q), T(0));
+  BasicTensor<T> x({Q, d});
+  for (int64_t b = 0; b < N; ++b) {
+    const bool valid = b < nanchors;
+    const int64_t a = valid ? seq.anchors[size_t(b)] : 0;
+    for (int64_t k = 0; k < B; ++k) {
+      const int64_t r = b * B + k;
+      pos_q[size_t(r)] = a + k;
+      const int64_t tok = (valid && k == 0) ? seq.ids[size_t(a)] : cfg.mask_token_id;
+      std::copy(seq.embed->row(tok), seq.embed->row(tok) + d, x.row(r));
+      if (valid && k >= 1 && a + k < S) {
+        labels[size_t(r)] = int32_t(seq.ids[size_t(a + k)]);
+        wts[size_t(r)] = T(std::exp(-double(k - 1) / seq.gamma) * double(seq.loss_mask[size_t(a + k)]));
+      }
+    }
+  }
+  for (int64_t j = 0; j < S; ++j) pos_kv[size_t(j)] = j;
+  for (int64_t r = 0; r < Q; ++r) pos_kv[size_t(S + r)] = pos_q[size_t(r)];
+  const Rope<T> rope_q(pos_q, hd, cfg.rope_theta), rope_kv(pos_kv, hd, cfg.rope_theta);
+  const double scale = 1.0 / std::sqrt(double(hd));
+  std::vector<std::vector<KvRanges>> ranges(static_cast<size_t>(L));
+  for (int64_t i = 0; i < L; ++i) {
+    const bool sliding = size_t(i) < cfg.layer_types.size() && cfg.layer_types[size_t(i)] == "sliding_attention";
+    ranges[size_t(i)] = dflash_kv_ranges(seq.anchors, N, B, S, sliding ? cfg.sliding_window : 0);
+  }
+
+  // ---- forward ----
+  const BasicTensor<T> fc_out = linear(*seq.taps, w.fc, "drafter fc");
+  BasicTensor<T> inv_ctx;
+  const BasicTensor<T> ctx = rms_norm_forward(fc_out, w.hidden_norm, cfg.rms_norm_eps, &inv_ctx);
+  std::vector<LayerSaved<T>> sv(static_cast<size_t>(L));
+  for (int64_t i = 0; i < L; ++i) {
+    const auto& lw = w.layers[size_t(i)];
+    auto& s = sv[size_t(i)];
+    s.x_in = x;
+    s.hn = rms_norm_forward(s.x_in, lw.input_layernorm, cfg.rms_norm_eps, &s.inv_in);
+    s.kv_in = BasicTensor<T>({S + Q, d});
+    std::copy(ctx.data.begin(), ctx.data.end(), s.kv_in.data.begin());
+    std::copy(s.hn.data.begin(), s.hn.data.end(), s.kv_in.data.begin() + S * d);
+    s.q_pre = reshaped(linear(s.hn, lw.q_proj, "drafter q_proj"), {Q, H, hd});
+    s.q_rot = rms_norm_forward(s.q_pre, lw.q_norm, cfg.rms_norm_eps, &s.q_inv);
+    rope_q.apply(s.q_rot, T(1));
+    s.k_pre = reshaped(linear(s.kv_in, lw.k_proj, "drafter k_proj"), {S + Q, Hkv, hd});
+    s.k_rot = rms_norm_forward(s.k_pre, lw.k_norm, cfg.rms_norm_eps, &s.k_inv);
+    rope_kv.apply(s.k_rot, T(1));
+    s.v = reshaped(linear(s.kv_in, lw.v_proj, "drafter v_proj"), {S + Q, Hkv, hd});
+    s.o = masked_attention_forward(s.q_rot, s.k_rot, s.v, ranges[size_t(i)], scale, &s.lse);
+    const BasicTensor<T> attn = linear(reshaped(s.o, {Q, H * hd}), lw.o_proj, "drafter o_proj");
+    s.x_mid = x;
+    add_into(s.x_mid, attn);
+    s.hp = rms_norm_forward(s.x_mid, lw.post_attention_layernorm, cfg.rms_norm_eps, &s.inv_post);
+    s.g = linear(s.hp, lw.gate_proj, "drafter gate_proj");
+    s.u = linear(s.hp, lw.up_proj, "drafter up_proj");
+    s.act = s.g;
+    swiglu(s.act, s.u);
+    const BasicTensor<T> mlp = linear(s.act, lw.down_proj, "drafter down_proj");
+    x = s.x_mid;
+    add_into(x, mlp);
+  }
+  BasicTensor<T> inv_final;
+  const BasicTensor<T> hf = rms_norm_forward(x, w.norm, cfg.rms_norm_eps, &inv_final);
+
+  DrafterStepResult<T> res;
+  BasicTensor<T> dh;
+  const ChunkedCeResult<T> ce = chunked_cross_entropy(hf, *seq.lm_head, labels, wts, opt.ce_row_chunk,
+                                                      opt.ce_vocab_chunk, opt.backward ? &dh : nullptr);
+  res.loss = ce.loss;
+  res.weight_sum = ce.weight_sum;
+  res.slot_correct.assign(size_t(B), 0);
+  res.slot_count.assign(size_t(B), 0);
+  for (int64_t r = 0; r < Q; ++r)
+    if (wts[size_t(r)] > T(0)) {
+      res.slot_count[size_t(r % B)] += 1;
+      if (ce.argmax[size_t(r)] == labels[size_t(r)]) res.slot_correct[size_t(r % B)] += 1;
+    }
+  if (opt.keep_logits) res.logits = linear(hf, *seq.lm_head, "drafter lm_head");
+  if (!opt.backward) return res;
+
+  // ---- backward ----
+  DrafterGrads<T>& gr = res.grads;
+  gr = drafter_zeros<T>(cfg);
+  BasicTensor<T> dx;
+  rms_norm_backward(x, w.norm, inv_final, dh, &dx, &gr.norm);
+  BasicTensor<T> dctx({S, d});
+  for (int64_t i = L - 1; i >= 0; --i) {
+    const auto& lw = w.layers[size_t(i)];
+    auto& lg = gr.layers[size_t(i)];
+    const auto& s = sv[size_t(i)];
+    // MLP: x_out = x_mid + down(silu(gate(hp)) * up(hp))
+    BasicTensor<T> dact, dg, du, dhp, dhp2, dxm;
+    linear_backward(s.act, lw.down_proj, dx, &dact, &lg.down_proj, "drafter down_proj");
+    swiglu_backward(s.g, s.u, dact, &dg, &du);
+    linear_backward(s.hp, lw.gate_proj, dg, &dhp, &lg.gate_proj, "drafter gate_proj");
+    linear_backward(s.hp, lw.up_proj, du, &dhp2, &lg.up_proj, "drafter up_proj");
+    add_into(dhp, dhp2);
+    rms_norm_backward(s.x_mid, lw.post_attention_layernorm, s.inv_post, dhp, &dxm, &lg.post_attention_layernorm);
+    add_into(dx, dxm);  // dx is now d loss / d x_mid
+    // attention: x_mid = x_in + o_proj(attn(q, k, v))
+    BasicTensor<T> dof, dq, dk, dv;
+    linear_backward(reshaped(s.o, {Q, H * hd}), lw.o_proj, dx, &dof, &lg.o_proj, "drafter o_proj");
+    const BasicTensor<T> dout = reshaped(std::move(dof), {Q, H, hd});
+    masked_attention_backward(s.q_rot, s.k_rot, s.v, s.o, s.lse, dout, ranges[size_t(i)], scale, &dq, &dk, &dv);
+    rope_q.apply(dq, T(-1));
+    rope_kv.apply(dk, T(-1));
+    BasicTensor<T> dqp, dkp;
+    rms_norm_backward(s.q_pre, lw.q_norm, s.q_inv, dq, &dqp, &lg.q_norm);
+    rms_norm_backward(s.k_pre, lw.k_norm, s.k_inv, dk, &dkp, &lg.k_norm);
+    BasicTensor<T> dhn, dkv, dkv2;
+    linear_backward(s.hn, lw.q_proj, reshaped(std::move(dqp), {Q, H * hd}), &dhn, &lg.q_proj, "drafter q_proj");
+    linear_backward(s.kv_in, lw.k_proj, reshaped(std::move(dkp), {S + Q, Hkv * hd}), &dkv, &lg.k_proj,
+                    "drafter k_proj");
+    linear_backward(s.kv_in, lw.v_proj, reshaped(std::move(dv), {S + Q, Hkv * hd}), &dkv2, &lg.v_proj,
+                    "drafter v_proj");
+    add_into(dkv, dkv2);
+    for (int64_t j = 0; j < S * d; ++j) dctx.data[size_t(j)] += dkv.data[size_t(j)];
+    for (int64_t j = 0; j < Q * d; ++j) dhn.data[size_t(j)] += dkv.data[size_t(S * d + j)];
+    BasicTensor<T> dxi;
+    rms_norm_backward(s.x_in, lw.input_layernorm, s.inv_in, dhn, &dxi, &lg.input_layernorm);
+    add_into(dx, dxi);  // d loss / d x_in (the block embeddings are frozen: dx is dropped after layer 0)
+  }
+  BasicTensor<T> dfc;
+  rms_norm_backward(fc_out, w.hidden_norm, inv_ctx, dctx, &dfc, &gr.hidden_norm);
+  linear_backward(*seq.taps, w.fc, dfc, nullptr, &gr.fc, "drafter fc");
+  return res;
+}
+
+template struct DrafterWeights<float>;
+template struct DrafterWeights<double>;
+template DrafterWeights<float> drafter_zeros<float>(const DrafterConfig&);
+template DrafterWeights<double> drafter_zeros<double>(const DrafterConfig&);
+template DrafterWeights<float> load_drafter_weights<float>(const std::string&, DrafterConfig*);
+template DrafterWeights<double> load_drafter_weights<double>(const std::string&, DrafterConfig*);
+template DrafterStepResult<float> drafter_step<float>(const DrafterConfig&, const DrafterWeights<float>&,
+                                                      const DrafterSequence<float>&, const DrafterStepOptions&);
+template DrafterStepResult<double> drafter_step<double>(const DrafterConfig&, const DrafterWeights<double>&,
+                                                        const DrafterSequence<double>&, const DrafterStepOptions&);
+
+}  // namespace dflash

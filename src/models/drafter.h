@@ -1,0 +1,97 @@
+// The DFlash drafter on the CPU: weights (published checkpoint layout), and the forward + hand-written
+// backward of one training sequence (../shared/docs/dflash.md "Training"; conventions as
+// scripts/dflash_reference.py, the PyTorch reference the golden tests/fixtures/drafter was made with).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "models/drafter_config.h"
+#include "tensor/tensor.h"
+
+namespace dflash {
+
+/// One draft layer's weights (names as the checkpoint: layers.{i}.self_attn.q_proj.weight, ...).
+template <typename T>
+struct DrafterLayerWeights {
+  BasicTensor<T> q_proj, k_proj, v_proj, o_proj;  // [H*hd, d], [Hkv*hd, d], [Hkv*hd, d], [d, H*hd]
+  BasicTensor<T> q_norm, k_norm;                  // [hd]
+  BasicTensor<T> input_layernorm, post_attention_layernorm;  // [d]
+  BasicTensor<T> gate_proj, up_proj, down_proj;   // [I, d], [I, d], [d, I]
+};
+
+/// All drafter parameters. The same struct holds gradients (DrafterGrads).
+template <typename T>
+struct DrafterWeights {
+  BasicTensor<T> fc;           // [d, K*d]
+  BasicTensor<T> hidden_norm;  // [d]
+  std::vector<DrafterLayerWeights<T>> layers;
+  BasicTensor<T> norm;         // [d]
+
+  /// (checkpoint name, tensor) for every parameter, in a fixed order (layers first, then fc,
+  /// hidden_norm, norm).
+  std::vector<std::pair<std::string, BasicTensor<T>*>> named();
+  std::vector<std::pair<std::string, const BasicTensor<T>*>> named() const;
+};
+template <typename T>
+using DrafterGrads = DrafterWeights<T>;
+
+/// Checkpoint name -> expected shape, for `c`.
+std::vector<std::pair<std::string, std::vector<int64_t>>> drafter_param_shapes(const DrafterConfig& c);
+
+/// Zero tensors of the right shapes.
+template <typename T>
+DrafterWeights<T> drafter_zeros(const DrafterConfig& c);
+
+/// Loads a DFlash checkpoint directory: config.json (drafter_config_from_json) + model.safetensors
+/// (F32/BF16/F16/F64, converted through float32; a leading "model." prefix is stripped, as the
+/// reference loader does). Strict: a missing, unexpected or mis-shaped tensor throws
+/// std::runtime_error naming the file and the tensor. Writes the config to *cfg if non-null.
+template <typename T>
+DrafterWeights<T> load_drafter_weights(const std::string& dir, DrafterConfig* cfg);
+
+/// One training sequence. Anchors are the valid ones only (sorted, each in [0, S)); blocks
+/// anchors.size() .. num_blocks-1 are padding blocks (all MASK tokens, positions 0..B-1, see
+/// nothing, output of their attention 0, loss weight 0).
+template <typename T>
+struct DrafterSequence {
+  const BasicTensor<T>* taps = nullptr;     // [S, K*d], concatenated target taps
+  std::vector<int64_t> ids;                 // [S]
+  std::vector<int64_t> loss_mask;           // [S] (0/1)
+  std::vector<int64_t> anchors;             // sorted valid anchors
+  int64_t num_blocks = 0;                   // >= anchors.size()
+  const BasicTensor<T>* embed = nullptr;    // [V, d], frozen target embed_tokens
+  const BasicTensor<T>* lm_head = nullptr;  // [V, d], frozen target lm_head (logits = h @ lm_head^T)
+  double gamma = 7.0;                       // loss decay: w_k = exp(-(k-1)/gamma)
+};
+
+struct DrafterStepOptions {
+  bool backward = true;       // compute the gradients
+  bool keep_logits = false;   // fill DrafterStepResult::logits [num_blocks * B, V]
+  int64_t ce_row_chunk = 64, ce_vocab_chunk = 4096;
+};
+
+template <typename T>
+struct DrafterStepResult {
+  T loss = 0;                        // sum(w * CE) / sum(w) (0 when sum(w) == 0)
+  T weight_sum = 0;                  // sum(w)
+  std::vector<int64_t> slot_correct; // [B] top-1 hits over positions with w > 0 (slot 0: 0)
+  std::vector<int64_t> slot_count;   // [B] positions with w > 0
+  DrafterGrads<T> grads;             // d loss / d parameter (if options.backward)
+  BasicTensor<T> logits;             // [num_blocks * B, V] (if options.keep_logits)
+};
+
+/// Forward (and backward) of the drafter over one sequence, exactly as scripts/dflash_reference.py:
+/// ctx = hidden_norm(fc(taps)); block b = [ids[a_b], MASK x (B-1)] embedded; per layer
+/// h = input_layernorm(x) (block tokens only), Q from h, K/V from [ctx ; h] (k_norm on all keys),
+/// RoPE (context j -> j, slot k -> a + k), dflash_kv_ranges mask (sliding_window for sliding layers),
+/// o_proj + residual, post_attention_layernorm, SwiGLU MLP + residual; final norm; weighted CE
+/// against lm_head with w = exp(-(k-1)/gamma) * loss_mask[a+k] * (a+k < S) for k >= 1.
+/// RoPE angles and cos/sin are computed in double (as the reference) and rounded to T.
+/// Throws std::invalid_argument on inconsistent shapes or inputs.
+template <typename T>
+DrafterStepResult<T> drafter_step(const DrafterConfig& cfg, const DrafterWeights<T>& w, const DrafterSequence<T>& seq,
+                                  const DrafterStepOptions& opt = {});
+
+}  // namespace dflash

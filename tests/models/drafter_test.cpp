@@ -1,0 +1,233 @@
+// DFlash drafter forward + hand-written backward vs the PyTorch golden (tests/fixtures/drafter,
+// scripts/dflash_reference.py), in float64 and float32, plus a float64 finite-difference check.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "io/safetensors.h"
+#include "models/drafter.h"
+#include "test_util.h"
+
+using namespace dflash;
+
+namespace {
+
+const double kGamma = 2.0;  // golden_meta.json "gamma"
+
+std::string dir() { return (test::fixtures_dir() / "drafter").string(); }
+
+/// Raw F64 / F32 / I64 tensor of a safetensors file as doubles (load_f32 would round F64 to float).
+std::vector<double> read_f64(const SafetensorsFile& f, const std::string& name, std::vector<int64_t>* shape = nullptr) {
+  const TensorInfo* info = f.find(name);
+  if (!info) throw std::runtime_error(f.path() + ": no tensor " + name);
+  if (shape) *shape = info->shape;
+  const std::size_t n = size_t(BasicTensor<double>::numel_of(info->shape));
+  std::vector<double> out(n);
+  const char* p = static_cast<const char*>(f.data(name));
+  for (std::size_t i = 0; i < n; ++i) {
+    if (info->dtype == DType::F64) {
+      std::memcpy(&out[i], p + 8 * i, 8);
+    } else if (info->dtype == DType::F32) {
+      float v;
+      std::memcpy(&v, p + 4 * i, 4);
+      out[i] = v;
+    } else if (info->dtype == DType::I64) {
+      int64_t v;
+      std::memcpy(&v, p + 8 * i, 8);
+      out[i] = double(v);
+    } else {
+      throw std::runtime_error("read_f64: unsupported dtype for " + name);
+    }
+  }
+  return out;
+}
+
+template <typename T>
+BasicTensor<T> read_tensor(const SafetensorsFile& f, const std::string& name) {
+  BasicTensor<T> t;
+  const std::vector<double> v = read_f64(f, name, &t.shape);
+  t.data.assign(v.begin(), v.end());
+  return t;
+}
+
+std::vector<int64_t> read_i64(const SafetensorsFile& f, const std::string& name) {
+  const std::vector<double> v = read_f64(f, name);
+  return std::vector<int64_t>(v.begin(), v.end());
+}
+
+template <typename A, typename B>
+double rel_l2(const std::vector<A>& a, const std::vector<B>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double d = double(a[i]) - double(b[i]);
+    num += d * d;
+    den += double(b[i]) * double(b[i]);
+  }
+  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+}
+
+template <typename T>
+struct Problem {
+  DrafterConfig cfg;
+  DrafterWeights<T> w;
+  BasicTensor<T> taps, embed, lm_head;
+  DrafterSequence<T> seq;
+
+  Problem() {
+    w = load_drafter_weights<T>((std::filesystem::path(dir()) / "init").string(), &cfg);
+    const SafetensorsFile in((std::filesystem::path(dir()) / "inputs.safetensors").string());
+    taps = read_tensor<T>(in, "taps");
+    embed = read_tensor<T>(in, "embed_tokens");
+    lm_head = read_tensor<T>(in, "lm_head");
+    seq.taps = &taps;
+    seq.embed = &embed;
+    seq.lm_head = &lm_head;
+    seq.ids = read_i64(in, "ids");
+    seq.loss_mask = read_i64(in, "loss_mask");
+    const std::vector<int64_t> anchors = read_i64(in, "anchors");
+    seq.num_blocks = int64_t(anchors.size());
+    for (int64_t a : anchors)
+      if (a >= 0) seq.anchors.push_back(a);  // -1 = padding block (the trailing ones)
+    seq.gamma = kGamma;
+    EXPECT_EQ(read_i64(in, "mask_token_id").at(0), cfg.mask_token_id);
+  }
+};
+
+struct Golden {
+  SafetensorsFile f{(std::filesystem::path(dir()) / "golden.safetensors").string()};
+};
+
+template <typename T>
+void check_against_golden(double tol_loss, double tol_logits, double tol_grad, double* worst_grad_out) {
+  Problem<T> p;
+  DrafterStepOptions opt;
+  opt.keep_logits = true;
+  opt.ce_row_chunk = 7;  // exercise the chunking
+  opt.ce_vocab_chunk = 40;
+  const DrafterStepResult<T> r = drafter_step(p.cfg, p.w, p.seq, opt);
+  Golden g;
+  const double loss = read_f64(g.f, "loss").at(0);
+  const double loss_rel = std::abs(double(r.loss) - loss) / std::abs(loss);
+  EXPECT_LE(loss_rel, tol_loss) << "loss " << r.loss << " vs " << loss;
+  std::printf("[drafter %s] loss %.15f rel err %.3e\n", sizeof(T) == 8 ? "f64" : "f32", double(r.loss), loss_rel);
+  const int64_t B = p.cfg.block_size, V = p.cfg.vocab_size;
+  // logits: whole [N, B, V] (padding block included), and the two selected blocks
+  const std::vector<double> all = read_f64(g.f, "logits.all");
+  EXPECT_LE(rel_l2(r.logits.data, all), tol_logits);
+  for (int b : {0, 2}) {
+    const std::vector<double> gb = read_f64(g.f, "logits.block" + std::to_string(b));
+    std::vector<T> mine(r.logits.data.begin() + b * B * V, r.logits.data.begin() + (b + 1) * B * V);
+    const double e = rel_l2(mine, gb);
+    EXPECT_LE(e, tol_logits) << "block " << b;
+    std::printf("[drafter %s] logits block %d rel L2 %.3e\n", sizeof(T) == 8 ? "f64" : "f32", b, e);
+  }
+  const std::vector<double> correct = read_f64(g.f, "slot_correct"), count = read_f64(g.f, "slot_count");
+  for (int64_t k = 0; k < B; ++k) {
+    EXPECT_EQ(r.slot_correct[size_t(k)], int64_t(correct[size_t(k)])) << "slot " << k;
+    EXPECT_EQ(r.slot_count[size_t(k)], int64_t(count[size_t(k)])) << "slot " << k;
+  }
+  double worst = 0, worst_rounded = 0;
+  for (const auto& [name, t] : r.grads.named()) {
+    const std::vector<double> gg = read_f64(g.f, "grad." + name);
+    ASSERT_EQ(gg.size(), t->data.size()) << name;
+    const double e = rel_l2(t->data, gg);
+    worst = std::max(worst, e);
+    EXPECT_LE(e, tol_grad) << name;
+    if constexpr (sizeof(T) == 8) {
+      // The golden stores fp32: every golden element must be our float64 value rounded to fp32
+      // (within 1e-10 relative of a rounding boundary); equivalently rel L2 after rounding <= 1e-8.
+      std::vector<float> rounded(t->data.begin(), t->data.end());
+      int64_t bad = 0;
+      for (size_t i = 0; i < gg.size(); ++i) {
+        const double ulp = std::abs(double(std::nextafter(float(gg[i]), INFINITY)) - gg[i]);
+        if (std::abs(t->data[i] - gg[i]) > 0.5 * ulp + 1e-10 * std::abs(gg[i]) + 1e-300) ++bad;
+      }
+      EXPECT_EQ(bad, 0) << name;
+      const double er = rel_l2(rounded, gg);
+      worst_rounded = std::max(worst_rounded, er);
+      EXPECT_LE(er, 1e-8) << name;
+    }
+  }
+  if (sizeof(T) == 8) std::printf("[drafter f64] worst grad rel L2 after fp32 rounding: %.3e\n", worst_rounded);
+  if (worst_grad_out) *worst_grad_out = worst;
+}
+
+}  // namespace
+
+TEST(Drafter, LoaderIsStrict) {
+  DrafterConfig cfg;
+  const auto w = load_drafter_weights<float>((std::filesystem::path(dir()) / "init").string(), &cfg);
+  EXPECT_EQ(w.layers.size(), 2u);
+  EXPECT_EQ(w.fc.shape, (std::vector<int64_t>{48, 144}));
+  test::TempDir td;
+  std::filesystem::copy_file(std::filesystem::path(dir()) / "init" / "config.json", td / "config.json");
+  // drop one tensor -> error naming it
+  const SafetensorsFile src((std::filesystem::path(dir()) / "init" / "model.safetensors").string());
+  std::vector<SafetensorsEntry> entries;
+  for (const TensorInfo& info : src.tensors())
+    if (info.name != "layers.1.mlp.up_proj.weight")
+      entries.push_back({info.name, info.dtype, info.shape, src.data(info.name)});
+  write_safetensors((td / "model.safetensors").string(), entries);
+  try {
+    load_drafter_weights<double>(td.path().string(), nullptr);
+    FAIL() << "missing tensor accepted";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("layers.1.mlp.up_proj.weight"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("model.safetensors"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Drafter, MatchesGoldenFloat64) {
+  // Golden gradients are stored as float32 (rounding ~6e-8 relative per element, ~3e-8 rel L2), so a
+  // float64 comparison of gradients cannot go below that; loss and logits are stored as float64.
+  double worst = 0;
+  check_against_golden<double>(1e-10, 1e-9, 1e-7, &worst);
+  std::printf("[drafter f64] worst grad rel L2 vs fp32-stored golden: %.3e\n", worst);
+}
+
+TEST(Drafter, MatchesGoldenFloat32) {
+  double worst = 0;
+  check_against_golden<float>(1e-5, 1e-5, 1e-5, &worst);
+  std::printf("[drafter f32] worst grad rel L2: %.3e\n", worst);
+}
+
+TEST(Drafter, FiniteDifferencesFloat64) {
+  Problem<double> p;
+  const DrafterStepResult<double> r = drafter_step(p.cfg, p.w, p.seq);
+  std::mt19937_64 rng(7);
+  std::normal_distribution<double> nd;
+  DrafterStepOptions fwd;
+  fwd.backward = false;
+  for (int dirn = 0; dirn < 3; ++dirn) {
+    DrafterWeights<double> delta = drafter_zeros<double>(p.cfg);
+    double nrm = 0;
+    for (auto& [name, t] : delta.named())
+      for (double& v : t->data) {
+        v = nd(rng);
+        nrm += v * v;
+      }
+    nrm = std::sqrt(nrm);
+    double an = 0;
+    auto dn = delta.named();
+    const auto gn = r.grads.named();
+    for (size_t i = 0; i < dn.size(); ++i)
+      for (size_t j = 0; j < dn[i].second->data.size(); ++j) {
+        dn[i].second->data[j] /= nrm;
+        an += dn[i].second->data[j] * gn[i].second->data[j];
+      }
+    auto loss_at = [&](double h) {
+      DrafterWeights<double> w2 = p.w;
+      auto wn = w2.named();
+      for (size_t i = 0; i < wn.size(); ++i)
+        for (size_t j = 0; j < wn[i].second->data.size(); ++j) wn[i].second->data[j] += h * dn[i].second->data[j];
+      return drafter_step(p.cfg, w2, p.seq, fwd).loss;
+    };
+    const double h = 1e-3;  // 4th-order central difference
+    const double fd = (8 * (loss_at(h) - loss_at(-h)) - (loss_at(2 * h) - loss_at(-2 * h))) / (12 * h);
+    const double rel = std::abs(fd - an) / std::max(std::abs(an), 1e-12);
+    std::printf("[drafter fd] direction %d: analytic %+.12e fd %+.12e rel %.2e\n", dirn, an, fd, rel);
+    EXPECT_LE(rel, 1e-6);
+  }
+}
