@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <random>
 #include <stdexcept>
@@ -11,16 +12,34 @@
 
 namespace dflash::test {
 
-double rel_l2(const float* a, const float* b, std::size_t n) {
-  double num = 0, den = 0;
+std::vector<double> read_f64(const SafetensorsFile& f, const std::string& name, std::vector<int64_t>* shape) {
+  const TensorInfo* info = f.find(name);
+  if (!info) throw std::runtime_error(f.path() + ": no tensor " + name);
+  if (shape) *shape = info->shape;
+  const std::size_t n = std::size_t(Tensor::numel_of(info->shape));
+  const char* p = static_cast<const char*>(f.data(name));
+  std::vector<double> out(n);
   for (std::size_t i = 0; i < n; ++i) {
-    const double d = double(a[i]) - double(b[i]);
-    num += d * d;
-    den += double(b[i]) * double(b[i]);
+    if (info->dtype == DType::F64) {
+      std::memcpy(&out[i], p + 8 * i, 8);
+    } else if (info->dtype == DType::F32) {
+      float v;
+      std::memcpy(&v, p + 4 * i, 4);
+      out[i] = v;
+    } else if (info->dtype == DType::I64) {
+      int64_t v;
+      std::memcpy(&v, p + 8 * i, 8);
+      out[i] = double(v);
+    } else {
+      throw std::runtime_error("read_f64: unsupported dtype " + dtype_name(info->dtype) + " for " + name);
+    }
   }
-  if (!std::isfinite(num)) return INFINITY;
-  if (den == 0) return num == 0 ? 0.0 : INFINITY;
-  return std::sqrt(num / den);
+  return out;
+}
+
+std::vector<int64_t> read_i64(const SafetensorsFile& f, const std::string& name) {
+  const std::vector<double> v = read_f64(f, name);
+  return std::vector<int64_t>(v.begin(), v.end());
 }
 
 namespace {

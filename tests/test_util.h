@@ -1,9 +1,13 @@
 // Shared helpers for the test suite: tolerances, paths, temp dirs.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <string>
 #include <vector>
+
+#include "io/safetensors.h"
+#include "tensor/tensor.h"
 
 namespace dflash::test {
 
@@ -11,11 +15,35 @@ namespace dflash::test {
 /// CPU float32 reference vs transformers float32 goldens:
 inline constexpr double kTolF32 = 1e-5;
 
-/// ||a - b||_2 / ||b||_2 (0 when both are zero). Sizes must match.
-double rel_l2(const float* a, const float* b, std::size_t n);
-inline double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() ? rel_l2(a.data(), b.data(), a.size()) : 1e30;
+/// ||a - b||_2 / ||b||_2 accumulated in double (0 when both are zero; infinite when b is zero and a
+/// is not, or on NaN/Inf; 1e30 when the sizes differ).
+template <typename A, typename B>
+double rel_l2(const std::vector<A>& a, const std::vector<B>& b) {
+  if (a.size() != b.size()) return 1e30;
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const double d = double(a[i]) - double(b[i]);
+    num += d * d;
+    den += double(b[i]) * double(b[i]);
+  }
+  if (!std::isfinite(num)) return INFINITY;
+  if (den == 0) return num == 0 ? 0.0 : INFINITY;
+  return std::sqrt(num / den);
 }
+
+/// A tensor of a safetensors file as doubles, read from its raw bytes (F64, F32 or I64; load_f32 would
+/// round F64). Fills *shape when given. Throws std::runtime_error for a missing tensor or other dtype.
+std::vector<double> read_f64(const SafetensorsFile& f, const std::string& name, std::vector<int64_t>* shape = nullptr);
+/// The same as a BasicTensor<T> with its shape.
+template <typename T>
+BasicTensor<T> read_tensor(const SafetensorsFile& f, const std::string& name) {
+  BasicTensor<T> t;
+  const std::vector<double> v = read_f64(f, name, &t.shape);
+  t.data.assign(v.begin(), v.end());
+  return t;
+}
+/// An integer tensor (I64, or exact integers in a float tensor).
+std::vector<int64_t> read_i64(const SafetensorsFile& f, const std::string& name);
 
 /// Source tree root and the committed fixtures directory (env DFLASH_SOURCE_DIR overrides).
 std::filesystem::path source_dir();

@@ -14,59 +14,14 @@ using namespace dflash;
 
 namespace {
 
+using test::read_f64;
+using test::read_i64;
+using test::read_tensor;
+using test::rel_l2;
+
 const double kGamma = 2.0;  // golden_meta.json "gamma"
 
 std::string dir() { return (test::fixtures_dir() / "drafter").string(); }
-
-/// Raw F64 / F32 / I64 tensor of a safetensors file as doubles (load_f32 would round F64 to float).
-std::vector<double> read_f64(const SafetensorsFile& f, const std::string& name, std::vector<int64_t>* shape = nullptr) {
-  const TensorInfo* info = f.find(name);
-  if (!info) throw std::runtime_error(f.path() + ": no tensor " + name);
-  if (shape) *shape = info->shape;
-  const std::size_t n = size_t(BasicTensor<double>::numel_of(info->shape));
-  std::vector<double> out(n);
-  const char* p = static_cast<const char*>(f.data(name));
-  for (std::size_t i = 0; i < n; ++i) {
-    if (info->dtype == DType::F64) {
-      std::memcpy(&out[i], p + 8 * i, 8);
-    } else if (info->dtype == DType::F32) {
-      float v;
-      std::memcpy(&v, p + 4 * i, 4);
-      out[i] = v;
-    } else if (info->dtype == DType::I64) {
-      int64_t v;
-      std::memcpy(&v, p + 8 * i, 8);
-      out[i] = double(v);
-    } else {
-      throw std::runtime_error("read_f64: unsupported dtype for " + name);
-    }
-  }
-  return out;
-}
-
-template <typename T>
-BasicTensor<T> read_tensor(const SafetensorsFile& f, const std::string& name) {
-  BasicTensor<T> t;
-  const std::vector<double> v = read_f64(f, name, &t.shape);
-  t.data.assign(v.begin(), v.end());
-  return t;
-}
-
-std::vector<int64_t> read_i64(const SafetensorsFile& f, const std::string& name) {
-  const std::vector<double> v = read_f64(f, name);
-  return std::vector<int64_t>(v.begin(), v.end());
-}
-
-template <typename A, typename B>
-double rel_l2(const std::vector<A>& a, const std::vector<B>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    const double d = double(a[i]) - double(b[i]);
-    num += d * d;
-    den += double(b[i]) * double(b[i]);
-  }
-  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
-}
 
 template <typename T>
 struct Problem {
