@@ -153,7 +153,8 @@ DrafterWeights<T> load_drafter_weights(const std::string& dir, DrafterConfig* cf
   namespace fs = std::filesystem;
   const std::string cfg_path = (fs::path(dir) / "config.json").string();
   const DrafterConfig cfg = drafter_config_from_json(read_json_file(cfg_path), cfg_path);
-  const std::string st_path = (fs::path(dir) / "model.safetensors").string();
+  const bool sharded = fs::exists(fs::path(dir) / "model.safetensors.index.json");
+  const std::string st_path = (fs::path(dir) / (sharded ? "model.safetensors.index.json" : "model.safetensors")).string();
   if (!fs::exists(st_path)) throw std::runtime_error(st_path + ": no such file");
   const auto ckpt = SafetensorsCheckpoint::open(st_path);
   const auto shapes = drafter_param_shapes(cfg);

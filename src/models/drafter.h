@@ -45,7 +45,8 @@ template <typename T>
 DrafterWeights<T> drafter_zeros(const DrafterConfig& c);
 
 /// Loads a DFlash checkpoint directory: config.json (drafter_config_from_json) + model.safetensors
-/// (F32/BF16/F16/F64, converted through float32; a leading "model." prefix is stripped, as the
+/// or a sharded model.safetensors.index.json set (F32/BF16/F16/F64, converted through float32;
+/// a leading "model." prefix is stripped, as the
 /// reference loader does). Strict: a missing, unexpected or mis-shaped tensor throws
 /// std::runtime_error naming the file and the tensor. Writes the config to *cfg if non-null.
 template <typename T>

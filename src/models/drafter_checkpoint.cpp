@@ -74,6 +74,8 @@ void write_drafter_checkpoint(const std::string& dir_in, const DrafterConfig& cf
   while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
   if (dir.empty()) fail(dir_in, "empty path");
   cfg.validate("write_drafter_checkpoint " + dir);
+  if (cfg.mask_token_id < 0)
+    throw std::runtime_error("write_drafter_checkpoint " + dir + ": mask_token_id is not set (resolve_mask_token_id)");
 
   // Shapes and names against the config, before touching the disk.
   const auto shapes = drafter_param_shapes(cfg);

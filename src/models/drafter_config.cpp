@@ -33,6 +33,17 @@ int64_t default_mask_token_id(const ModelSpec& target, const Tokenizer& tok) {
                            "unused special token exists; pass --mask-token-id");
 }
 
+void resolve_mask_token_id(DrafterConfig& c, const Tokenizer& tok, const std::string& where) {
+  if (c.mask_token_id >= 0) return;
+  const std::optional<int32_t> id = tok.token_to_id("<|MASK|>");
+  if (!id)
+    throw std::runtime_error(where + ": dflash_config.mask_token_id is missing and the tokenizer has no <|MASK|>; "
+                             "give the id with --mask-token-id");
+  if (*id >= c.vocab_size)
+    throw std::runtime_error(where + ": <|MASK|> (" + std::to_string(*id) + ") is outside the vocabulary");
+  c.mask_token_id = *id;
+}
+
 void DrafterConfig::validate(const std::string& where) const {
   auto fail = [&](const std::string& m) { throw std::runtime_error(where + ": " + m); };
   for (auto [v, name] : {std::pair{hidden_size, "hidden_size"}, {intermediate_size, "intermediate_size"},
@@ -49,7 +60,7 @@ void DrafterConfig::validate(const std::string& where) const {
     if (id < 0 || id >= num_target_layers)
       fail("target layer id " + std::to_string(id) + " is outside the target's " + std::to_string(num_target_layers) +
            " layers");
-  if (mask_token_id < 0 || mask_token_id >= vocab_size)
+  if (mask_token_id < -1 || mask_token_id >= vocab_size)
     fail("mask_token_id " + std::to_string(mask_token_id) + " is outside the vocabulary [0, " +
          std::to_string(vocab_size) + ")");
   if (int64_t(layer_types.size()) != num_hidden_layers)
@@ -138,11 +149,18 @@ DrafterConfig drafter_config_from_json(const nlohmann::json& j, const std::strin
   c.vocab_size = req(j, "vocab_size");
   c.block_size = req(j, "block_size");
   c.num_target_layers = req(j, "num_target_layers");
-  c.mask_token_id = req(d, "mask_token_id");
-  if (!d.contains("target_layer_ids") || !d["target_layer_ids"].is_array()) fail("dflash_config.target_layer_ids is missing");
-  for (const auto& x : d["target_layer_ids"]) {
-    if (!x.is_number_integer()) fail("dflash_config.target_layer_ids holds a non-integer");
-    c.target_layer_ids.push_back(x.get<int64_t>());
+  // Older z-lab configs leave these out; their loaders then use the tokenizer's <|MASK|> and one
+  // tap per draft layer with the default formula (z-lab dflash model/utils.py build_target_layer_ids).
+  c.mask_token_id = d.contains("mask_token_id") ? req(d, "mask_token_id") : -1;
+  if (!d.contains("target_layer_ids") || d["target_layer_ids"].is_null()) {
+    if (c.num_hidden_layers <= 0) fail("num_hidden_layers must be > 0");
+    c.target_layer_ids = default_target_layer_ids(c.num_target_layers, c.num_hidden_layers);
+  } else {
+    if (!d["target_layer_ids"].is_array()) fail("dflash_config.target_layer_ids must be a list");
+    for (const auto& x : d["target_layer_ids"]) {
+      if (!x.is_number_integer()) fail("dflash_config.target_layer_ids holds a non-integer");
+      c.target_layer_ids.push_back(x.get<int64_t>());
+    }
   }
   c.rope_theta = j.value("rope_theta", 1e6);
   if (j.contains("rope_parameters") && j["rope_parameters"].is_object())

@@ -22,7 +22,7 @@ struct DrafterConfig {
   int64_t block_size = 16;
   int64_t num_target_layers = 0;              // layers of the target
   std::vector<int64_t> target_layer_ids;      // taps: output of target layer i = hidden_states[i + 1]
-  int64_t mask_token_id = -1;
+  int64_t mask_token_id = -1;                 // -1: not given (older configs); resolve_mask_token_id
   std::vector<std::string> layer_types;       // "full_attention" | "sliding_attention", one per layer
   int64_t sliding_window = 0;                 // used by sliding_attention layers
 
@@ -60,6 +60,14 @@ DrafterConfig derive_drafter_config(const ModelSpec& target, const Tokenizer* to
 /// dflash_config {mask_token_id, target_layer_ids}, standard Qwen3 fields).
 nlohmann::json drafter_config_to_json(const DrafterConfig& c);
 /// Reads a DFlash config.json (ours, z-lab's or SpecForge's). Throws naming `where` and the field.
+/// Older z-lab configs without dflash_config.target_layer_ids get
+/// default_target_layer_ids(num_target_layers, num_hidden_layers) (one tap per draft layer, as the
+/// z-lab / SGLang loaders); without dflash_config.mask_token_id, mask_token_id is -1 (see
+/// resolve_mask_token_id).
 DrafterConfig drafter_config_from_json(const nlohmann::json& j, const std::string& where);
+
+/// Sets c.mask_token_id from the tokenizer's `<|MASK|>` when the config did not give one (-1), as
+/// the z-lab / SGLang loaders do. Throws std::runtime_error naming `where` when there is none.
+void resolve_mask_token_id(DrafterConfig& c, const Tokenizer& tok, const std::string& where);
 
 }  // namespace dflash

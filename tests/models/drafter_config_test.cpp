@@ -80,3 +80,82 @@ TEST(DrafterConfig, ConfigJsonRoundTripAndPublishedFormat) {
   bad.erase("dflash_config");
   EXPECT_THROW(drafter_config_from_json(bad, "bad"), std::runtime_error);
 }
+
+namespace {
+// The config.json layout of a published z-lab drafter (Qwen3-8B-DFlash-b16 shape): DFlash fields plus
+// the standard Qwen3 fields and the extras HF writes (auto_map, dtype, use_cache, ...), which are
+// ignored.
+nlohmann::json published_qwen3_8b_config() {
+  return nlohmann::json::parse(R"({
+    "architectures": ["DFlashDraftModel"],
+    "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+    "attention_bias": false, "attention_dropout": 0.0,
+    "block_size": 16,
+    "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+    "dtype": "bfloat16", "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 12288,
+    "layer_types": ["full_attention", "full_attention", "full_attention", "full_attention", "full_attention"],
+    "max_position_embeddings": 40960, "max_window_layers": 5, "model_type": "qwen3",
+    "num_attention_heads": 32, "num_hidden_layers": 5, "num_key_value_heads": 8, "num_target_layers": 36,
+    "rms_norm_eps": 1e-06, "rope_scaling": null, "rope_theta": 1000000, "sliding_window": null,
+    "tie_word_embeddings": false, "transformers_version": "4.57.1", "use_cache": true,
+    "use_sliding_window": false, "vocab_size": 151936
+  })");
+}
+}  // namespace
+
+TEST(DrafterConfig, ReadsThePublishedLayout) {
+  const DrafterConfig c = drafter_config_from_json(published_qwen3_8b_config(), "z-lab config.json");
+  EXPECT_EQ(c.hidden_size, 4096);
+  EXPECT_EQ(c.intermediate_size, 12288);
+  EXPECT_EQ(c.num_attention_heads, 32);
+  EXPECT_EQ(c.num_key_value_heads, 8);
+  EXPECT_EQ(c.head_dim, 128);
+  EXPECT_EQ(c.block_size, 16);
+  EXPECT_EQ(c.num_target_layers, 36);
+  EXPECT_EQ(c.target_layer_ids, (std::vector<int64_t>{1, 9, 17, 25, 33}));
+  EXPECT_EQ(c.mask_token_id, 151669);
+  EXPECT_DOUBLE_EQ(c.rope_theta, 1e6);
+  EXPECT_EQ(c.layer_types, std::vector<std::string>(5, "full_attention"));
+  // Written back, every DFlash and shape field keeps its published value.
+  const nlohmann::json back = drafter_config_to_json(c), pub = published_qwen3_8b_config();
+  for (const char* k : {"architectures", "model_type", "block_size", "dflash_config", "hidden_size", "intermediate_size",
+                        "num_attention_heads", "num_key_value_heads", "head_dim", "num_hidden_layers",
+                        "num_target_layers", "vocab_size", "layer_types", "sliding_window", "use_sliding_window",
+                        "tie_word_embeddings", "max_position_embeddings"})
+    EXPECT_EQ(back[k], pub[k]) << k;
+}
+
+TEST(DrafterConfig, OlderConfigsWithoutTapsOrMaskToken) {
+  nlohmann::json j = published_qwen3_8b_config();
+  j["dflash_config"] = nlohmann::json::object();
+  DrafterConfig c = drafter_config_from_json(j, "old config.json");
+  // one tap per draft layer with the default formula, as the z-lab / SGLang loaders do
+  EXPECT_EQ(c.target_layer_ids, (std::vector<int64_t>{1, 9, 17, 25, 33}));
+  EXPECT_EQ(c.mask_token_id, -1);
+  j["num_hidden_layers"] = 3;
+  j["layer_types"] = std::vector<std::string>(3, "full_attention");
+  EXPECT_EQ(drafter_config_from_json(j, "old").target_layer_ids, (std::vector<int64_t>{1, 17, 33}));
+  j["dflash_config"]["target_layer_ids"] = "1,2";
+  EXPECT_THROW(drafter_config_from_json(j, "bad"), std::runtime_error);
+
+  const auto tok_dir = test::source_dir() / ".." / "shared" / "tokenizers" / "qwen3";
+  if (!std::filesystem::exists(tok_dir / "tokenizer.json")) GTEST_SKIP() << "no Qwen3 tokenizer at " << tok_dir;
+  // The Qwen3 tokenizer has no <|MASK|>: the id must be given.
+  const auto plain = Tokenizer::load(tok_dir.string());
+  try {
+    resolve_mask_token_id(c, *plain, "old config.json");
+    FAIL() << "resolved a mask token that does not exist";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("--mask-token-id"), std::string::npos) << e.what();
+  }
+  // With <|MASK|> added (as the published drafters' tokenizers do), it is taken from there.
+  nlohmann::json tj = read_json_file((tok_dir / "tokenizer.json").string());
+  tj["added_tokens"].push_back({{"id", 151669}, {"content", "<|MASK|>"}, {"single_word", false}, {"lstrip", false},
+                                {"rstrip", false}, {"normalized", false}, {"special", true}});
+  test::TempDir td;
+  test::write_file(td / "tokenizer.json", tj.dump());
+  const auto with_mask = Tokenizer::load(td.path().string());
+  resolve_mask_token_id(c, *with_mask, "old config.json");
+  EXPECT_EQ(c.mask_token_id, 151669);
+}

@@ -8,6 +8,7 @@
 
 #include "io/safetensors.h"
 #include "models/drafter.h"
+#include "ops/dflash_attention.h"
 #include "test_util.h"
 
 using namespace dflash;
@@ -185,4 +186,63 @@ TEST(Drafter, FiniteDifferencesFloat64) {
     std::printf("[drafter fd] direction %d: analytic %+.12e fd %+.12e rel %.2e\n", dirn, an, fd, rel);
     EXPECT_LE(rel, 1e-6);
   }
+}
+
+// The mask the step uses (dflash_kv_ranges, per layer type) against the reference's boolean masks
+// element by element: a sliding layer (window 6) and a full layer, a late anchor whose block runs
+// past the sequence, and a padding block (rows all False).
+TEST(Drafter, MaskMatchesGoldenElementByElement) {
+  Problem<double> p;
+  Golden g;
+  const int64_t S = int64_t(p.seq.ids.size()), B = p.cfg.block_size, N = p.seq.num_blocks;
+  ASSERT_LT(int64_t(p.seq.anchors.size()), N) << "the fixture must contain a padding block";
+  for (int64_t layer = 0; layer < p.cfg.num_hidden_layers; ++layer) {
+    const std::string name = "mask.layer" + std::to_string(layer);
+    const TensorInfo* info = g.f.find(name);
+    ASSERT_NE(info, nullptr) << name;
+    ASSERT_EQ(info->dtype, DType::BOOL) << name;
+    ASSERT_EQ(info->shape, (std::vector<int64_t>{N * B, S + N * B})) << name;
+    const auto* bits = static_cast<const uint8_t*>(g.f.data(name));
+    const bool sliding = p.cfg.layer_types[size_t(layer)] == "sliding_attention";
+    EXPECT_EQ(sliding, layer == 0);
+    const auto ranges = cpu::dflash_kv_ranges(p.seq.anchors, N, B, S, sliding ? p.cfg.sliding_window : 0);
+    int64_t mismatches = 0, allowed = 0;
+    for (int64_t r = 0; r < N * B; ++r)
+      for (int64_t c = 0; c < S + N * B; ++c) {
+        const auto& kr = ranges[size_t(r)];
+        const bool mine = (c >= kr.ctx_begin && c < kr.ctx_end) || (c >= kr.blk_begin && c < kr.blk_end);
+        const bool want = bits[r * (S + N * B) + c] != 0;
+        allowed += want;
+        if (mine != want && ++mismatches <= 5)
+          ADD_FAILURE() << name << " row " << r << " col " << c << ": mine " << mine << " golden " << want;
+      }
+    EXPECT_EQ(mismatches, 0) << name;
+    EXPECT_GT(allowed, 0) << name;
+  }
+}
+
+// Checkpoints as SpecForge / HF save_pretrained may write them: sharded with an index, names with a
+// "model." prefix. They load to the same weights as the single-file original.
+TEST(Drafter, LoadsShardedPrefixedCheckpoints) {
+  DrafterConfig cfg;
+  const auto ref = load_drafter_weights<float>((std::filesystem::path(dir()) / "init").string(), &cfg);
+  test::TempDir td;
+  std::filesystem::copy_file(std::filesystem::path(dir()) / "init" / "config.json", td / "config.json");
+  const SafetensorsFile src((std::filesystem::path(dir()) / "init" / "model.safetensors").string());
+  std::vector<SafetensorsEntry> shard[2];
+  nlohmann::json index = {{"metadata", {{"total_size", 0}}}, {"weight_map", nlohmann::json::object()}};
+  int i = 0;
+  for (const TensorInfo& info : src.tensors()) {
+    const int s = (i++) % 2;
+    const std::string name = "model." + info.name;
+    shard[s].push_back({name, info.dtype, info.shape, src.data(info.name)});
+    index["weight_map"][name] = "model-0000" + std::to_string(s + 1) + "-of-00002.safetensors";
+  }
+  for (int s = 0; s < 2; ++s)
+    write_safetensors((td / ("model-0000" + std::to_string(s + 1) + "-of-00002.safetensors")).string(), shard[s]);
+  test::write_file(td / "model.safetensors.index.json", index.dump());
+  const auto w = load_drafter_weights<float>(td.path().string(), nullptr);
+  const auto a = w.named(), b = ref.named();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t k = 0; k < a.size(); ++k) EXPECT_EQ(a[k].second->data, b[k].second->data) << a[k].first;
 }
