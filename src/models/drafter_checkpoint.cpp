@@ -59,7 +59,7 @@ bool check_target(const std::string& dir) {
     const std::string name = e.path().filename().string();
     if (name == "config.json") {
       has_config = true;
-    } else if (name != "model.safetensors") {
+    } else if (name != "model.safetensors" && name != kTrainingStateFile) {
       fail(dir, "refusing to replace a directory that is not a drafter checkpoint (it holds " + name + ")");
     }
   }
@@ -69,7 +69,8 @@ bool check_target(const std::string& dir) {
 
 }  // namespace
 
-void write_drafter_checkpoint(const std::string& dir_in, const DrafterConfig& cfg, const DrafterWeights<float>& w) {
+void write_drafter_checkpoint(const std::string& dir_in, const DrafterConfig& cfg, const DrafterWeights<float>& w,
+                              const std::function<void(const std::string&)>& write_training_state) {
   std::string dir = dir_in;
   while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
   if (dir.empty()) fail(dir_in, "empty path");
@@ -106,6 +107,7 @@ void write_drafter_checkpoint(const std::string& dir_in, const DrafterConfig& cf
   try {
     write_text(tmp + "/config.json", drafter_config_to_json(cfg).dump(2) + "\n");
     write_safetensors(tmp + "/model.safetensors", entries, {{"format", "pt"}});
+    if (write_training_state) write_training_state(tmp + "/" + kTrainingStateFile);
     sync_path(tmp, true);
     if (replace) {
       // Atomic swap of the two directories, then delete the old one (now at tmp).

@@ -2,6 +2,7 @@
 // "Checkpoint format"): config.json + model.safetensors (BF16, names without a "model." prefix),
 // the layout SGLang / vLLM / z-lab load and load_drafter_weights reads back.
 #pragma once
+#include <functional>
 #include <string>
 
 #include "models/drafter.h"
@@ -19,9 +20,17 @@ namespace dflash {
 /// `dir` is untouched.
 ///
 /// `dir` may be absent, an empty directory, or an earlier checkpoint (a directory whose entries are
-/// only config.json and/or model.safetensors, config.json included). Anything else (a file, a
+/// only config.json, model.safetensors and training_state.safetensors, config.json included).
+///
+/// `write_training_state`, when given, is called with the path of kTrainingStateFile inside the temp
+/// directory and must write it there (the trainer's state for exact resume; servers ignore it). It is
+/// part of the same atomic rename. Anything else (a file, a
 /// directory with other entries) is refused with std::runtime_error, as are a missing parent,
 /// cfg.validate failures and tensors whose shapes differ from drafter_param_shapes(cfg).
-void write_drafter_checkpoint(const std::string& dir, const DrafterConfig& cfg, const DrafterWeights<float>& w);
+void write_drafter_checkpoint(const std::string& dir, const DrafterConfig& cfg, const DrafterWeights<float>& w,
+                              const std::function<void(const std::string& path)>& write_training_state = {});
+
+/// File name of the training state inside a checkpoint directory.
+inline constexpr const char* kTrainingStateFile = "training_state.safetensors";
 
 }  // namespace dflash

@@ -5,16 +5,14 @@
 
 namespace dflash {
 
-namespace {
-/// Uniform integer in [0, n) by rejection (unbiased, portable).
 uint64_t uniform_below(uint64_t n, std::mt19937_64& rng) {
+  if (n == 0) throw std::invalid_argument("uniform_below: n must be > 0");
   const uint64_t limit = UINT64_MAX - UINT64_MAX % n;  // largest multiple of n, exclusive
   uint64_t x;
   do x = rng();
   while (x >= limit);
   return x % n;
 }
-}  // namespace
 
 std::vector<int64_t> anchor_candidates(std::span<const uint8_t> loss_mask) {
   std::vector<int64_t> c;

@@ -1,0 +1,117 @@
+// The drafter training loop on the CPU (reference): data order, anchors, gradient accumulation,
+// clipping, schedule, AdamW, and checkpoints with a training state for exact resume
+// (../shared/docs/dflash.md "Training"). The GPU trainer (issue 6) must reproduce its numbers.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "models/drafter.h"
+#include "train/optimizer.h"
+#include "train/schedule.h"
+
+namespace dflash {
+
+/// One training example as the trainer consumes it: a tokenized conversation and the target's taps.
+struct TrainExample {
+  std::vector<int64_t> ids;        // [S]
+  std::vector<uint8_t> loss_mask;  // [S], 1 on assistant tokens
+  Tensor taps;                     // [S, K*d] float32: target taps in target_layer_ids order, concatenated
+};
+
+/// Supplies example `index`, 0 <= index < num_examples. Must return the same example for the same
+/// index every time (resume relies on it).
+using ExampleSource = std::function<TrainExample(int64_t index)>;
+
+/// Hyper-parameters. Defaults: the published recipe (dflash.md step 6) with gamma 7 for B = 16.
+struct TrainerOptions {
+  int64_t num_anchors = 512;      // anchors per sequence (fewer when the sequence has fewer candidates)
+  int64_t grad_accum = 1;         // sequences (micro-batches) per optimizer step
+  double max_grad_norm = 1.0;     // global-norm clipping
+  double gamma = 7.0;             // loss decay over slots
+  WarmupCosineSchedule schedule;  // peak lr 6e-4, warmup 4 %, cosine to 0 over total_steps
+  AdamWOptions adamw;             // betas, eps, weight decay (its lr is unused: the schedule gives it)
+  uint64_t seed = 0;              // data order and anchors
+  bool shuffle = true;            // a fresh permutation of the examples every epoch
+};
+
+/// Position in the data: `index` into epoch `epoch`'s order of the examples.
+struct DataPosition {
+  int64_t epoch = 0, index = 0;
+};
+
+/// What one optimizer step did.
+struct TrainStepStats {
+  int64_t step = 0;                  // optimizer steps taken, this one included
+  double loss = 0;                   // mean over the micro-batches that had loss weight
+  double grad_norm = 0;              // global norm before clipping (NaN/Inf: step skipped)
+  double lr = 0;                     // learning rate used
+  int64_t micro_batches = 0, empty_micro_batches = 0;  // empty: no anchor / no loss weight
+  int64_t tokens = 0;                // context tokens seen
+  std::vector<int64_t> slot_correct, slot_count;       // [B] top-1 hits per slot (as DrafterStepResult)
+  bool skipped = false;              // non-finite gradient norm: weights and optimizer untouched
+};
+
+/// Trains a drafter on the CPU, one sequence per micro-batch.
+///
+/// One step: for each of grad_accum micro-batches, take the next example of the data order (a seeded
+/// permutation per epoch, or 0..n-1 without shuffle), sample up to num_anchors anchors from its loss
+/// mask with the trainer's RNG (sample_anchors), run drafter_step (forward + backward) and add its
+/// gradients; average over the micro-batches that had loss weight (an example without any anchor
+/// candidate contributes nothing and is counted as empty); clip to max_grad_norm
+/// (clip_grad_norm); AdamW at schedule.lr(step). Deterministic: the same options, data and seed give
+/// bitwise the same weights, on every run and across save / resume.
+class DrafterTrainer {
+ public:
+  /// `embed` and `lm_head` [V, d] are the frozen target tensors; they must outlive the trainer.
+  /// Throws std::invalid_argument for num_examples <= 0, grad_accum <= 0, num_anchors <= 0, or
+  /// weights that do not match cfg.
+  DrafterTrainer(DrafterConfig cfg, DrafterWeights<float> weights, const Tensor* embed, const Tensor* lm_head,
+                 int64_t num_examples, TrainerOptions opt);
+
+  /// One optimizer step (see the class comment). Throws what drafter_step throws for a bad example
+  /// (the message names the example index); the trainer's state is then unchanged.
+  TrainStepStats step(const ExampleSource& source);
+
+  /// Writes `dir` atomically: the servable DFlash checkpoint (config.json, bf16 model.safetensors)
+  /// plus kTrainingStateFile: fp32 master weights ("master.<name>"), AdamW moments
+  /// ("exp_avg.<name>", "exp_avg_sq.<name>"), and metadata (format "dflash-train-state-v1", step,
+  /// data position, RNG state, seed, number of examples, options).
+  void save(const std::string& dir) const;
+
+  /// Restores the state saved by save(): weights from the fp32 masters (not the bf16 copy),
+  /// optimizer moments and step, RNG, data position. Throws std::runtime_error naming the file when
+  /// it is missing or malformed, when its config differs from this trainer's, or when the number of
+  /// examples or the seed differ (the data order would not be the same).
+  void resume(const std::string& dir);
+
+  const DrafterWeights<float>& weights() const { return w_; }
+  const DrafterConfig& config() const { return cfg_; }
+  const AdamW<float>& optimizer() const { return adam_; }
+  int64_t step_count() const { return adam_.step_count(); }
+  DataPosition position() const { return pos_; }
+
+ private:
+  int64_t next_example();
+  void make_order();
+
+  DrafterConfig cfg_;
+  DrafterWeights<float> w_;
+  const Tensor* embed_;
+  const Tensor* lm_head_;
+  int64_t num_examples_;
+  TrainerOptions opt_;
+  AdamW<float> adam_;
+  std::mt19937_64 rng_;         // anchors
+  DataPosition pos_;
+  std::vector<int64_t> order_;  // permutation of epoch pos_.epoch
+};
+
+/// A fresh drafter as transformers' Qwen3 init does it (PreTrainedModel._init_weights with
+/// initializer_range 0.02): every projection and fc ~ N(0, 0.02^2), every RMSNorm weight 1.
+/// Normals from `seed` by Box-Muller over mt19937_64 (the same on every platform).
+DrafterWeights<float> init_drafter_weights(const DrafterConfig& cfg, uint64_t seed, double std_dev = 0.02);
+
+}  // namespace dflash
