@@ -25,10 +25,26 @@ if [ ! -x "$build/dflash_tests" ]; then
   cmake --build "$build" -j >>"$log" 2>&1 || { echo "gpu_check: build failed, see $log"; exit 1; }
 fi
 
+# cuBLASLt is linked dynamically: find the toolkit's (or the CUDA wheels') copy when the RPATH misses it.
+if ldd "$build/dflash_tests" 2>/dev/null | grep -q 'libcublasLt.* not found'; then
+  lt=$(find /usr/local /opt /usr/lib -name 'libcublasLt.so.13' 2>/dev/null | head -n 1)
+  [ -n "$lt" ] && export LD_LIBRARY_PATH="$(dirname "$lt")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+
 export DFLASH_SOURCE_DIR="$root" DFLASH_BINARY="$root/$build/dflash"
 "$build/dflash_tests" --gtest_brief=1 >"$out/gpu_tests.log" 2>&1
 tests_rc=$?
 summary=$(grep -E '^\[  (PASSED|FAILED)  \]|tests? ran|SKIPPED \]' "$out/gpu_tests.log" | head -n 5)
+gpu_tests=$(grep -E '^\[       OK \] Cuda|^\[  FAILED  \] Cuda|Cuda.*Skipped' "$out/gpu_tests.log" | head -n 40)
+# The GPU kernel tests once more under compute-sanitizer memcheck (out-of-bounds, misaligned, leaks).
+memcheck="compute-sanitizer not found"
+if command -v compute-sanitizer >/dev/null; then
+  compute-sanitizer --tool memcheck --leak-check full --error-exitcode 9 "$build/dflash_tests" \
+    --gtest_filter='Cuda*' --gtest_brief=1 >"$out/memcheck.log" 2>&1
+  mc_rc=$?
+  memcheck="exit $mc_rc ($(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$out/memcheck.log" | tr '\n' ' '))"
+  [ $mc_rc -ne 0 ] && tests_rc=1
+fi
 inspect=$("$build/dflash" inspect tests/fixtures/qwen3_5 2>&1 | sed -n '1,20p')
 smol="not run (DFLASH_SMOLLM2_GGUF unset)"
 if [ -n "${DFLASH_SMOLLM2_GGUF:-}" ]; then
@@ -47,6 +63,12 @@ fi
   echo '```'
   echo "$summary"
   echo '```'
+  echo '## GPU kernel tests (tests/cuda, vs the CPU references)'
+  echo '```'
+  echo "$gpu_tests"
+  echo '```'
+  echo "compute-sanitizer memcheck of the GPU kernel tests: $memcheck"
+  echo
   echo '## dflash inspect tests/fixtures/qwen3_5 (device detection)'
   echo '```'
   echo "$inspect"

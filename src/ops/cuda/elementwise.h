@@ -1,0 +1,27 @@
+// Element-wise GPU ops of the dense path: SwiGLU forward / backward, embedding gather, residual add
+// (references: src/ops/cpu/activation.cpp swiglu / swiglu_backward; transformers' SiLU * up).
+#pragma once
+#include <cstdint>
+
+#include "ops/cuda/runtime.h"
+
+namespace dflash::cuda {
+
+/// act [n] = silu(gate) * up, bf16 in and out, fp32 math. act may alias gate or up.
+void swiglu_forward(const bf16* gate, const bf16* up, bf16* act, int64_t n, cudaStream_t stream);
+
+/// Backward of swiglu_forward: with s = sigmoid(g),
+///   dgate = dact * up * s * (1 + g * (1 - s)),  dup = dact * g * s.
+/// dgate / dup may alias gate / up (each element is read before it is written).
+void swiglu_backward(const bf16* gate, const bf16* up, const bf16* dact, bf16* dgate, bf16* dup, int64_t n,
+                     cudaStream_t stream);
+
+/// out [rows, d] = table[ids[r], :] (table [V, d] bf16). An id outside [0, V) writes NaN rows and
+/// sets *bad_id (device int, if non-null) to 1, so the caller can report it without a crash.
+void embedding_gather(const bf16* table, int64_t V, int64_t d, const int32_t* ids, int64_t rows, bf16* out,
+                      int* bad_id, cudaStream_t stream);
+
+/// y [n] += x [n] (bf16, fp32 add, rounded once).
+void add_inplace(bf16* y, const bf16* x, int64_t n, cudaStream_t stream);
+
+}  // namespace dflash::cuda

@@ -1,0 +1,50 @@
+// Matrix products on the GPU through cuBLASLt: bf16 inputs, fp32 accumulation, fp32 or bf16 output.
+#pragma once
+#include <cstdint>
+#include <memory>
+
+#include "ops/cuda/runtime.h"
+
+namespace dflash::cuda {
+
+/// Row-major product, PyTorch shape order:
+///   C [M, N] = alpha * op(A) @ op(B) + beta * C
+/// A is stored [M, K] (trans_a = false) or [K, M] (trans_a = true); B is stored [K, N] or, with
+/// trans_b, [N, K]. So y = x @ W^T (nn.Linear, W [N, K]) is {A = x, B = W, trans_b = true};
+/// dx = dy @ W is {A = dy, B = W}; dW += dy^T @ x is {A = dy, trans_a = true, B = x, beta = 1}.
+/// All matrices contiguous (leading dimension = row length).
+struct GemmShape {
+  int64_t M = 0, N = 0, K = 0;
+  bool trans_a = false, trans_b = false;
+};
+
+/// A cuBLASLt handle plus its workspace, bound to one stream. One per thread / stream; the
+/// algorithm choice (cublasLtMatmulAlgoGetHeuristic, best one) is cached per shape and output
+/// type in a process-wide table guarded by a mutex, so it is looked up once per shape.
+class GemmContext {
+ public:
+  /// Throws std::runtime_error when cuBLASLt cannot be initialized.
+  explicit GemmContext(cudaStream_t stream, size_t workspace_bytes = size_t(32) << 20);
+  ~GemmContext();
+  GemmContext(const GemmContext&) = delete;
+  GemmContext& operator=(const GemmContext&) = delete;
+
+  cudaStream_t stream() const { return stream_; }
+
+  /// C fp32. Throws std::invalid_argument for non-positive sizes, std::runtime_error when cuBLASLt
+  /// finds no algorithm or fails.
+  void gemm(const GemmShape& s, const bf16* A, const bf16* B, float* C, float alpha = 1.f, float beta = 0.f);
+  /// C bf16 (fp32 accumulation, rounded once at the end).
+  void gemm(const GemmShape& s, const bf16* A, const bf16* B, bf16* C, float alpha = 1.f, float beta = 0.f);
+
+  /// The cuBLASLt version and the number of shapes in the algorithm cache (for `dflash inspect`).
+  static size_t cached_algorithms();
+
+ private:
+  void run(const GemmShape& s, const bf16* A, const bf16* B, void* C, bool c_is_f32, float alpha, float beta);
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  cudaStream_t stream_;
+};
+
+}  // namespace dflash::cuda

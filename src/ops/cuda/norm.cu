@@ -1,0 +1,118 @@
+#include <algorithm>
+#include <stdexcept>
+
+#include "ops/cuda/norm.h"
+
+namespace dflash::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMaxPartialBlocks = 256;  // row groups of the dw reduction
+
+/// Sum over the block (all threads get the result). `red` holds kThreads / 32 floats.
+__device__ float block_sum(float v, float* red) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // red may still be read from the previous call
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float s = 0;
+  for (int i = 0; i < int(blockDim.x / 32); ++i) s += red[i];
+  return s;
+}
+
+__device__ __forceinline__ float gain(const float* w, int64_t c, bool zc) { return zc ? 1.f + w[c] : w[c]; }
+
+__global__ void rms_fwd_kernel(const bf16* x, const float* w, bf16* y, float* inv, int64_t rows, int64_t n, float eps,
+                               bool zc) {
+  __shared__ float red[kThreads / 32];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const bf16* xr = x + r * n;
+    float ss = 0;
+    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
+      const float v = __bfloat162float(xr[c]);
+      ss += v * v;
+    }
+    const float iv = rsqrtf(block_sum(ss, red) / float(n) + eps);
+    if (inv && threadIdx.x == 0) inv[r] = iv;
+    bf16* yr = y + r * n;
+    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) yr[c] = __float2bfloat16_rn(gain(w, c, zc) * (__bfloat162float(xr[c]) * iv));
+  }
+}
+
+// Block b handles rows b, b + G, ...; partial[b, c] = its sum of dy * xh for column c.
+__global__ void rms_bwd_kernel(const bf16* x, const float* w, const float* inv, const bf16* dy, bf16* dx,
+                               float* partial, int64_t rows, int64_t n, bool zc) {
+  __shared__ float red[kThreads / 32];
+  extern __shared__ float acc[];  // [n] when partial != nullptr
+  if (partial)
+    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) acc[c] = 0;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const bf16* xr = x + r * n;
+    const bf16* dyr = dy + r * n;
+    const float iv = inv[r];
+    float dot = 0;
+    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
+      const float xh = __bfloat162float(xr[c]) * iv, d = __bfloat162float(dyr[c]);
+      dot += gain(w, c, zc) * d * xh;
+      if (partial) acc[c] += d * xh;  // each thread owns its columns: no race
+    }
+    if (dx) {
+      const float mean = block_sum(dot, red) / float(n);
+      bf16* dxr = dx + r * n;
+      for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
+        const float xh = __bfloat162float(xr[c]) * iv;
+        dxr[c] = __float2bfloat16_rn(iv * (gain(w, c, zc) * __bfloat162float(dyr[c]) - xh * mean));
+      }
+    }
+  }
+  if (partial)
+    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) partial[blockIdx.x * n + c] = acc[c];
+}
+
+__global__ void column_sum_kernel(const float* partial, int blocks, int64_t n, float* dw) {
+  for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < n; c += int64_t(gridDim.x) * blockDim.x) {
+    float s = 0;
+    for (int b = 0; b < blocks; ++b) s += partial[b * n + c];
+    dw[c] += s;
+  }
+}
+
+int partial_blocks(int64_t rows) { return int(std::min<int64_t>(rows, kMaxPartialBlocks)); }
+
+void check_sizes(int64_t rows, int64_t n, const char* what) {
+  if (rows < 0 || n <= 0) throw std::invalid_argument(std::string(what) + ": bad shape");
+}
+
+}  // namespace
+
+int64_t rms_norm_workspace_floats(int64_t rows, int64_t n) { return int64_t(partial_blocks(std::max<int64_t>(rows, 1))) * n; }
+
+void rms_norm_forward(const bf16* x, const float* w, bf16* y, float* inv, int64_t rows, int64_t n, double eps,
+                      bool zero_centered, cudaStream_t stream) {
+  check_sizes(rows, n, "rms_norm_forward");
+  if (rows == 0) return;
+  const int grid = int(std::min<int64_t>(rows, 65535));
+  rms_fwd_kernel<<<grid, kThreads, 0, stream>>>(x, w, y, inv, rows, n, float(eps), zero_centered);
+  DFLASH_CUDA_CHECK_LAUNCH();
+}
+
+void rms_norm_backward(const bf16* x, const float* w, const float* inv, const bf16* dy, bf16* dx, float* dw,
+                       float* workspace, int64_t rows, int64_t n, bool zero_centered, cudaStream_t stream) {
+  check_sizes(rows, n, "rms_norm_backward");
+  if (rows == 0) return;
+  const size_t smem = dw ? size_t(n) * sizeof(float) : 0;
+  if (smem > 200 * 1024) throw std::invalid_argument("rms_norm_backward: rows longer than 51200 are not supported");
+  if (smem > 48 * 1024)
+    DFLASH_CUDA_CHECK(cudaFuncSetAttribute(rms_bwd_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  const int grid = dw ? partial_blocks(rows) : int(std::min<int64_t>(rows, 65535));
+  rms_bwd_kernel<<<grid, kThreads, smem, stream>>>(x, w, inv, dy, dx, dw ? workspace : nullptr, rows, n, zero_centered);
+  DFLASH_CUDA_CHECK_LAUNCH();
+  if (dw) {
+    column_sum_kernel<<<int((n + 255) / 256), 256, 0, stream>>>(workspace, grid, n, dw);
+    DFLASH_CUDA_CHECK_LAUNCH();
+  }
+}
+
+}  // namespace dflash::cuda

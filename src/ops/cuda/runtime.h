@@ -1,0 +1,89 @@
+// CUDA runtime helpers of the GPU backend: error checks that throw, an owning device array, and
+// bf16 <-> fp32 conversion on the device. Only in builds with DFLASH_HAVE_CUDA.
+//
+// Conventions of every kernel in src/ops/cuda: tensors are row-major in PyTorch shape order (as the
+// CPU references in src/ops/cpu), activations bf16 (__nv_bfloat16), parameters / gradients /
+// statistics fp32, all math in fp32; every entry point takes the stream to run on and never
+// synchronizes it or touches global state, so any number of threads may call them on their own
+// streams at once (no run-time compilation, no lazily built tables).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace dflash::cuda {
+
+using bf16 = __nv_bfloat16;
+
+/// Throws std::runtime_error("CUDA error: <expr> at <file>:<line>: <message>") when e != cudaSuccess.
+void check(cudaError_t e, const char* expr, const char* file, int line);
+#define DFLASH_CUDA_CHECK(expr) ::dflash::cuda::check((expr), #expr, __FILE__, __LINE__)
+/// Checks the last kernel launch (cudaGetLastError).
+#define DFLASH_CUDA_CHECK_LAUNCH() ::dflash::cuda::check(cudaGetLastError(), "kernel launch", __FILE__, __LINE__)
+
+/// True when a CUDA device is usable by this process (never throws).
+bool has_device();
+
+/// Owning device allocation of n elements of T (cudaMalloc / cudaFree). Move-only. Contents are
+/// uninitialized unless built from host data.
+template <typename T>
+class DeviceArray {
+ public:
+  DeviceArray() = default;
+  explicit DeviceArray(size_t n) : n_(n) {
+    if (n) DFLASH_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&p_), n * sizeof(T)));
+  }
+  /// Copy of n host elements (synchronous on `stream`).
+  DeviceArray(const T* host, size_t n, cudaStream_t stream) : DeviceArray(n) {
+    if (n_) {
+      DFLASH_CUDA_CHECK(cudaMemcpyAsync(p_, host, n_ * sizeof(T), cudaMemcpyHostToDevice, stream));
+      DFLASH_CUDA_CHECK(cudaStreamSynchronize(stream));
+    }
+  }
+  DeviceArray(const std::vector<T>& host, cudaStream_t stream) : DeviceArray(host.data(), host.size(), stream) {}
+  ~DeviceArray() {
+    if (p_) cudaFree(p_);
+  }
+  DeviceArray(DeviceArray&& o) noexcept : p_(o.p_), n_(o.n_) { o.p_ = nullptr, o.n_ = 0; }
+  DeviceArray& operator=(DeviceArray&& o) noexcept {
+    if (this != &o) {
+      if (p_) cudaFree(p_);
+      p_ = o.p_, n_ = o.n_;
+      o.p_ = nullptr, o.n_ = 0;
+    }
+    return *this;
+  }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+
+  T* data() { return p_; }
+  const T* data() const { return p_; }
+  size_t size() const { return n_; }
+  /// Copy to the host (synchronous on `stream`).
+  std::vector<T> to_host(cudaStream_t stream) const {
+    std::vector<T> h(n_);
+    if (n_) {
+      DFLASH_CUDA_CHECK(cudaMemcpyAsync(h.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost, stream));
+      DFLASH_CUDA_CHECK(cudaStreamSynchronize(stream));
+    }
+    return h;
+  }
+  /// Sets every byte to `byte` (asynchronous on `stream`), e.g. 0xFF to NaN-poison float outputs.
+  void fill_bytes(int byte, cudaStream_t stream) {
+    if (n_) DFLASH_CUDA_CHECK(cudaMemsetAsync(p_, byte, n_ * sizeof(T), stream));
+  }
+
+ private:
+  T* p_ = nullptr;
+  size_t n_ = 0;
+};
+
+/// out[i] = bf16(in[i]) (round to nearest even), n elements.
+void f32_to_bf16(const float* in, bf16* out, int64_t n, cudaStream_t stream);
+/// out[i] = float(in[i]), n elements.
+void bf16_to_f32(const bf16* in, float* out, int64_t n, cudaStream_t stream);
+
+}  // namespace dflash::cuda

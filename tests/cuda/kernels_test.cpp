@@ -1,0 +1,310 @@
+// GPU kernels of the dense path against the CPU references (src/ops/cpu), on fresh random inputs of
+// odd sizes, with NaN-poisoned outputs. Skipped, saying so, where no GPU is visible (CI); they run in
+// scripts/gpu_check.sh on the GPU machine.
+#include <gtest/gtest.h>
+
+#ifdef DFLASH_HAVE_CUDA
+
+#include <cmath>
+#include <random>
+#include <thread>
+
+#include "ops/activation.h"
+#include "ops/cuda/adamw.h"
+#include "ops/cuda/elementwise.h"
+#include "ops/cuda/gemm.h"
+#include "ops/cuda/norm.h"
+#include "ops/cuda/rope.h"
+#include "ops/cuda/runtime.h"
+#include "ops/norm.h"
+#include "ops/rope.h"
+#include "tensor/dtype.h"
+#include "test_util.h"
+#include "train/optimizer.h"
+
+using namespace dflash;
+using cuda::bf16;
+using cuda::DeviceArray;
+
+namespace {
+
+// bf16 outputs vs an fp32/fp64 reference on the same bf16 inputs: one rounding of the output
+// (2^-9 relative at most, about 1.1e-3 rel L2 on random data) plus fp32-vs-fp64 noise.
+constexpr double kTolBf16Out = 4e-3;
+// fp32 outputs (fp32 accumulation of bf16 products) vs the fp64 reference on the same inputs.
+constexpr double kTolF32Out = 1e-5;
+
+#define REQUIRE_GPU() \
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)"
+
+/// Random values already representable in bf16 (so CPU and GPU see the same inputs).
+std::vector<float> rand_bf16_values(size_t n, std::mt19937_64& rng, float scale = 1.f) {
+  std::normal_distribution<float> nd(0.f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = bf16_to_f32(f32_to_bf16(nd(rng)));
+  return v;
+}
+
+DeviceArray<bf16> to_device_bf16(const std::vector<float>& v, cudaStream_t s) {
+  std::vector<uint16_t> h(v.size());
+  for (size_t i = 0; i < v.size(); ++i) h[i] = f32_to_bf16(v[i]);
+  DeviceArray<bf16> d(v.size());
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(d.data(), h.data(), h.size() * 2, cudaMemcpyHostToDevice, s));
+  DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));
+  return d;
+}
+
+std::vector<float> to_host_f32(const DeviceArray<bf16>& d, cudaStream_t s) {
+  std::vector<uint16_t> h(d.size());
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(h.data(), d.data(), h.size() * 2, cudaMemcpyDeviceToHost, s));
+  DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));
+  std::vector<float> r(h.size());
+  for (size_t i = 0; i < h.size(); ++i) r[i] = bf16_to_f32(h[i]);
+  return r;
+}
+
+template <typename T>
+bool all_finite(const std::vector<T>& v) {
+  for (T x : v)
+    if (!std::isfinite(double(x))) return false;
+  return true;
+}
+
+struct Stream {
+  cudaStream_t s{};
+  Stream() { DFLASH_CUDA_CHECK(cudaStreamCreate(&s)); }
+  ~Stream() { cudaStreamDestroy(s); }
+};
+
+/// Row-major reference of C = op(A) op(B) in double.
+std::vector<double> ref_gemm(const cuda::GemmShape& g, const std::vector<float>& A, const std::vector<float>& B) {
+  std::vector<double> C(size_t(g.M * g.N), 0.0);
+  for (int64_t i = 0; i < g.M; ++i)
+    for (int64_t j = 0; j < g.N; ++j) {
+      double s = 0;
+      for (int64_t k = 0; k < g.K; ++k) {
+        const double a = g.trans_a ? A[size_t(k * g.M + i)] : A[size_t(i * g.K + k)];
+        const double b = g.trans_b ? B[size_t(j * g.K + k)] : B[size_t(k * g.N + j)];
+        s += a * b;
+      }
+      C[size_t(i * g.N + j)] = s;
+    }
+  return C;
+}
+
+}  // namespace
+
+TEST(CudaGemm, AllTransposesOddSizesAccumulateAndBf16Output) {
+  REQUIRE_GPU();
+  Stream st;
+  cuda::GemmContext ctx(st.s);
+  std::mt19937_64 rng(1);
+  for (auto [M, N, K] : {std::tuple<int64_t, int64_t, int64_t>{37, 53, 29}, {1, 200, 64}, {256, 384, 512}}) {
+    for (int t = 0; t < 4; ++t) {
+      const cuda::GemmShape g{M, N, K, bool(t & 1), bool(t & 2)};
+      const auto A = rand_bf16_values(size_t(M * K), rng), B = rand_bf16_values(size_t(K * N), rng);
+      const auto C0 = rand_bf16_values(size_t(M * N), rng);  // for beta = 1 (fp32 values)
+      auto dA = to_device_bf16(A, st.s), dB = to_device_bf16(B, st.s);
+      DeviceArray<float> dC(C0, st.s);
+      ctx.gemm(g, dA.data(), dB.data(), dC.data(), 1.f, 1.f);
+      const auto ref = ref_gemm(g, A, B);
+      std::vector<double> want(ref.size());
+      for (size_t i = 0; i < ref.size(); ++i) want[i] = ref[i] + C0[i];
+      const double e = test::rel_l2(dC.to_host(st.s), want);
+      EXPECT_LE(e, kTolF32Out) << "M " << M << " N " << N << " K " << K << " trans " << t;
+      DeviceArray<bf16> dCb{size_t(M * N)};
+      dCb.fill_bytes(0xFF, st.s);  // NaN poison: every element must be written
+      ctx.gemm(g, dA.data(), dB.data(), dCb.data());
+      const auto got = to_host_f32(dCb, st.s);
+      EXPECT_TRUE(all_finite(got));
+      EXPECT_LE(test::rel_l2(got, ref), kTolBf16Out) << "bf16 out, trans " << t;
+    }
+  }
+  EXPECT_GE(cuda::GemmContext::cached_algorithms(), 12u);
+  EXPECT_THROW(ctx.gemm({0, 4, 4}, nullptr, nullptr, static_cast<float*>(nullptr)), std::invalid_argument);
+}
+
+TEST(CudaGemm, ManyThreadsOwnStreamsAtOnce) {
+  // The PyTorch stack's torch.compile race is what users hit: here every thread has its own stream
+  // and context and shares the algorithm cache.
+  REQUIRE_GPU();
+  std::vector<std::thread> th;
+  std::vector<double> err(8, 1.0);
+  for (int w = 0; w < 8; ++w)
+    th.emplace_back([&, w] {
+      Stream st;
+      cuda::GemmContext ctx(st.s);
+      std::mt19937_64 rng(100 + w);
+      const cuda::GemmShape g{64 + 16 * w, 96, 128, false, true};
+      const auto A = rand_bf16_values(size_t(g.M * g.K), rng), B = rand_bf16_values(size_t(g.N * g.K), rng);
+      auto dA = to_device_bf16(A, st.s), dB = to_device_bf16(B, st.s);
+      DeviceArray<float> dC{size_t(g.M * g.N)};
+      for (int rep = 0; rep < 20; ++rep) ctx.gemm(g, dA.data(), dB.data(), dC.data());
+      err[size_t(w)] = test::rel_l2(dC.to_host(st.s), ref_gemm(g, A, B));
+    });
+  for (auto& t : th) t.join();
+  for (int w = 0; w < 8; ++w) EXPECT_LE(err[size_t(w)], kTolF32Out) << "thread " << w;
+}
+
+TEST(CudaRmsNorm, ForwardBackwardPlainAndZeroCentered) {
+  REQUIRE_GPU();
+  Stream st;
+  std::mt19937_64 rng(2);
+  for (auto [rows, n] : {std::pair<int64_t, int64_t>{37, 128}, {300, 4096}, {5, 1000}}) {
+    for (bool zc : {false, true}) {
+      const auto x = rand_bf16_values(size_t(rows * n), rng, 2.f), dy = rand_bf16_values(size_t(rows * n), rng);
+      const auto w = rand_bf16_values(size_t(n), rng, 0.3f);
+      // CPU reference in double on the same inputs, gain g = w or 1 + w.
+      BasicTensor<double> X({rows, n}), G({n}), DY({rows, n});
+      for (size_t i = 0; i < x.size(); ++i) X.data[i] = x[i], DY.data[i] = dy[i];
+      for (int64_t c = 0; c < n; ++c) G.data[size_t(c)] = (zc ? 1.0 : 0.0) + w[size_t(c)];
+      BasicTensor<double> inv_ref, dx_ref, dw_ref;
+      const auto y_ref = cpu::rms_norm_forward(X, G, 1e-6, &inv_ref);
+      cpu::rms_norm_backward(X, G, inv_ref, DY, &dx_ref, &dw_ref);
+
+      auto dX = to_device_bf16(x, st.s), dDY = to_device_bf16(dy, st.s);
+      DeviceArray<float> dW(w, st.s), inv{size_t(rows)};
+      DeviceArray<bf16> Y{size_t(rows * n)}, DX{size_t(rows * n)};
+      Y.fill_bytes(0xFF, st.s);
+      DX.fill_bytes(0xFF, st.s);
+      cuda::rms_norm_forward(dX.data(), dW.data(), Y.data(), inv.data(), rows, n, 1e-6, zc, st.s);
+      std::vector<float> dw0(size_t(n), 0.5f);  // dw accumulates
+      DeviceArray<float> dWg(dw0, st.s);
+      DeviceArray<float> ws{size_t(cuda::rms_norm_workspace_floats(rows, n))};
+      cuda::rms_norm_backward(dX.data(), dW.data(), inv.data(), dDY.data(), DX.data(), dWg.data(), ws.data(), rows, n,
+                              zc, st.s);
+      const auto y = to_host_f32(Y, st.s), dx = to_host_f32(DX, st.s);
+      auto dw = dWg.to_host(st.s);
+      for (float& v : dw) v -= 0.5f;
+      ASSERT_TRUE(all_finite(y) && all_finite(dx));
+      EXPECT_LE(test::rel_l2(y, y_ref.data), kTolBf16Out) << rows << "x" << n << " zc " << zc;
+      EXPECT_LE(test::rel_l2(inv.to_host(st.s), inv_ref.data), kTolF32Out);
+      EXPECT_LE(test::rel_l2(dx, dx_ref.data), kTolBf16Out) << rows << "x" << n << " zc " << zc;
+      EXPECT_LE(test::rel_l2(dw, dw_ref.data), kTolF32Out * 10) << rows << "x" << n << " zc " << zc;
+    }
+  }
+}
+
+TEST(CudaRope, FullAndPartialForwardAndInverse) {
+  REQUIRE_GPU();
+  Stream st;
+  std::mt19937_64 rng(3);
+  for (auto [n, H, D, rot] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{37, 3, 64, 64}, {100, 4, 256, 64},
+                              {17, 2, 128, 128}}) {
+    RopeSpec spec;
+    spec.theta = 1e6;
+    const std::vector<float> inv_f = cpu::rope_inv_freq(spec, rot);
+    std::vector<int64_t> pos(static_cast<size_t>(n));
+    for (int64_t t = 0; t < n; ++t) pos[size_t(t)] = int64_t(rng() % 5000);
+    const auto x = rand_bf16_values(size_t(n * H * D), rng);
+    BasicTensor<double> X({n, H, D});
+    for (size_t i = 0; i < x.size(); ++i) X.data[i] = x[i];
+    cpu::apply_rope(X, pos, inv_f, rot);
+    std::vector<double> inv_d(inv_f.begin(), inv_f.end());
+    DeviceArray<int64_t> dpos(pos, st.s);
+    DeviceArray<double> dinv(inv_d, st.s);
+    DeviceArray<float> c{size_t(n * rot / 2)}, s{size_t(n * rot / 2)};
+    cuda::rope_table(dpos.data(), dinv.data(), n, rot, c.data(), s.data(), st.s);
+    auto dx = to_device_bf16(x, st.s);
+    cuda::rope_apply(dx.data(), n, H, D, rot, c.data(), s.data(), false, st.s);
+    const auto y = to_host_f32(dx, st.s);
+    EXPECT_LE(test::rel_l2(y, X.data), kTolBf16Out) << n << " " << H << " " << D << " " << rot;
+    cuda::rope_apply(dx.data(), n, H, D, rot, c.data(), s.data(), true, st.s);  // the backward undoes it
+    EXPECT_LE(test::rel_l2(to_host_f32(dx, st.s), x), 2 * kTolBf16Out);
+  }
+}
+
+TEST(CudaElementwise, SwigluGatherAdd) {
+  REQUIRE_GPU();
+  Stream st;
+  std::mt19937_64 rng(4);
+  const int64_t rows = 33, I = 1001, n = rows * I;
+  const auto g = rand_bf16_values(size_t(n), rng, 3.f), u = rand_bf16_values(size_t(n), rng),
+             dy = rand_bf16_values(size_t(n), rng);
+  BasicTensor<double> G({rows, I}), U({rows, I}), DY({rows, I});
+  for (size_t i = 0; i < size_t(n); ++i) G.data[i] = g[i], U.data[i] = u[i], DY.data[i] = dy[i];
+  BasicTensor<double> dg_ref, du_ref, A = G;
+  cpu::swiglu_backward(G, U, DY, &dg_ref, &du_ref);
+  cpu::swiglu(A, U);
+  auto dG = to_device_bf16(g, st.s), dU = to_device_bf16(u, st.s), dDY = to_device_bf16(dy, st.s);
+  DeviceArray<bf16> act{size_t(n)}, dg{size_t(n)}, du{size_t(n)};
+  act.fill_bytes(0xFF, st.s);
+  cuda::swiglu_forward(dG.data(), dU.data(), act.data(), n, st.s);
+  cuda::swiglu_backward(dG.data(), dU.data(), dDY.data(), dg.data(), du.data(), n, st.s);
+  EXPECT_LE(test::rel_l2(to_host_f32(act, st.s), A.data), kTolBf16Out);
+  EXPECT_LE(test::rel_l2(to_host_f32(dg, st.s), dg_ref.data), kTolBf16Out);
+  EXPECT_LE(test::rel_l2(to_host_f32(du, st.s), du_ref.data), kTolBf16Out);
+
+  const int64_t V = 97, d = 72;
+  const auto table = rand_bf16_values(size_t(V * d), rng);
+  std::vector<int32_t> ids = {0, 96, 5, 5, 40};
+  auto dT = to_device_bf16(table, st.s);
+  DeviceArray<int32_t> dids(ids, st.s);
+  DeviceArray<bf16> out(ids.size() * size_t(d));
+  DeviceArray<int> bad(std::vector<int>{0}, st.s);
+  cuda::embedding_gather(dT.data(), V, d, dids.data(), int64_t(ids.size()), out.data(), bad.data(), st.s);
+  const auto o = to_host_f32(out, st.s);
+  for (size_t r = 0; r < ids.size(); ++r)
+    for (int64_t c = 0; c < d; ++c) ASSERT_EQ(o[r * size_t(d) + size_t(c)], table[size_t(ids[r] * d + c)]);
+  EXPECT_EQ(bad.to_host(st.s)[0], 0);
+  ids[2] = 97;  // out of range: flagged, no crash
+  DeviceArray<int32_t> dbad(ids, st.s);
+  cuda::embedding_gather(dT.data(), V, d, dbad.data(), int64_t(ids.size()), out.data(), bad.data(), st.s);
+  EXPECT_EQ(bad.to_host(st.s)[0], 1);
+
+  auto y = to_device_bf16(g, st.s);
+  cuda::add_inplace(y.data(), dU.data(), n, st.s);
+  std::vector<double> sum(static_cast<size_t>(n));
+  for (size_t i = 0; i < sum.size(); ++i) sum[i] = double(g[i]) + u[i];
+  EXPECT_LE(test::rel_l2(to_host_f32(y, st.s), sum), kTolBf16Out);
+}
+
+TEST(CudaAdamW, ClipAndThreeStepsBitwiseLikeTheCpu) {
+  REQUIRE_GPU();
+  Stream st;
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> nd;
+  const int64_t n = 100003;
+  std::vector<float> p(static_cast<size_t>(n));
+  for (float& x : p) x = nd(rng);
+  AdamWOptions o;
+  o.weight_decay = 0.01;
+  std::vector<float> cpu_p = p;
+  AdamW<float> cpu_opt({"p"}, {n}, o);
+  DeviceArray<float> dp(p, st.s), dg{size_t(n)}, dm{size_t(n)}, dv{size_t(n)};
+  dm.fill_bytes(0, st.s);
+  dv.fill_bytes(0, st.s);
+  DeviceArray<bf16> dpb{size_t(n)};
+  DeviceArray<double> sumsq(1), norm(1), ws{size_t(cuda::grad_sumsq_workspace_doubles())};
+  DeviceArray<float> coef(1);
+  for (int step = 1; step <= 3; ++step) {
+    std::vector<float> g(static_cast<size_t>(n));
+    for (float& x : g) x = 0.01f * nd(rng);
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(dg.data(), g.data(), size_t(n) * 4, cudaMemcpyHostToDevice, st.s));
+    cuda::grad_sumsq(dg.data(), n, sumsq.data(), ws.data(), st.s);
+    cuda::clip_coefficient(sumsq.data(), 1.0, norm.data(), coef.data(), st.s);
+    const double lr = 1e-3 * step;
+    cuda::adamw_update(dp.data(), dg.data(), dm.data(), dv.data(), dpb.data(), n,
+                       cuda::adamw_scalars(lr, o.beta1, o.beta2, o.eps, o.weight_decay, step), coef.data(), st.s);
+    std::vector<NamedSpan<float>> cg{{"p", std::span<float>(g)}};
+    const ClipResult clip = clip_grad_norm(cg, 1.0);
+    EXPECT_LT(clip.coef, 1.0) << "clipping must be active";
+    EXPECT_NEAR(norm.to_host(st.s)[0], clip.norm, 1e-12 * clip.norm);
+    EXPECT_EQ(coef.to_host(st.s)[0], float(clip.coef));
+    cpu_opt.step({{"p", std::span<float>(cpu_p)}}, {{"p", g}}, lr);
+  }
+  const auto gp = dp.to_host(st.s);
+  int64_t diff = 0;
+  for (size_t i = 0; i < gp.size(); ++i) diff += gp[i] != cpu_p[i];
+  EXPECT_EQ(diff, 0) << "elements differing from the CPU AdamW";
+  const auto pb = to_host_f32(dpb, st.s);
+  for (size_t i = 0; i < pb.size(); i += 997) ASSERT_EQ(pb[i], bf16_to_f32(f32_to_bf16(gp[i])));
+  EXPECT_EQ(dm.to_host(st.s), cpu_opt.exp_avg()[0]);
+  EXPECT_EQ(dv.to_host(st.s), cpu_opt.exp_avg_sq()[0]);
+}
+
+#else
+
+TEST(Cuda, NotBuilt) { GTEST_SKIP() << "built without CUDA (DFLASH_CUDA=OFF): GPU kernel tests not compiled"; }
+
+#endif
