@@ -35,7 +35,7 @@ export DFLASH_SOURCE_DIR="$root" DFLASH_BINARY="$root/$build/dflash"
 "$build/dflash_tests" --gtest_brief=1 >"$out/gpu_tests.log" 2>&1
 tests_rc=$?
 summary=$(grep -E '^\[  (PASSED|FAILED)  \]|tests? ran|SKIPPED \]' "$out/gpu_tests.log" | head -n 5)
-gpu_tests=$(grep -E '^\[       OK \] Cuda|^\[  FAILED  \] Cuda|Cuda.*Skipped' "$out/gpu_tests.log" | head -n 40)
+gpu_tests=$("$build/dflash_tests" --gtest_filter='Cuda*:*PyTorch*' 2>&1 | grep -E '^\[ +(OK|FAILED|SKIPPED) +\]|^\[[a-z]' | head -n 60)
 # The GPU kernel tests once more under compute-sanitizer memcheck (out-of-bounds, misaligned, leaks).
 memcheck="compute-sanitizer not found"
 if command -v compute-sanitizer >/dev/null; then
