@@ -1,0 +1,515 @@
+#include <climits>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "ops/cuda/masked_attention.h"
+
+namespace dflash::cuda {
+
+namespace {
+
+constexpr int BM = 64;    // query rows per tile
+constexpr int BN = 64;    // keys per tile
+constexpr int kThreads = 128;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// ---- mma.sync m16n8k16 (bf16 in, fp32 accumulate) and fragment helpers ----
+// Lane l holds, with g = l / 4 and t = l % 4:
+//   A (16x16, row-major): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
+//   B (16x8, k x n):      b0 = (k 2t..2t+1, n g), b1 = (k 2t+8..2t+9, n g)
+//   C (16x8):             c0, c1 = (g, 2t..2t+1), c2, c3 = (g+8, 2t..2t+1)
+__device__ __forceinline__ void mma16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t ld32(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+__device__ __forceinline__ uint32_t pack(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+/// A fragment of a row-major smem matrix at (row0, col0) with leading dimension ld.
+__device__ __forceinline__ void load_a(uint32_t a[4], const bf16* m, int ld, int row0, int col0, int g, int t) {
+  a[0] = ld32(m + (row0 + g) * ld + col0 + 2 * t);
+  a[1] = ld32(m + (row0 + g + 8) * ld + col0 + 2 * t);
+  a[2] = ld32(m + (row0 + g) * ld + col0 + 2 * t + 8);
+  a[3] = ld32(m + (row0 + g + 8) * ld + col0 + 2 * t + 8);
+}
+
+/// B fragment where B[k][n] = m[n0 + n][k0 + k] (m row-major, ld): consecutive k are adjacent.
+__device__ __forceinline__ void load_b(uint32_t& b0, uint32_t& b1, const bf16* m, int ld, int n0, int k0, int g,
+                                       int t) {
+  b0 = ld32(m + (n0 + g) * ld + k0 + 2 * t);
+  b1 = ld32(m + (n0 + g) * ld + k0 + 2 * t + 8);
+}
+
+/// A fragment for keys/queries 16kk..16kk+15 from an accumulator tile array c[n-tile][4].
+__device__ __forceinline__ void acc_to_a(uint32_t a[4], const float (*c)[4], int kk) {
+  a[0] = pack(c[2 * kk][0], c[2 * kk][1]);
+  a[1] = pack(c[2 * kk][2], c[2 * kk][3]);
+  a[2] = pack(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+  a[3] = pack(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+}
+
+__device__ __forceinline__ bool visible(const KvRange32& r, int key) {
+  return (key >= r.ctx_begin && key < r.ctx_end) || (key >= r.blk_begin && key < r.blk_end);
+}
+/// Visible through range `seg` only (0 = ctx, 1 = blk). The query-tile kernels walk the union of the
+/// ctx ranges, then the union of the blk ranges; those unions may overlap across rows, so each pass
+/// admits only its own range and no key is counted twice for a row.
+__device__ __forceinline__ bool visible_in(const KvRange32& r, int key, int seg) {
+  return seg == 0 ? (key >= r.ctx_begin && key < r.ctx_end) : (key >= r.blk_begin && key < r.blk_end);
+}
+
+__device__ __forceinline__ float quad_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+/// Copies rows [r0, r0 + rows) of one head of a [N, heads, D] tensor into smem [rows][ld] (zeros past N).
+template <int D>
+__device__ void load_rows(bf16* dst, int ld, const bf16* src, int N, int heads, int head, int r0, int rows) {
+  for (int i = threadIdx.x; i < rows * D / 8; i += kThreads) {
+    const int r = i / (D / 8), c = (i % (D / 8)) * 8;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (r0 + r < N) val = *reinterpret_cast<const uint4*>(src + (int64_t(r0 + r) * heads + head) * D + c);
+    *reinterpret_cast<uint4*>(dst + r * ld + c) = val;
+  }
+}
+/// The same, transposed into smem [D][ldt] (dst[c][r]).
+template <int D>
+__device__ void load_rows_t(bf16* dst, int ldt, const bf16* src, int N, int heads, int head, int r0, int rows) {
+  for (int i = threadIdx.x; i < rows * D / 8; i += kThreads) {
+    const int r = i / (D / 8), c = (i % (D / 8)) * 8;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (r0 + r < N) val = *reinterpret_cast<const uint4*>(src + (int64_t(r0 + r) * heads + head) * D + c);
+    const bf16* e = reinterpret_cast<const bf16*>(&val);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) dst[(c + j) * ldt + r] = e[j];
+  }
+}
+
+/// Union of the ranges of query rows [row0, row0 + BM): lohi = {ctx lo, ctx hi, blk lo, blk hi}.
+__device__ void tile_union(const KvRange32* ranges, int Nq, int row0, int* lohi) {
+  if (threadIdx.x == 0) lohi[0] = lohi[2] = INT_MAX, lohi[1] = lohi[3] = INT_MIN;
+  __syncthreads();
+  if (threadIdx.x < BM && row0 + int(threadIdx.x) < Nq) {
+    const KvRange32 r = ranges[row0 + threadIdx.x];
+    if (r.ctx_end > r.ctx_begin) atomicMin(&lohi[0], r.ctx_begin), atomicMax(&lohi[1], r.ctx_end);
+    if (r.blk_end > r.blk_begin) atomicMin(&lohi[2], r.blk_begin), atomicMax(&lohi[3], r.blk_end);
+  }
+  __syncthreads();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward: one CTA per (query tile, head); warp w owns rows 16w..16w+15 of the tile.
+template <int D>
+__global__ void __launch_bounds__(kThreads) fwd_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                                       const bf16* __restrict__ v, const KvRange32* __restrict__ ranges,
+                                                       int Nq, int Nk, int H, int Hkv, float scale_log2, bf16* o,
+                                                       float* lse) {
+  constexpr int LD = D + 8, LDT = BN + 8;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* Qs = reinterpret_cast<bf16*>(smem);  // [BM][LD]
+  bf16* Ks = Qs + BM * LD;                   // [BN][LD]
+  bf16* Vt = Ks + BN * LD;                   // [D][LDT]
+  __shared__ int lohi[4];
+  const int h = blockIdx.y, kvh = h / (H / Hkv), row0 = blockIdx.x * BM;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  load_rows<D>(Qs, LD, q, Nq, H, h, row0, BM);
+  tile_union(ranges, Nq, row0, lohi);  // (synchronizes)
+  const int ra = row0 + warp * 16 + g, rb = ra + 8;
+  const KvRange32 rga = ra < Nq ? ranges[ra] : KvRange32{}, rgb = rb < Nq ? ranges[rb] : KvRange32{};
+  uint32_t qa[D / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) load_a(qa[kk], Qs, LD, warp * 16, kk * 16, g, t);
+  float oacc[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) oacc[i][0] = oacc[i][1] = oacc[i][2] = oacc[i][3] = 0.f;
+  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;
+
+  for (int seg = 0; seg < 2; ++seg) {
+    const int lo = lohi[2 * seg], hi = lohi[2 * seg + 1];
+    for (int k0 = lo; k0 < hi; k0 += BN) {
+      __syncthreads();
+      load_rows<D>(Ks, LD, k, Nk, Hkv, kvh, k0, BN);
+      load_rows_t<D>(Vt, LDT, v, Nk, Hkv, kvh, k0, BN);
+      __syncthreads();
+      float s[BN / 8][4];
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {
+        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          uint32_t b0, b1;
+          load_b(b0, b1, Ks, LD, nt * 8, kk * 16, g, t);
+          mma16816(s[nt], qa[kk], b0, b1);
+        }
+      }
+      float mx_a = -INFINITY, mx_b = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = k0 + nt * 8 + 2 * t + (e & 1);
+          const bool ok = key < Nk && visible_in(e < 2 ? rga : rgb, key, seg);
+          s[nt][e] = ok ? s[nt][e] * scale_log2 : -INFINITY;
+          if (e < 2) mx_a = fmaxf(mx_a, s[nt][e]);
+          else mx_b = fmaxf(mx_b, s[nt][e]);
+        }
+      const float mn_a = fmaxf(m_a, quad_max(mx_a)), mn_b = fmaxf(m_b, quad_max(mx_b));
+      const float base_a = mn_a == -INFINITY ? 0.f : mn_a, base_b = mn_b == -INFINITY ? 0.f : mn_b;
+      const float al_a = exp2f(m_a - base_a), al_b = exp2f(m_b - base_b);  // 0 while nothing was seen
+      float ps_a = 0.f, ps_b = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {
+        s[nt][0] = exp2f(s[nt][0] - base_a), s[nt][1] = exp2f(s[nt][1] - base_a);
+        s[nt][2] = exp2f(s[nt][2] - base_b), s[nt][3] = exp2f(s[nt][3] - base_b);
+        ps_a += s[nt][0] + s[nt][1];
+        ps_b += s[nt][2] + s[nt][3];
+      }
+      l_a = l_a * al_a + ps_a;
+      l_b = l_b * al_b + ps_b;
+      m_a = mn_a, m_b = mn_b;
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i) oacc[i][0] *= al_a, oacc[i][1] *= al_a, oacc[i][2] *= al_b, oacc[i][3] *= al_b;
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        uint32_t a[4];
+        acc_to_a(a, s, kk);
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          uint32_t b0, b1;
+          load_b(b0, b1, Vt, LDT, dt * 8, kk * 16, g, t);
+          mma16816(oacc[dt], a, b0, b1);
+        }
+      }
+    }
+  }
+  l_a = quad_sum(l_a), l_b = quad_sum(l_b);
+  const float ia = l_a > 0.f ? 1.f / l_a : 0.f, ib = l_b > 0.f ? 1.f / l_b : 0.f;
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) {
+    const int c = dt * 8 + 2 * t;
+    if (ra < Nq)
+      *reinterpret_cast<uint32_t*>(o + (int64_t(ra) * H + h) * D + c) = pack(oacc[dt][0] * ia, oacc[dt][1] * ia);
+    if (rb < Nq)
+      *reinterpret_cast<uint32_t*>(o + (int64_t(rb) * H + h) * D + c) = pack(oacc[dt][2] * ib, oacc[dt][3] * ib);
+  }
+  if (lse && t == 0) {
+    if (ra < Nq) lse[int64_t(ra) * H + h] = l_a > 0.f ? (m_a + log2f(l_a)) * kLn2 : -INFINITY;
+    if (rb < Nq) lse[int64_t(rb) * H + h] = l_b > 0.f ? (m_b + log2f(l_b)) * kLn2 : -INFINITY;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward preprocessing: delta[r, h] = sum_d dO * O (fp32), one warp per (row, head).
+template <int D>
+__global__ void delta_kernel(const bf16* o, const bf16* dout, int64_t rows_heads, float* delta) {
+  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (w >= rows_heads) return;
+  float s = 0.f;
+  for (int c = lane; c < D; c += 32) s += __bfloat162float(o[w * D + c]) * __bfloat162float(dout[w * D + c]);
+  for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+  if (lane == 0) delta[w] = s;
+}
+
+/// Per query tile, the union of its rows' ranges (int4: ctx lo, ctx hi, blk lo, blk hi).
+__global__ void tile_union_kernel(const KvRange32* ranges, int Nq, int4* out) {
+  __shared__ int lohi[4];
+  tile_union(ranges, Nq, blockIdx.x * BM, lohi);
+  if (threadIdx.x == 0) out[blockIdx.x] = make_int4(lohi[0], lohi[1], lohi[2], lohi[3]);
+}
+
+// dQ: one CTA per (query tile, head), like the forward; recomputes P and dP per key tile.
+template <int D>
+__global__ void __launch_bounds__(kThreads) dq_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                                      const bf16* __restrict__ v, const bf16* __restrict__ dout,
+                                                      const float* __restrict__ lse, const float* __restrict__ delta,
+                                                      const KvRange32* __restrict__ ranges, int Nq, int Nk, int H,
+                                                      int Hkv, float scale, bf16* dq) {
+  constexpr int LD = D + 8, LDT = BN + 8;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* Qs = reinterpret_cast<bf16*>(smem);  // [BM][LD], then dO
+  bf16* Ks = Qs + BM * LD;                   // [BN][LD]
+  bf16* Kt = Ks + BN * LD;                   // [D][LDT]
+  bf16* Vs = Kt + D * LDT;                   // [BN][LD]
+  __shared__ int lohi[4];
+  const int h = blockIdx.y, kvh = h / (H / Hkv), row0 = blockIdx.x * BM;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const float scale_log2 = scale * kLog2e;
+  load_rows<D>(Qs, LD, q, Nq, H, h, row0, BM);
+  tile_union(ranges, Nq, row0, lohi);
+  uint32_t qa[D / 16][4], da[D / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) load_a(qa[kk], Qs, LD, warp * 16, kk * 16, g, t);
+  __syncthreads();
+  load_rows<D>(Qs, LD, dout, Nq, H, h, row0, BM);
+  __syncthreads();
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) load_a(da[kk], Qs, LD, warp * 16, kk * 16, g, t);
+  const int ra = row0 + warp * 16 + g, rb = ra + 8;
+  const KvRange32 rga = ra < Nq ? ranges[ra] : KvRange32{}, rgb = rb < Nq ? ranges[rb] : KvRange32{};
+  const float lse_a = ra < Nq ? lse[int64_t(ra) * H + h] * kLog2e : 0.f, lse_b = rb < Nq ? lse[int64_t(rb) * H + h] * kLog2e : 0.f;
+  const float dl_a = ra < Nq ? delta[int64_t(ra) * H + h] : 0.f, dl_b = rb < Nq ? delta[int64_t(rb) * H + h] : 0.f;
+  float acc[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+
+  for (int seg = 0; seg < 2; ++seg) {
+    const int lo = lohi[2 * seg], hi = lohi[2 * seg + 1];
+    for (int k0 = lo; k0 < hi; k0 += BN) {
+      __syncthreads();
+      load_rows<D>(Ks, LD, k, Nk, Hkv, kvh, k0, BN);
+      load_rows_t<D>(Kt, LDT, k, Nk, Hkv, kvh, k0, BN);
+      load_rows<D>(Vs, LD, v, Nk, Hkv, kvh, k0, BN);
+      __syncthreads();
+      float s[BN / 8][4], dp[BN / 8][4];
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {
+        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+        dp[nt][0] = dp[nt][1] = dp[nt][2] = dp[nt][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          uint32_t b0, b1;
+          load_b(b0, b1, Ks, LD, nt * 8, kk * 16, g, t);
+          mma16816(s[nt], qa[kk], b0, b1);
+          load_b(b0, b1, Vs, LD, nt * 8, kk * 16, g, t);
+          mma16816(dp[nt], da[kk], b0, b1);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = k0 + nt * 8 + 2 * t + (e & 1);
+          const bool ok = key < Nk && visible_in(e < 2 ? rga : rgb, key, seg);
+          const float p = ok ? exp2f(s[nt][e] * scale_log2 - (e < 2 ? lse_a : lse_b)) : 0.f;
+          s[nt][e] = p * (dp[nt][e] - (e < 2 ? dl_a : dl_b));  // dS
+        }
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        uint32_t a[4];
+        acc_to_a(a, s, kk);
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          uint32_t b0, b1;
+          load_b(b0, b1, Kt, LDT, dt * 8, kk * 16, g, t);
+          mma16816(acc[dt], a, b0, b1);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) {
+    const int c = dt * 8 + 2 * t;
+    if (ra < Nq)
+      *reinterpret_cast<uint32_t*>(dq + (int64_t(ra) * H + h) * D + c) = pack(acc[dt][0] * scale, acc[dt][1] * scale);
+    if (rb < Nq)
+      *reinterpret_cast<uint32_t*>(dq + (int64_t(rb) * H + h) * D + c) = pack(acc[dt][2] * scale, acc[dt][3] * scale);
+  }
+}
+
+// dK, dV: one CTA per (key tile, kv head); warp w owns keys 16w..16w+15; loops over the query heads
+// of the kv head and the query tiles whose ranges reach the key tile.
+template <int D>
+__global__ void __launch_bounds__(kThreads) dkv_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                                       const bf16* __restrict__ v, const bf16* __restrict__ dout,
+                                                       const float* __restrict__ lse, const float* __restrict__ delta,
+                                                       const KvRange32* __restrict__ ranges,
+                                                       const int4* __restrict__ tiles, int Nq, int Nk, int H, int Hkv,
+                                                       float scale, bf16* dk, bf16* dv) {
+  constexpr int LD = D + 8, LDQ = BM + 8;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* Ks = reinterpret_cast<bf16*>(smem);  // [BN][LD]
+  bf16* Vs = Ks + BN * LD;                   // [BN][LD]
+  bf16* Qs = Vs + BN * LD;                   // [BM][LD]
+  bf16* Qt = Qs + BM * LD;                   // [D][LDQ]
+  bf16* Os = Qt + D * LDQ;                   // dO [BM][LD]
+  bf16* Ot = Os + BM * LD;                   // dO^T [D][LDQ]
+  __shared__ float s_lse[BM], s_delta[BM];
+  __shared__ KvRange32 s_rg[BM];
+  const int kvh = blockIdx.y, k0 = blockIdx.x * BN, G = H / Hkv;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const float scale_log2 = scale * kLog2e;
+  load_rows<D>(Ks, LD, k, Nk, Hkv, kvh, k0, BN);
+  load_rows<D>(Vs, LD, v, Nk, Hkv, kvh, k0, BN);
+  const int key_a = k0 + warp * 16 + g, key_b = key_a + 8;
+  float dka[D / 8][4], dva[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dka[i][e] = dva[i][e] = 0.f;
+  const int qtiles = (Nq + BM - 1) / BM;
+  for (int qt = 0; qt < qtiles; ++qt) {
+    const int4 u = tiles[qt];
+    const bool hit = (u.x < u.y && u.x < k0 + BN && k0 < u.y) || (u.z < u.w && u.z < k0 + BN && k0 < u.w);
+    if (!hit) continue;
+    const int row0 = qt * BM;
+    for (int h = kvh * G; h < (kvh + 1) * G; ++h) {
+      __syncthreads();
+      load_rows<D>(Qs, LD, q, Nq, H, h, row0, BM);
+      load_rows_t<D>(Qt, LDQ, q, Nq, H, h, row0, BM);
+      load_rows<D>(Os, LD, dout, Nq, H, h, row0, BM);
+      load_rows_t<D>(Ot, LDQ, dout, Nq, H, h, row0, BM);
+      if (threadIdx.x < BM) {
+        const int r = row0 + threadIdx.x;
+        s_lse[threadIdx.x] = r < Nq ? lse[int64_t(r) * H + h] * kLog2e : 0.f;
+        s_delta[threadIdx.x] = r < Nq ? delta[int64_t(r) * H + h] : 0.f;
+        s_rg[threadIdx.x] = r < Nq ? ranges[r] : KvRange32{};
+      }
+      __syncthreads();
+      float st[BM / 8][4], dpt[BM / 8][4];  // [keys of the warp] x [queries]
+#pragma unroll
+      for (int nt = 0; nt < BM / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[nt][e] = dpt[nt][e] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t ka[4], va[4];
+        load_a(ka, Ks, LD, warp * 16, kk * 16, g, t);
+        load_a(va, Vs, LD, warp * 16, kk * 16, g, t);
+#pragma unroll
+        for (int nt = 0; nt < BM / 8; ++nt) {
+          uint32_t b0, b1;
+          load_b(b0, b1, Qs, LD, nt * 8, kk * 16, g, t);
+          mma16816(st[nt], ka, b0, b1);
+          load_b(b0, b1, Os, LD, nt * 8, kk * 16, g, t);
+          mma16816(dpt[nt], va, b0, b1);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < BM / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int ql = nt * 8 + 2 * t + (e & 1), key = e < 2 ? key_a : key_b;
+          const bool ok = row0 + ql < Nq && key < Nk && visible(s_rg[ql], key);
+          const float p = ok ? exp2f(st[nt][e] * scale_log2 - s_lse[ql]) : 0.f;
+          st[nt][e] = p;
+          dpt[nt][e] = p * (dpt[nt][e] - s_delta[ql]);  // dS^T
+        }
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk) {
+        uint32_t pa[4], sa[4];
+        acc_to_a(pa, st, kk);
+        acc_to_a(sa, dpt, kk);
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          uint32_t b0, b1;
+          load_b(b0, b1, Ot, LDQ, dt * 8, kk * 16, g, t);
+          mma16816(dva[dt], pa, b0, b1);
+          load_b(b0, b1, Qt, LDQ, dt * 8, kk * 16, g, t);
+          mma16816(dka[dt], sa, b0, b1);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) {
+    const int c = dt * 8 + 2 * t;
+    if (key_a < Nk) {
+      *reinterpret_cast<uint32_t*>(dk + (int64_t(key_a) * Hkv + kvh) * D + c) = pack(dka[dt][0] * scale, dka[dt][1] * scale);
+      *reinterpret_cast<uint32_t*>(dv + (int64_t(key_a) * Hkv + kvh) * D + c) = pack(dva[dt][0], dva[dt][1]);
+    }
+    if (key_b < Nk) {
+      *reinterpret_cast<uint32_t*>(dk + (int64_t(key_b) * Hkv + kvh) * D + c) = pack(dka[dt][2] * scale, dka[dt][3] * scale);
+      *reinterpret_cast<uint32_t*>(dv + (int64_t(key_b) * Hkv + kvh) * D + c) = pack(dva[dt][2], dva[dt][3]);
+    }
+  }
+}
+
+void check_args(int64_t Nq, int64_t Nk, int H, int Hkv, const char* what) {
+  if (Nq < 0 || Nk < 0 || Nq > INT_MAX / 2 || Nk > INT_MAX / 2 || H <= 0 || Hkv <= 0 || H % Hkv)
+    throw std::invalid_argument(std::string(what) + ": bad sizes (Nq " + std::to_string(Nq) + ", Nk " +
+                                std::to_string(Nk) + ", H " + std::to_string(H) + ", Hkv " + std::to_string(Hkv) + ")");
+}
+
+template <typename K>
+void set_smem(K kernel, size_t bytes) {
+  DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+}
+
+template <int D>
+void launch_fwd(const bf16* q, const bf16* k, const bf16* v, const KvRange32* r, int Nq, int Nk, int H, int Hkv,
+                float scale, bf16* o, float* lse, cudaStream_t s) {
+  const size_t smem = size_t((BM + BN) * (D + 8) + D * (BN + 8)) * sizeof(bf16);
+  set_smem(fwd_kernel<D>, smem);
+  fwd_kernel<D><<<dim3((Nq + BM - 1) / BM, H), kThreads, smem, s>>>(q, k, v, r, Nq, Nk, H, Hkv, scale * kLog2e, o, lse);
+  DFLASH_CUDA_CHECK_LAUNCH();
+}
+
+template <int D>
+void launch_bwd(const bf16* q, const bf16* k, const bf16* v, const bf16* o, const float* lse, const bf16* dout,
+                const KvRange32* r, int Nq, int Nk, int H, int Hkv, float scale, bf16* dq, bf16* dk, bf16* dv,
+                float* delta, int4* tiles, cudaStream_t s) {
+  const int64_t rh = int64_t(Nq) * H;
+  delta_kernel<D><<<int((rh * 32 + 255) / 256), 256, 0, s>>>(o, dout, rh, delta);
+  DFLASH_CUDA_CHECK_LAUNCH();
+  const int qtiles = (Nq + BM - 1) / BM;
+  tile_union_kernel<<<qtiles, kThreads, 0, s>>>(r, Nq, tiles);
+  DFLASH_CUDA_CHECK_LAUNCH();
+  const size_t smem_dq = size_t((BM + 2 * BN) * (D + 8) + D * (BN + 8)) * sizeof(bf16);
+  set_smem(dq_kernel<D>, smem_dq);
+  dq_kernel<D><<<dim3(qtiles, H), kThreads, smem_dq, s>>>(q, k, v, dout, lse, delta, r, Nq, Nk, H, Hkv, scale, dq);
+  DFLASH_CUDA_CHECK_LAUNCH();
+  const size_t smem_kv = size_t((2 * BN + 2 * BM) * (D + 8) + 2 * D * (BM + 8)) * sizeof(bf16);
+  set_smem(dkv_kernel<D>, smem_kv);
+  dkv_kernel<D><<<dim3((Nk + BN - 1) / BN, Hkv), kThreads, smem_kv, s>>>(q, k, v, dout, lse, delta, r, tiles, Nq, Nk,
+                                                                          H, Hkv, scale, dk, dv);
+  DFLASH_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void masked_attention_forward(const bf16* q, const bf16* k, const bf16* v, const KvRange32* ranges, int64_t Nq,
+                              int64_t Nk, int H, int Hkv, int D, float scale, bf16* o, float* lse,
+                              cudaStream_t stream) {
+  check_args(Nq, Nk, H, Hkv, "masked_attention_forward");
+  if (Nq == 0) return;
+  switch (D) {
+    case 64: return launch_fwd<64>(q, k, v, ranges, int(Nq), int(Nk), H, Hkv, scale, o, lse, stream);
+    case 128: return launch_fwd<128>(q, k, v, ranges, int(Nq), int(Nk), H, Hkv, scale, o, lse, stream);
+    case 256: return launch_fwd<256>(q, k, v, ranges, int(Nq), int(Nk), H, Hkv, scale, o, lse, stream);
+    default: throw std::invalid_argument("masked_attention_forward: head_dim " + std::to_string(D) + " not in {64, 128, 256}");
+  }
+}
+
+int64_t masked_attention_backward_workspace_bytes(int64_t Nq, int H) {
+  const int64_t delta = (Nq * H * int64_t(sizeof(float)) + 15) / 16 * 16;
+  return delta + (Nq + BM - 1) / BM * int64_t(sizeof(int4));
+}
+
+void masked_attention_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* o, const float* lse,
+                               const bf16* dout, const KvRange32* ranges, int64_t Nq, int64_t Nk, int H, int Hkv,
+                               int D, float scale, bf16* dq, bf16* dk, bf16* dv, void* workspace,
+                               cudaStream_t stream) {
+  check_args(Nq, Nk, H, Hkv, "masked_attention_backward");
+  if (Nk > 0 && Nq == 0) {
+    DFLASH_CUDA_CHECK(cudaMemsetAsync(dk, 0, size_t(Nk) * Hkv * D * sizeof(bf16), stream));
+    DFLASH_CUDA_CHECK(cudaMemsetAsync(dv, 0, size_t(Nk) * Hkv * D * sizeof(bf16), stream));
+  }
+  if (Nq == 0 || Nk == 0) return;
+  float* delta = static_cast<float*>(workspace);
+  int4* tiles = reinterpret_cast<int4*>(static_cast<char*>(workspace) + (Nq * H * int64_t(sizeof(float)) + 15) / 16 * 16);
+  switch (D) {
+    case 64:
+      return launch_bwd<64>(q, k, v, o, lse, dout, ranges, int(Nq), int(Nk), H, Hkv, scale, dq, dk, dv, delta, tiles, stream);
+    case 128:
+      return launch_bwd<128>(q, k, v, o, lse, dout, ranges, int(Nq), int(Nk), H, Hkv, scale, dq, dk, dv, delta, tiles, stream);
+    default: throw std::invalid_argument("masked_attention_backward: head_dim " + std::to_string(D) + " not in {64, 128}");
+  }
+}
+
+}  // namespace dflash::cuda

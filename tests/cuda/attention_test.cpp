@@ -1,0 +1,197 @@
+// GPU block-sparse attention (src/ops/cuda/masked_attention.h) against the CPU reference
+// (cpu::masked_attention_forward / _backward in float64 on the same bf16 inputs): DFlash masks
+// (full and sliding layers, padding blocks, a late anchor), causal varlen batches, rows whose
+// ranges overlap other rows' ranges, head_dim 64 / 128 (/ 256 forward). Outputs NaN-poisoned first.
+#include <gtest/gtest.h>
+
+#ifdef DFLASH_HAVE_CUDA
+
+#include <cmath>
+#include <random>
+
+#include "ops/cuda/masked_attention.h"
+#include "ops/cuda/runtime.h"
+#include "ops/dflash_attention.h"
+#include "tensor/dtype.h"
+#include "test_util.h"
+
+using namespace dflash;
+using cuda::bf16;
+using cuda::DeviceArray;
+
+namespace {
+
+// bf16 inputs, bf16 outputs, probabilities rounded to bf16 before the P.V / dS products (as every
+// flash-attention kernel does): relative L2 error against float64 on the same inputs.
+constexpr double kTolBf16Attention = 1e-2;
+
+struct Case {
+  std::string name;
+  int64_t Nq = 0, Nk = 0;
+  int H = 0, Hkv = 0, D = 0;
+  std::vector<cpu::KvRanges> ranges;
+  bool backward = true;
+};
+
+std::vector<float> rand_bf16(size_t n, std::mt19937_64& rng) {
+  std::normal_distribution<float> nd;
+  std::vector<float> v(n);
+  for (float& x : v) x = bf16_to_f32(f32_to_bf16(nd(rng)));
+  return v;
+}
+
+DeviceArray<bf16> up(const std::vector<float>& v, cudaStream_t s) {
+  std::vector<uint16_t> h(v.size());
+  for (size_t i = 0; i < v.size(); ++i) h[i] = f32_to_bf16(v[i]);
+  DeviceArray<bf16> d(v.size());
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(d.data(), h.data(), h.size() * 2, cudaMemcpyHostToDevice, s));
+  DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));
+  return d;
+}
+
+std::vector<double> down(const DeviceArray<bf16>& d, cudaStream_t s) {
+  std::vector<uint16_t> h(d.size());
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(h.data(), d.data(), h.size() * 2, cudaMemcpyDeviceToHost, s));
+  DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));
+  std::vector<double> r(h.size());
+  for (size_t i = 0; i < h.size(); ++i) r[i] = bf16_to_f32(h[i]);
+  return r;
+}
+
+BasicTensor<double> host(const std::vector<float>& v, std::vector<int64_t> shape) {
+  BasicTensor<double> t(std::move(shape));
+  for (size_t i = 0; i < v.size(); ++i) t.data[i] = v[i];
+  return t;
+}
+
+bool finite(const std::vector<double>& v) {
+  for (double x : v)
+    if (std::isnan(x)) return false;
+  return true;
+}
+
+void run_case(const Case& c, uint64_t seed) {
+  SCOPED_TRACE(c.name + " D " + std::to_string(c.D));
+  cudaStream_t s;
+  DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
+  std::mt19937_64 rng(seed);
+  const auto q = rand_bf16(size_t(c.Nq * c.H * c.D), rng), k = rand_bf16(size_t(c.Nk * c.Hkv * c.D), rng),
+             v = rand_bf16(size_t(c.Nk * c.Hkv * c.D), rng), dout = rand_bf16(size_t(c.Nq * c.H * c.D), rng);
+  const double scale = 1.0 / std::sqrt(double(c.D));
+  const auto Q = host(q, {c.Nq, c.H, c.D}), K = host(k, {c.Nk, c.Hkv, c.D}), V = host(v, {c.Nk, c.Hkv, c.D}),
+             DO = host(dout, {c.Nq, c.H, c.D});
+  BasicTensor<double> lse_ref;
+  const auto o_ref = cpu::masked_attention_forward(Q, K, V, c.ranges, scale, &lse_ref);
+
+  auto dq_ = up(q, s), dk_ = up(k, s), dv_ = up(v, s), ddo = up(dout, s);
+  DeviceArray<cuda::KvRange32> dr(cuda::to_kv_range32(c.ranges), s);
+  DeviceArray<bf16> o(q.size());
+  DeviceArray<float> lse(size_t(c.Nq * c.H));
+  o.fill_bytes(0xFF, s);
+  lse.fill_bytes(0xFF, s);
+  cuda::masked_attention_forward(dq_.data(), dk_.data(), dv_.data(), dr.data(), c.Nq, c.Nk, c.H, c.Hkv, c.D,
+                                 float(scale), o.data(), lse.data(), s);
+  const auto o_gpu = down(o, s);
+  const auto lse_gpu = lse.to_host(s);
+  ASSERT_TRUE(finite(o_gpu));
+  const double eo = test::rel_l2(o_gpu, o_ref.data);
+  EXPECT_LE(eo, kTolBf16Attention);
+  std::vector<double> lf_gpu, lf_ref;
+  for (size_t i = 0; i < lse_gpu.size(); ++i) {
+    if (std::isinf(lse_ref.data[i])) {
+      EXPECT_TRUE(std::isinf(lse_gpu[i]) && lse_gpu[i] < 0) << "row-head " << i << " sees nothing";
+      continue;
+    }
+    lf_gpu.push_back(lse_gpu[i]);
+    lf_ref.push_back(lse_ref.data[i]);
+  }
+  const double el = test::rel_l2(lf_gpu, lf_ref);
+  EXPECT_LE(el, 1e-5);
+  std::printf("[gpu attention] %-26s D %3d fwd: o %.2e lse %.2e", c.name.c_str(), c.D, eo, el);
+  if (c.backward) {
+    BasicTensor<double> dq_ref, dk_ref, dv_ref;
+    cpu::masked_attention_backward(Q, K, V, o_ref, lse_ref, DO, c.ranges, scale, &dq_ref, &dk_ref, &dv_ref);
+    DeviceArray<bf16> gq(q.size()), gk(k.size()), gv(v.size());
+    gq.fill_bytes(0xFF, s);
+    gk.fill_bytes(0xFF, s);
+    gv.fill_bytes(0xFF, s);
+    DeviceArray<char> ws{size_t(cuda::masked_attention_backward_workspace_bytes(c.Nq, c.H))};
+    cuda::masked_attention_backward(dq_.data(), dk_.data(), dv_.data(), o.data(), lse.data(), ddo.data(), dr.data(),
+                                    c.Nq, c.Nk, c.H, c.Hkv, c.D, float(scale), gq.data(), gk.data(), gv.data(),
+                                    ws.data(), s);
+    const auto a = down(gq, s), b = down(gk, s), d = down(gv, s);
+    ASSERT_TRUE(finite(a) && finite(b) && finite(d));
+    const double e1 = test::rel_l2(a, dq_ref.data), e2 = test::rel_l2(b, dk_ref.data), e3 = test::rel_l2(d, dv_ref.data);
+    EXPECT_LE(e1, kTolBf16Attention);
+    EXPECT_LE(e2, kTolBf16Attention);
+    EXPECT_LE(e3, kTolBf16Attention);
+    std::printf(" | bwd: dq %.2e dk %.2e dv %.2e", e1, e2, e3);
+  }
+  std::printf("\n");
+  DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
+}
+
+Case dflash_case(const std::string& name, int64_t S, std::vector<int64_t> anchors, int64_t blocks, int64_t B,
+                 int64_t window, int H, int Hkv, int D) {
+  Case c;
+  c.name = name;
+  c.Nq = blocks * B;
+  c.Nk = S + c.Nq;
+  c.H = H, c.Hkv = Hkv, c.D = D;
+  c.ranges = cpu::dflash_kv_ranges(anchors, blocks, B, S, window);
+  return c;
+}
+
+}  // namespace
+
+#define REQUIRE_GPU() \
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)"
+
+TEST(CudaMaskedAttention, DflashMasksFullSlidingAndPadding) {
+  REQUIRE_GPU();
+  for (int D : {64, 128}) {
+    // anchor 35 of S = 37: its block's positions run past the context; block 4 is padding
+    run_case(dflash_case("dflash full S37", 37, {2, 9, 15, 35}, 5, 4, 0, 4, 2, D), 10 + D);
+    run_case(dflash_case("dflash sliding S37 W6", 37, {2, 9, 15, 35}, 5, 4, 6, 4, 2, D), 20 + D);
+  }
+  std::mt19937_64 rng(7);
+  std::vector<int64_t> anchors;
+  for (int64_t a = 5; a < 300 && anchors.size() < 38; a += 1 + int64_t(rng() % 12)) anchors.push_back(a);
+  run_case(dflash_case("dflash full S300 B16", 300, anchors, 40, 16, 0, 8, 2, 128), 30);
+  run_case(dflash_case("dflash sliding S300 W64", 300, anchors, 40, 16, 64, 8, 2, 128), 31);
+}
+
+TEST(CudaMaskedAttention, CausalVarlenAndOverlappingRows) {
+  REQUIRE_GPU();
+  const std::vector<int64_t> cu = {0, 70, 71, 200};
+  for (int D : {64, 128, 256}) {
+    Case c;
+    c.name = "causal varlen 70/1/129";
+    c.Nq = c.Nk = 200;
+    c.H = 4, c.Hkv = 1, c.D = D;
+    for (const auto& r : cuda::causal_ranges(cu)) c.ranges.push_back({r.ctx_begin, r.ctx_end, r.blk_begin, r.blk_end});
+    c.backward = D != 256;
+    run_case(c, 40 + D);
+  }
+  // Row 0 sees [0, 100); row 1 sees [0, 10) and [50, 60): the ctx and blk unions overlap, and no key
+  // may count twice for row 0. Rows 2.. see nothing.
+  Case c;
+  c.name = "overlapping unions";
+  c.Nq = 5, c.Nk = 120, c.H = 2, c.Hkv = 2, c.D = 64;
+  c.ranges.resize(5);
+  c.ranges[0] = {0, 100, 0, 0};
+  c.ranges[1] = {0, 10, 50, 60};
+  run_case(c, 50);
+}
+
+TEST(CudaMaskedAttention, RefusesUnsupportedHeadDims) {
+  REQUIRE_GPU();
+  EXPECT_THROW(cuda::masked_attention_forward(nullptr, nullptr, nullptr, nullptr, 4, 4, 2, 2, 96, 1.f, nullptr,
+                                              nullptr, nullptr),
+               std::invalid_argument);
+  EXPECT_THROW(cuda::masked_attention_forward(nullptr, nullptr, nullptr, nullptr, 4, 4, 3, 2, 64, 1.f, nullptr,
+                                              nullptr, nullptr),
+               std::invalid_argument);
+}
+
+#endif
