@@ -10,14 +10,48 @@
 #include "bench/record.h"
 #include "cli/commands.h"
 #include "models/target.h"
+#ifdef DFLASH_HAVE_CUDA
+#include "bench/cuda/drafter_step_bench.h"
+#endif
 
 namespace dflash::cli {
+
+namespace {
+
+void add_bench_drafter_step(CLI::App& bench, Runner& run) {
+  auto* cmd = bench.add_subcommand("drafter-step",
+                                   "Time one drafter training step on GPU 0 (random weights, published shapes)");
+  static std::string preset, results = "bench/results";
+  static int64_t seq = 0, anchors = 512;
+  static int steps = 10, warmup = 3;
+  static bool no_record = false;
+  cmd->add_option("--preset", preset, "qwen3-8b | qwen3.6-27b | tiny")->required();
+  cmd->add_option("--seq", seq, "Context length S (default: the preset's, 3072 / 4096)");
+  cmd->add_option("--anchors", anchors, "Anchors per sequence")->capture_default_str()->check(CLI::Range(int64_t(1), int64_t(1) << 16));
+  cmd->add_option("--steps", steps, "Timed steps (the median is recorded)")->capture_default_str()->check(CLI::Range(1, 10000));
+  cmd->add_option("--warmup", warmup, "Untimed steps first")->capture_default_str()->check(CLI::Range(0, 1000));
+  cmd->add_option("--results", results, "Directory of the JSONL records")->capture_default_str();
+  cmd->add_flag("--no-record", no_record, "Print only; append nothing to the results");
+  cmd->callback([&run] {
+    run = [] {
+#ifdef DFLASH_HAVE_CUDA
+      return run_drafter_step_bench({preset, seq, anchors, steps, warmup, results, !no_record});
+#else
+      fmt::print(stderr, "dflash bench drafter-step: this build has no CUDA backend (configure with nvcc present)\n");
+      return 2;
+#endif
+    };
+  });
+}
+
+}  // namespace
 
 void add_bench(CLI::App& app, Runner& run) {
   auto* bench = app.add_subcommand("bench", "Benchmarks; results are appended to bench/results/");
   bench->require_subcommand(1);
   auto* tf = bench->add_subcommand("target-forward", "Time a target's forward pass (random token ids)");
   add_bench_tokenize(*bench, run);
+  add_bench_drafter_step(*bench, run);
   static std::string model, preset, results = "bench/results", device = "cpu";
   static int64_t tokens = 256;
   static int repeat = 3;

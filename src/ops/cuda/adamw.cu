@@ -62,7 +62,19 @@ __global__ void adamw_kernel(float* p, const float* grad, float* m, float* v, bf
   }
 }
 
+__global__ void scale_kernel(float* x, float s, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    x[i] = __fmul_rn(x[i], s);
+}
+
 }  // namespace
+
+void scale_inplace(float* x, float s, int64_t n, cudaStream_t stream) {
+  if (n < 0) throw std::invalid_argument("scale_inplace: negative size");
+  if (n == 0) return;
+  scale_kernel<<<int(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535 * 4)), kThreads, 0, stream>>>(x, s, n);
+  DFLASH_CUDA_CHECK_LAUNCH();
+}
 
 int64_t grad_sumsq_workspace_doubles() { return kSumBlocks; }
 

@@ -36,4 +36,7 @@ void adamw_update(float* p, const float* grad, float* m, float* v, bf16* p_bf16,
 /// norm is not finite; *norm = sqrt(*sumsq). All device pointers.
 void clip_coefficient(const double* sumsq, double max_norm, double* norm, float* coef, cudaStream_t stream);
 
+/// x[i] *= s over n elements (fp32; averaging accumulated gradients).
+void scale_inplace(float* x, float s, int64_t n, cudaStream_t stream);
+
 }  // namespace dflash::cuda

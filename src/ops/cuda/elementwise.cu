@@ -46,7 +46,35 @@ __global__ void add_kernel(bf16* y, const bf16* x, int64_t n) {
   DFLASH_GRID_STRIDE(i, n) y[i] = __float2bfloat16_rn(__bfloat162float(y[i]) + __bfloat162float(x[i]));
 }
 
+__device__ __forceinline__ uint64_t splitmix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+template <typename T>
+__global__ void normal_kernel(T* x, int64_t n, uint64_t seed, float mean, float sd) {
+  DFLASH_GRID_STRIDE(i, n) {
+    const uint64_t h = splitmix64(seed ^ splitmix64(uint64_t(i)));
+    const float u1 = (float(uint32_t(h >> 40)) + 0.5f) * 0x1.0p-24f, u2 = float(uint32_t(h & 0xFFFFFF)) * 0x1.0p-24f;
+    const float z = sqrtf(-2.f * logf(u1)) * cospif(2.f * u2);
+    x[i] = T(mean + sd * z);
+  }
+}
+
 }  // namespace
+
+void fill_normal(float* x, int64_t n, uint64_t seed, float mean, float sd, cudaStream_t stream) {
+  if (n <= 0) return;
+  normal_kernel<float><<<grid_for(n), 256, 0, stream>>>(x, n, seed, mean, sd);
+  DFLASH_CUDA_CHECK_LAUNCH();
+}
+void fill_normal(bf16* x, int64_t n, uint64_t seed, float mean, float sd, cudaStream_t stream) {
+  if (n <= 0) return;
+  normal_kernel<bf16><<<grid_for(n), 256, 0, stream>>>(x, n, seed, mean, sd);
+  DFLASH_CUDA_CHECK_LAUNCH();
+}
 
 void swiglu_forward(const bf16* gate, const bf16* up, bf16* act, int64_t n, cudaStream_t stream) {
   if (n < 0) throw std::invalid_argument("swiglu_forward: negative size");

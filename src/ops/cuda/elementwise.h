@@ -24,4 +24,10 @@ void embedding_gather(const bf16* table, int64_t V, int64_t d, const int32_t* id
 /// y [n] += x [n] (bf16, fp32 add, rounded once).
 void add_inplace(bf16* y, const bf16* x, int64_t n, cudaStream_t stream);
 
+/// x[i] = mean + std * z_i, z_i standard normal from a counter-based hash of (seed, i) (Box-Muller
+/// over splitmix64): the same values for the same seed on every GPU and launch shape. For random
+/// benchmark weights and inputs, never for training data.
+void fill_normal(float* x, int64_t n, uint64_t seed, float mean, float std, cudaStream_t stream);
+void fill_normal(bf16* x, int64_t n, uint64_t seed, float mean, float std, cudaStream_t stream);
+
 }  // namespace dflash::cuda

@@ -81,6 +81,38 @@ class DeviceArray {
   size_t n_ = 0;
 };
 
+/// A stream-ordered temporary (cudaMallocAsync / cudaFreeAsync on `stream`, served from the
+/// device's memory pool, so per-step temporaries cost no device synchronization). Move-only.
+template <typename T>
+class StreamBuffer {
+ public:
+  StreamBuffer() = default;
+  StreamBuffer(size_t n, cudaStream_t stream) : n_(n), stream_(stream) {
+    if (n) DFLASH_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&p_), n * sizeof(T), stream));
+  }
+  ~StreamBuffer() {
+    if (p_) cudaFreeAsync(p_, stream_);
+  }
+  StreamBuffer(StreamBuffer&& o) noexcept : p_(o.p_), n_(o.n_), stream_(o.stream_) { o.p_ = nullptr, o.n_ = 0; }
+  StreamBuffer& operator=(StreamBuffer&& o) noexcept {
+    if (this != &o) {
+      if (p_) cudaFreeAsync(p_, stream_);
+      p_ = o.p_, n_ = o.n_, stream_ = o.stream_;
+      o.p_ = nullptr, o.n_ = 0;
+    }
+    return *this;
+  }
+  StreamBuffer(const StreamBuffer&) = delete;
+  StreamBuffer& operator=(const StreamBuffer&) = delete;
+  T* data() const { return p_; }
+  size_t size() const { return n_; }
+
+ private:
+  T* p_ = nullptr;
+  size_t n_ = 0;
+  cudaStream_t stream_ = nullptr;
+};
+
 /// out[i] = bf16(in[i]) (round to nearest even), n elements.
 void f32_to_bf16(const float* in, bf16* out, int64_t n, cudaStream_t stream);
 /// out[i] = float(in[i]), n elements.

@@ -1,0 +1,414 @@
+// DFlash drafter training step on the GPU. Mirrors drafter_step (src/models/drafter.cpp) op by op;
+// comments give shapes in PyTorch order (Q = num_blocks * B query rows, S context rows).
+#include "models/cuda/drafter_gpu.h"
+
+#include <cmath>
+#include <map>
+#include <stdexcept>
+
+#include "ops/cuda/adamw.h"
+#include "ops/cuda/cross_entropy.h"
+#include "ops/cuda/elementwise.h"
+#include "ops/cuda/gemm.h"
+#include "ops/cuda/masked_attention.h"
+#include "ops/cuda/norm.h"
+#include "ops/cuda/rope.h"
+#include "ops/dflash_attention.h"
+#include "tensor/dtype.h"
+
+namespace dflash {
+
+using cuda::bf16;
+using cuda::DeviceArray;
+using cuda::StreamBuffer;
+
+namespace {
+
+DeviceArray<bf16> upload_bf16(const std::vector<float>& v, cudaStream_t s) {
+  std::vector<uint16_t> h(v.size());
+  for (size_t i = 0; i < v.size(); ++i) h[i] = f32_to_bf16(v[i]);
+  DeviceArray<bf16> d(v.size());
+  if (!h.empty()) {
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(d.data(), h.data(), h.size() * 2, cudaMemcpyHostToDevice, s));
+    DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));
+  }
+  return d;
+}
+
+template <typename T>
+StreamBuffer<T> upload(const std::vector<T>& v, cudaStream_t s) {
+  StreamBuffer<T> b(v.size(), s);
+  if (!v.empty()) DFLASH_CUDA_CHECK(cudaMemcpyAsync(b.data(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice, s));
+  return b;
+}
+
+/// Saved activations of one draft layer (what the backward needs, as the CPU LayerSaved).
+struct Saved {
+  StreamBuffer<bf16> x_in, kv_in, q_pre, q_rot, k_pre, k_rot, v, o, x_mid, hp, g, u, act;
+  StreamBuffer<float> inv_in, q_inv, k_inv, lse, inv_post;
+};
+
+}  // namespace
+
+struct DrafterGpu::Impl {
+  cudaStream_t s;
+  cuda::GemmContext gemm;
+  int64_t n = 0;                                  // parameters
+  DeviceArray<float> master, grad, m, v;          // flat fp32 [n]
+  DeviceArray<bf16> wb;                           // flat bf16 copy [n]
+  std::map<std::string, int64_t> offset;          // parameter name -> flat offset
+  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+  DeviceArray<bf16> embed, lm_head;               // [V, d]
+  int64_t V = 0;
+  DeviceArray<double> sumsq, norm, sumsq_ws;
+  DeviceArray<float> coef;
+
+  explicit Impl(cudaStream_t st) : s(st), gemm(st) {}
+  const bf16* W(const std::string& name) const { return wb.data() + offset.at(name); }
+  const float* F(const std::string& name) const { return master.data() + offset.at(name); }
+  float* G(const std::string& name) { return grad.data() + offset.at(name); }
+};
+
+DrafterGpu::DrafterGpu(const DrafterConfig& cfg, const DrafterWeights<float>& w, const Tensor& embed,
+                       const Tensor& lm_head, cudaStream_t stream)
+    : impl_(new Impl(stream)), cfg_(cfg) {
+  cfg.validate("DrafterGpu");
+  if (cfg.head_dim != 64 && cfg.head_dim != 128)
+    throw std::invalid_argument("DrafterGpu: head_dim " + std::to_string(cfg.head_dim) + " (GPU training needs 64 or 128)");
+  const auto shapes = drafter_param_shapes(cfg);
+  const auto named = w.named();
+  if (named.size() != shapes.size()) throw std::invalid_argument("DrafterGpu: weights do not match the config");
+  std::vector<float> flat;
+  for (size_t i = 0; i < named.size(); ++i) {
+    if (named[i].first != shapes[i].first || named[i].second->shape != shapes[i].second)
+      throw std::invalid_argument("DrafterGpu: " + named[i].first + " has shape " + shape_str(named[i].second->shape) +
+                                  ", expected " + shape_str(shapes[i].second));
+    flat.insert(flat.end(), named[i].second->data.begin(), named[i].second->data.end());
+  }
+  if (embed.ndim() != 2 || embed.dim(1) != cfg.hidden_size || lm_head.shape != embed.shape)
+    throw std::invalid_argument("DrafterGpu: embed " + shape_str(embed.shape) + " / lm_head " + shape_str(lm_head.shape) +
+                                " must both be [V, " + std::to_string(cfg.hidden_size) + "]");
+  allocate(embed.dim(0));
+  Impl& I = *impl_;
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(I.master.data(), flat.data(), flat.size() * 4, cudaMemcpyHostToDevice, stream));
+  cuda::f32_to_bf16(I.master.data(), I.wb.data(), I.n, stream);
+  I.embed = upload_bf16(embed.data, stream);
+  I.lm_head = upload_bf16(lm_head.data, stream);
+  DFLASH_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+void DrafterGpu::allocate(int64_t V) {
+  Impl& I = *impl_;
+  I.shapes = drafter_param_shapes(cfg_);
+  I.n = 0;
+  for (const auto& [name, shape] : I.shapes) {
+    I.offset[name] = I.n;
+    I.n += BasicTensor<float>::numel_of(shape);
+  }
+  I.V = V;
+  I.master = DeviceArray<float>(size_t(I.n));
+  I.wb = DeviceArray<bf16>(size_t(I.n));
+  I.grad = DeviceArray<float>(size_t(I.n));
+  I.m = DeviceArray<float>(size_t(I.n));
+  I.v = DeviceArray<float>(size_t(I.n));
+  I.grad.fill_bytes(0, I.s);
+  I.m.fill_bytes(0, I.s);
+  I.v.fill_bytes(0, I.s);
+  I.sumsq = DeviceArray<double>(1);
+  I.norm = DeviceArray<double>(1);
+  I.sumsq_ws = DeviceArray<double>(size_t(cuda::grad_sumsq_workspace_doubles()));
+  I.coef = DeviceArray<float>(1);
+}
+
+DrafterGpu::DrafterGpu(const DrafterConfig& cfg, int64_t V, uint64_t seed, cudaStream_t stream)
+    : impl_(new Impl(stream)), cfg_(cfg) {
+  cfg.validate("DrafterGpu");
+  if (cfg.head_dim != 64 && cfg.head_dim != 128)
+    throw std::invalid_argument("DrafterGpu: head_dim " + std::to_string(cfg.head_dim) + " (GPU training needs 64 or 128)");
+  if (V <= cfg.mask_token_id) throw std::invalid_argument("DrafterGpu: vocabulary smaller than mask_token_id");
+  allocate(V);
+  Impl& I = *impl_;
+  uint64_t k = 0;
+  for (const auto& [name, shape] : I.shapes) {
+    const int64_t n = BasicTensor<float>::numel_of(shape);
+    float* p = I.master.data() + I.offset[name];
+    if (shape.size() == 1) cuda::fill_normal(p, n, 0, 1.f, 0.f, stream);
+    else cuda::fill_normal(p, n, seed * 1000003 + ++k, 0.f, 0.02f, stream);
+  }
+  cuda::f32_to_bf16(I.master.data(), I.wb.data(), I.n, stream);
+  I.embed = DeviceArray<bf16>(size_t(V * cfg.hidden_size));
+  I.lm_head = DeviceArray<bf16>(size_t(V * cfg.hidden_size));
+  cuda::fill_normal(I.embed.data(), V * cfg.hidden_size, seed * 1000003 + ++k, 0.f, 0.02f, stream);
+  cuda::fill_normal(I.lm_head.data(), V * cfg.hidden_size, seed * 1000003 + ++k, 0.f, 0.02f, stream);
+  DFLASH_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+DrafterGpu::~DrafterGpu() = default;
+
+int64_t DrafterGpu::num_params() const { return impl_->n; }
+
+void DrafterGpu::zero_grads() { impl_->grad.fill_bytes(0, impl_->s); }
+
+namespace {
+template <typename T>
+DrafterWeights<float> download(const DrafterConfig& cfg, const DeviceArray<T>& flat, cudaStream_t s) {
+  const std::vector<T> h = flat.to_host(s);
+  DrafterWeights<float> w = drafter_zeros<float>(cfg);
+  size_t off = 0;
+  for (auto& [name, t] : w.named()) {
+    std::copy(h.begin() + long(off), h.begin() + long(off + t->data.size()), t->data.begin());
+    off += t->data.size();
+  }
+  return w;
+}
+}  // namespace
+
+DrafterWeights<float> DrafterGpu::weights() const { return download(cfg_, impl_->master, impl_->s); }
+DrafterWeights<float> DrafterGpu::grads() const { return download(cfg_, impl_->grad, impl_->s); }
+
+void DrafterGpu::scale_grads(float f) { cuda::scale_inplace(impl_->grad.data(), f, impl_->n, impl_->s); }
+
+ClipResult DrafterGpu::optimizer_step(const AdamWOptions& o, double lr, double max_norm, int64_t t) {
+  Impl& I = *impl_;
+  cuda::grad_sumsq(I.grad.data(), I.n, I.sumsq.data(), I.sumsq_ws.data(), I.s);
+  cuda::clip_coefficient(I.sumsq.data(), max_norm, I.norm.data(), I.coef.data(), I.s);
+  ClipResult r;
+  r.norm = I.norm.to_host(I.s)[0];
+  if (!std::isfinite(r.norm)) {
+    r.coef = std::nan("");
+    return r;
+  }
+  r.coef = double(I.coef.to_host(I.s)[0]);
+  cuda::adamw_update(I.master.data(), I.grad.data(), I.m.data(), I.v.data(), I.wb.data(), I.n,
+                     cuda::adamw_scalars(lr, o.beta1, o.beta2, o.eps, o.weight_decay, t), I.coef.data(), I.s);
+  return r;
+}
+
+DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const DrafterGpuStepOptions& opt) {
+  Impl& I = *impl_;
+  cudaStream_t s = I.s;
+  const DrafterConfig& c = cfg_;
+  const int64_t d = c.hidden_size, hd = c.head_dim, H = c.num_attention_heads, Hkv = c.num_key_value_heads;
+  const int64_t K = int64_t(c.target_layer_ids.size()), B = c.block_size, L = c.num_hidden_layers;
+  const int64_t S = int64_t(seq.ids.size()), N = seq.num_blocks, Q = N * B, SQ = S + Q, Im = c.intermediate_size;
+  if (!seq.taps) throw std::invalid_argument("DrafterGpu::step: no taps");
+  if (S == 0 || int64_t(seq.loss_mask.size()) != S) throw std::invalid_argument("DrafterGpu::step: ids / loss_mask sizes");
+  if (N < int64_t(seq.anchors.size()) || N == 0) throw std::invalid_argument("DrafterGpu::step: num_blocks");
+  for (size_t b = 0; b < seq.anchors.size(); ++b)
+    if (seq.anchors[b] < 0 || seq.anchors[b] >= S || (b && seq.anchors[b] < seq.anchors[b - 1]))
+      throw std::invalid_argument("DrafterGpu::step: anchors must be sorted and inside [0, S)");
+  for (int64_t t : seq.ids)
+    if (t < 0 || t >= I.V) throw std::invalid_argument("DrafterGpu::step: token id " + std::to_string(t) + " outside vocab");
+
+  // ---- host-side block layout (as drafter_step) ----
+  const int64_t na = int64_t(seq.anchors.size());
+  std::vector<int32_t> block_ids(static_cast<size_t>(Q)), labels(static_cast<size_t>(Q), 0);
+  std::vector<int64_t> pos_q(static_cast<size_t>(Q)), pos_kv(static_cast<size_t>(SQ));
+  std::vector<double> wts(static_cast<size_t>(Q), 0.0);
+  double wsum = 0;
+  for (int64_t b = 0; b < N; ++b) {
+    const bool valid = b < na;
+    const int64_t a = valid ? seq.anchors[size_t(b)] : 0;
+    for (int64_t k = 0; k < B; ++k) {
+      const int64_t r = b * B + k;
+      pos_q[size_t(r)] = a + k;
+      block_ids[size_t(r)] = int32_t((valid && k == 0) ? seq.ids[size_t(a)] : c.mask_token_id);
+      if (valid && k >= 1 && a + k < S) {
+        labels[size_t(r)] = int32_t(seq.ids[size_t(a + k)]);
+        wts[size_t(r)] = std::exp(-double(k - 1) / seq.gamma) * double(seq.loss_mask[size_t(a + k)]);
+        wsum += wts[size_t(r)];
+      }
+    }
+  }
+  for (int64_t j = 0; j < S; ++j) pos_kv[size_t(j)] = j;
+  for (int64_t r = 0; r < Q; ++r) pos_kv[size_t(S + r)] = pos_q[size_t(r)];
+  std::vector<double> inv_freq(static_cast<size_t>(hd / 2));
+  for (int64_t i = 0; i < hd / 2; ++i) inv_freq[size_t(i)] = 1.0 / std::pow(c.rope_theta, double(2 * i) / double(hd));
+  const auto full = cuda::to_kv_range32(cpu::dflash_kv_ranges(seq.anchors, N, B, S, 0));
+  const auto slide = cuda::to_kv_range32(cpu::dflash_kv_ranges(seq.anchors, N, B, S, c.sliding_window));
+
+  auto d_ids = upload(block_ids, s);
+  auto d_labels = upload(labels, s);
+  auto d_pq = upload(pos_q, s), d_pkv = upload(pos_kv, s);
+  auto d_inv = upload(inv_freq, s);
+  auto d_full = upload(full, s), d_slide = upload(slide, s);
+  StreamBuffer<float> cq(size_t(Q * hd / 2), s), sq(size_t(Q * hd / 2), s), ckv(size_t(SQ * hd / 2), s),
+      skv(size_t(SQ * hd / 2), s);
+  cuda::rope_table(d_pq.data(), d_inv.data(), Q, hd, cq.data(), sq.data(), s);
+  cuda::rope_table(d_pkv.data(), d_inv.data(), SQ, hd, ckv.data(), skv.data(), s);
+  const float scale = float(1.0 / std::sqrt(double(hd)));
+  auto layer_ranges = [&](int64_t i) {
+    const bool sliding = size_t(i) < c.layer_types.size() && c.layer_types[size_t(i)] == "sliding_attention";
+    return sliding ? d_slide.data() : d_full.data();
+  };
+  auto lname = [](int64_t i, const char* w) { return "layers." + std::to_string(i) + "." + w; };
+  auto linear = [&](const bf16* x, int64_t rows, int64_t in, int64_t out, const std::string& w, bf16* y, float beta) {
+    I.gemm.gemm({rows, out, in, false, true}, x, I.W(w), y, 1.f, beta);
+  };
+
+  // ---- forward ----
+  StreamBuffer<bf16> fc_out(size_t(S * d), s), ctx(size_t(S * d), s);
+  StreamBuffer<float> inv_ctx(size_t(S), s);
+  linear(seq.taps, S, K * d, d, "fc.weight", fc_out.data(), 0.f);
+  cuda::rms_norm_forward(fc_out.data(), I.F("hidden_norm.weight"), ctx.data(), inv_ctx.data(), S, d, c.rms_norm_eps,
+                         false, s);
+  StreamBuffer<bf16> x(size_t(Q * d), s);
+  StreamBuffer<int> bad(1, s);
+  DFLASH_CUDA_CHECK(cudaMemsetAsync(bad.data(), 0, sizeof(int), s));
+  cuda::embedding_gather(I.embed.data(), I.V, d, d_ids.data(), Q, x.data(), bad.data(), s);
+  std::vector<Saved> sv(static_cast<size_t>(L));
+  for (int64_t i = 0; i < L; ++i) {
+    Saved& a = sv[size_t(i)];
+    a.x_in = std::move(x);
+    a.kv_in = StreamBuffer<bf16>(size_t(SQ * d), s);  // [ctx ; input_layernorm(x)]
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(a.kv_in.data(), ctx.data(), size_t(S * d) * 2, cudaMemcpyDeviceToDevice, s));
+    bf16* hn = a.kv_in.data() + S * d;
+    a.inv_in = StreamBuffer<float>(size_t(Q), s);
+    cuda::rms_norm_forward(a.x_in.data(), I.F(lname(i, "input_layernorm.weight")), hn, a.inv_in.data(), Q, d,
+                           c.rms_norm_eps, false, s);
+    a.q_pre = StreamBuffer<bf16>(size_t(Q * H * hd), s);
+    a.q_rot = StreamBuffer<bf16>(size_t(Q * H * hd), s);
+    a.q_inv = StreamBuffer<float>(size_t(Q * H), s);
+    linear(hn, Q, d, H * hd, lname(i, "self_attn.q_proj.weight"), a.q_pre.data(), 0.f);
+    cuda::rms_norm_forward(a.q_pre.data(), I.F(lname(i, "self_attn.q_norm.weight")), a.q_rot.data(), a.q_inv.data(),
+                           Q * H, hd, c.rms_norm_eps, false, s);
+    cuda::rope_apply(a.q_rot.data(), Q, H, hd, hd, cq.data(), sq.data(), false, s);
+    a.k_pre = StreamBuffer<bf16>(size_t(SQ * Hkv * hd), s);
+    a.k_rot = StreamBuffer<bf16>(size_t(SQ * Hkv * hd), s);
+    a.k_inv = StreamBuffer<float>(size_t(SQ * Hkv), s);
+    a.v = StreamBuffer<bf16>(size_t(SQ * Hkv * hd), s);
+    linear(a.kv_in.data(), SQ, d, Hkv * hd, lname(i, "self_attn.k_proj.weight"), a.k_pre.data(), 0.f);
+    cuda::rms_norm_forward(a.k_pre.data(), I.F(lname(i, "self_attn.k_norm.weight")), a.k_rot.data(), a.k_inv.data(),
+                           SQ * Hkv, hd, c.rms_norm_eps, false, s);
+    cuda::rope_apply(a.k_rot.data(), SQ, Hkv, hd, hd, ckv.data(), skv.data(), false, s);
+    linear(a.kv_in.data(), SQ, d, Hkv * hd, lname(i, "self_attn.v_proj.weight"), a.v.data(), 0.f);
+    a.o = StreamBuffer<bf16>(size_t(Q * H * hd), s);
+    a.lse = StreamBuffer<float>(size_t(Q * H), s);
+    cuda::masked_attention_forward(a.q_rot.data(), a.k_rot.data(), a.v.data(), layer_ranges(i), Q, SQ, int(H),
+                                   int(Hkv), int(hd), scale, a.o.data(), a.lse.data(), s);
+    a.x_mid = StreamBuffer<bf16>(size_t(Q * d), s);  // x_in + o_proj(o)
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(a.x_mid.data(), a.x_in.data(), size_t(Q * d) * 2, cudaMemcpyDeviceToDevice, s));
+    linear(a.o.data(), Q, H * hd, d, lname(i, "self_attn.o_proj.weight"), a.x_mid.data(), 1.f);
+    a.hp = StreamBuffer<bf16>(size_t(Q * d), s);
+    a.inv_post = StreamBuffer<float>(size_t(Q), s);
+    cuda::rms_norm_forward(a.x_mid.data(), I.F(lname(i, "post_attention_layernorm.weight")), a.hp.data(),
+                           a.inv_post.data(), Q, d, c.rms_norm_eps, false, s);
+    a.g = StreamBuffer<bf16>(size_t(Q * Im), s);
+    a.u = StreamBuffer<bf16>(size_t(Q * Im), s);
+    a.act = StreamBuffer<bf16>(size_t(Q * Im), s);
+    linear(a.hp.data(), Q, d, Im, lname(i, "mlp.gate_proj.weight"), a.g.data(), 0.f);
+    linear(a.hp.data(), Q, d, Im, lname(i, "mlp.up_proj.weight"), a.u.data(), 0.f);
+    cuda::swiglu_forward(a.g.data(), a.u.data(), a.act.data(), Q * Im, s);
+    x = StreamBuffer<bf16>(size_t(Q * d), s);  // x_mid + down_proj(act)
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(x.data(), a.x_mid.data(), size_t(Q * d) * 2, cudaMemcpyDeviceToDevice, s));
+    linear(a.act.data(), Q, Im, d, lname(i, "mlp.down_proj.weight"), x.data(), 1.f);
+  }
+  StreamBuffer<bf16> hf(size_t(Q * d), s);
+  StreamBuffer<float> inv_final(size_t(Q), s);
+  cuda::rms_norm_forward(x.data(), I.F("norm.weight"), hf.data(), inv_final.data(), Q, d, c.rms_norm_eps, false, s);
+
+  // Cross entropy, fused with its backward when one is wanted (coef = w / sum(w) is known up front).
+  std::vector<float> coef(static_cast<size_t>(Q));
+  for (int64_t r = 0; r < Q; ++r) coef[size_t(r)] = wsum > 0 ? float(wts[size_t(r)] / wsum) : 0.f;
+  auto d_coef = upload(coef, s);
+  const bool backward = opt.backward && wsum > 0;
+  const int64_t rc = std::min(Q, cuda::cross_entropy_row_chunk(I.V, opt.ce_chunk_bytes));
+  StreamBuffer<char> ce_ws(size_t(cuda::cross_entropy_workspace_bytes(rc, I.V)), s);
+  StreamBuffer<float> lse(size_t(Q), s), tl(size_t(Q), s);
+  StreamBuffer<int32_t> amax(size_t(Q), s);
+  StreamBuffer<bf16> dhf(backward ? size_t(Q * d) : 0, s);
+  cuda::cross_entropy(I.gemm, hf.data(), I.lm_head.data(), Q, d, I.V, d_labels.data(), d_coef.data(), rc, ce_ws.data(),
+                      {lse.data(), tl.data(), amax.data()}, backward ? dhf.data() : nullptr);
+  ce_ws = StreamBuffer<char>();
+  std::vector<float> h_lse(static_cast<size_t>(Q)), h_tl(static_cast<size_t>(Q));
+  std::vector<int32_t> h_amax(static_cast<size_t>(Q));
+  int h_bad = 0;
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(h_lse.data(), lse.data(), size_t(Q) * 4, cudaMemcpyDeviceToHost, s));
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(h_tl.data(), tl.data(), size_t(Q) * 4, cudaMemcpyDeviceToHost, s));
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(h_amax.data(), amax.data(), size_t(Q) * 4, cudaMemcpyDeviceToHost, s));
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(&h_bad, bad.data(), sizeof(int), cudaMemcpyDeviceToHost, s));
+  DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));
+  if (h_bad) throw std::invalid_argument("DrafterGpu::step: mask_token_id outside the embedding");
+  DrafterGpuStepResult res;
+  res.weight_sum = wsum;
+  res.slot_correct.assign(size_t(B), 0);
+  res.slot_count.assign(size_t(B), 0);
+  double lsum = 0;
+  for (int64_t r = 0; r < Q; ++r)
+    if (wts[size_t(r)] > 0) {
+      lsum += wts[size_t(r)] * (double(h_lse[size_t(r)]) - double(h_tl[size_t(r)]));
+      res.slot_count[size_t(r % B)] += 1;
+      res.slot_correct[size_t(r % B)] += h_amax[size_t(r)] == labels[size_t(r)];
+    }
+  res.loss = wsum > 0 ? lsum / wsum : 0.0;
+  if (!backward) return res;
+
+  // ---- backward ----
+  StreamBuffer<bf16> dx(size_t(Q * d), s), tmp(size_t(Q * d), s);
+  StreamBuffer<float> nws(size_t(cuda::rms_norm_workspace_floats(SQ * std::max(H, Hkv), std::max(d, hd))), s);
+  cuda::rms_norm_backward(x.data(), I.F("norm.weight"), inv_final.data(), dhf.data(), dx.data(), I.G("norm.weight"),
+                          nws.data(), Q, d, false, s);
+  StreamBuffer<float> dctx(size_t(S * d), s);
+  DFLASH_CUDA_CHECK(cudaMemsetAsync(dctx.data(), 0, size_t(S * d) * 4, s));
+  // dW += dy^T x over `rows` rows: dy [rows, out], x [rows, in] -> [out, in]
+  auto wgrad = [&](const bf16* dy, const bf16* xin, int64_t rows, int64_t out, int64_t in, const std::string& w) {
+    I.gemm.gemm({out, in, rows, true, false}, dy, xin, I.G(w), 1.f, 1.f);
+  };
+  // dx (=|+=) dy W: dy [rows, out], W [out, in]
+  auto dgrad = [&](const bf16* dy, int64_t rows, int64_t out, int64_t in, const std::string& w, auto* dxp, float beta) {
+    I.gemm.gemm({rows, in, out, false, false}, dy, I.W(w), dxp, 1.f, beta);
+  };
+  StreamBuffer<bf16> dact(size_t(Q * Im), s), dhp(size_t(Q * d), s), dof(size_t(Q * H * hd), s), dq(size_t(Q * H * hd), s),
+      dk(size_t(SQ * Hkv * hd), s), dv(size_t(SQ * Hkv * hd), s), dhn(size_t(Q * d), s);
+  StreamBuffer<char> aws(size_t(cuda::masked_attention_backward_workspace_bytes(Q, int(H))), s);
+  for (int64_t i = L - 1; i >= 0; --i) {
+    Saved& a = sv[size_t(i)];
+    const bf16* hn = a.kv_in.data() + S * d;
+    // MLP: x_out = x_mid + down(silu(gate(hp)) * up(hp))
+    dgrad(dx.data(), Q, d, Im, lname(i, "mlp.down_proj.weight"), dact.data(), 0.f);
+    wgrad(dx.data(), a.act.data(), Q, d, Im, lname(i, "mlp.down_proj.weight"));
+    cuda::swiglu_backward(a.g.data(), a.u.data(), dact.data(), a.g.data(), a.u.data(), Q * Im, s);  // in place: dg, du
+    dgrad(a.g.data(), Q, Im, d, lname(i, "mlp.gate_proj.weight"), dhp.data(), 0.f);
+    dgrad(a.u.data(), Q, Im, d, lname(i, "mlp.up_proj.weight"), dhp.data(), 1.f);
+    wgrad(a.g.data(), a.hp.data(), Q, Im, d, lname(i, "mlp.gate_proj.weight"));
+    wgrad(a.u.data(), a.hp.data(), Q, Im, d, lname(i, "mlp.up_proj.weight"));
+    cuda::rms_norm_backward(a.x_mid.data(), I.F(lname(i, "post_attention_layernorm.weight")), a.inv_post.data(),
+                            dhp.data(), tmp.data(), I.G(lname(i, "post_attention_layernorm.weight")), nws.data(), Q, d,
+                            false, s);
+    cuda::add_inplace(dx.data(), tmp.data(), Q * d, s);  // d loss / d x_mid
+    // attention: x_mid = x_in + o_proj(attn(q, k, v))
+    dgrad(dx.data(), Q, d, H * hd, lname(i, "self_attn.o_proj.weight"), dof.data(), 0.f);
+    wgrad(dx.data(), a.o.data(), Q, d, H * hd, lname(i, "self_attn.o_proj.weight"));
+    cuda::masked_attention_backward(a.q_rot.data(), a.k_rot.data(), a.v.data(), a.o.data(), a.lse.data(), dof.data(),
+                                    layer_ranges(i), Q, SQ, int(H), int(Hkv), int(hd), scale, dq.data(), dk.data(),
+                                    dv.data(), aws.data(), s);
+    cuda::rope_apply(dq.data(), Q, H, hd, hd, cq.data(), sq.data(), true, s);
+    cuda::rope_apply(dk.data(), SQ, Hkv, hd, hd, ckv.data(), skv.data(), true, s);
+    cuda::rms_norm_backward(a.q_pre.data(), I.F(lname(i, "self_attn.q_norm.weight")), a.q_inv.data(), dq.data(),
+                            dq.data(), I.G(lname(i, "self_attn.q_norm.weight")), nws.data(), Q * H, hd, false, s);
+    cuda::rms_norm_backward(a.k_pre.data(), I.F(lname(i, "self_attn.k_norm.weight")), a.k_inv.data(), dk.data(),
+                            dk.data(), I.G(lname(i, "self_attn.k_norm.weight")), nws.data(), SQ * Hkv, hd, false, s);
+    const std::string wq = lname(i, "self_attn.q_proj.weight"), wk = lname(i, "self_attn.k_proj.weight"),
+                      wv = lname(i, "self_attn.v_proj.weight");
+    wgrad(dq.data(), hn, Q, H * hd, d, wq);
+    wgrad(dk.data(), a.kv_in.data(), SQ, Hkv * hd, d, wk);
+    wgrad(dv.data(), a.kv_in.data(), SQ, Hkv * hd, d, wv);
+    dgrad(dq.data(), Q, H * hd, d, wq, dhn.data(), 0.f);
+    dgrad(dk.data() + S * Hkv * hd, Q, Hkv * hd, d, wk, dhn.data(), 1.f);
+    dgrad(dv.data() + S * Hkv * hd, Q, Hkv * hd, d, wv, dhn.data(), 1.f);
+    dgrad(dk.data(), S, Hkv * hd, d, wk, dctx.data(), 1.f);
+    dgrad(dv.data(), S, Hkv * hd, d, wv, dctx.data(), 1.f);
+    cuda::rms_norm_backward(a.x_in.data(), I.F(lname(i, "input_layernorm.weight")), a.inv_in.data(), dhn.data(),
+                            tmp.data(), I.G(lname(i, "input_layernorm.weight")), nws.data(), Q, d, false, s);
+    cuda::add_inplace(dx.data(), tmp.data(), Q * d, s);  // d loss / d x_in (dropped after layer 0: embeddings are frozen)
+    sv[size_t(i)] = Saved();                              // free this layer's activations
+  }
+  StreamBuffer<bf16> dctx_b(size_t(S * d), s), dfc(size_t(S * d), s);
+  cuda::f32_to_bf16(dctx.data(), dctx_b.data(), S * d, s);
+  cuda::rms_norm_backward(fc_out.data(), I.F("hidden_norm.weight"), inv_ctx.data(), dctx_b.data(), dfc.data(),
+                          I.G("hidden_norm.weight"), nws.data(), S, d, false, s);
+  wgrad(dfc.data(), seq.taps, S, d, K * d, "fc.weight");
+  return res;
+}
+
+}  // namespace dflash

@@ -1,0 +1,74 @@
+// The DFlash drafter on one GPU: forward + backward of a training sequence and the fused optimizer
+// step, in bf16 compute with fp32 master weights, gradients and AdamW moments. The same math as the
+// CPU reference drafter_step (src/models/drafter.h) and AdamW / clip_grad_norm (src/train/optimizer.h),
+// built from the kernels in src/ops/cuda.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "models/drafter.h"
+#include "ops/cuda/runtime.h"
+#include "train/optimizer.h"
+
+namespace dflash {
+
+/// One training sequence for the GPU step. Anchors and blocks as DrafterSequence.
+struct DrafterGpuSequence {
+  const cuda::bf16* taps = nullptr;  // device [S, K*d], target taps concatenated in target_layer_ids order
+  std::vector<int64_t> ids;          // [S]
+  std::vector<int64_t> loss_mask;    // [S] (0/1)
+  std::vector<int64_t> anchors;      // sorted valid anchors
+  int64_t num_blocks = 0;            // >= anchors.size(); the rest are padding blocks
+  double gamma = 7.0;
+};
+
+struct DrafterGpuStepOptions {
+  bool backward = true;
+  int64_t ce_chunk_bytes = int64_t(1) << 30;  // fp32 logits held at once by the cross entropy (rows x V x 4)
+};
+
+struct DrafterGpuStepResult {
+  double loss = 0, weight_sum = 0;                    // as DrafterStepResult
+  std::vector<int64_t> slot_correct, slot_count;      // [B]
+};
+
+/// Parameters of a drafter on the GPU (order and names: DrafterWeights::named()) and the frozen
+/// target embed_tokens / lm_head (bf16). All work runs on `stream`; not thread-safe (one per
+/// training thread). Needs head_dim 64 or 128 (the attention kernels' backward).
+class DrafterGpu {
+ public:
+  /// Uploads `w` (fp32 masters, bf16 copy), embed and lm_head [V, d] (rounded to bf16). Zero
+  /// gradients and moments. Throws std::invalid_argument on shapes, std::runtime_error on CUDA errors.
+  DrafterGpu(const DrafterConfig& cfg, const DrafterWeights<float>& w, const Tensor& embed, const Tensor& lm_head,
+             cudaStream_t stream);
+  /// Random drafter and target tensors made on the device (benchmarks): projections and fc
+  /// ~ N(0, 0.02^2), norm weights 1, embed / lm_head [V, d] ~ N(0, 0.02^2), from `seed`.
+  DrafterGpu(const DrafterConfig& cfg, int64_t V, uint64_t seed, cudaStream_t stream);
+  ~DrafterGpu();
+
+  /// Forward (and backward) of one sequence, as drafter_step. The gradients are ADDED to the
+  /// gradient buffer (zero_grads() starts a step; several calls accumulate micro-batches).
+  /// Synchronizes the stream once (the loss is read back). Throws std::invalid_argument on bad input.
+  DrafterGpuStepResult step(const DrafterGpuSequence& seq, const DrafterGpuStepOptions& opt = {});
+
+  void zero_grads();
+  /// Multiplies every gradient by `s` (averaging over micro-batches).
+  void scale_grads(float s);
+  /// clip_grad_norm(max_norm) then AdamW step t (1-based) at lr, fused over all parameters; skips
+  /// the update (and reports it) when the norm is not finite. Synchronizes (returns the norm).
+  ClipResult optimizer_step(const AdamWOptions& o, double lr, double max_norm, int64_t t);
+
+  DrafterWeights<float> weights() const;  // fp32 masters, downloaded
+  DrafterWeights<float> grads() const;    // fp32 gradients, downloaded
+  int64_t num_params() const;
+  const DrafterConfig& config() const { return cfg_; }
+
+ private:
+  void allocate(int64_t V);
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  DrafterConfig cfg_;
+};
+
+}  // namespace dflash

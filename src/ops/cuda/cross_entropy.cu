@@ -1,0 +1,106 @@
+#include <algorithm>
+#include <climits>
+#include <stdexcept>
+#include <string>
+
+#include "ops/cuda/cross_entropy.h"
+
+namespace dflash::cuda {
+
+namespace {
+
+constexpr int kThreads = 512;
+
+struct Stat {
+  float m, s;  // running max and sum of exp(x - m)
+  float bv;    // best value
+  int bi;      // its index
+};
+
+__device__ Stat combine(Stat a, Stat b) {
+  const float m = fmaxf(a.m, b.m);
+  Stat r;
+  r.m = m;
+  r.s = (a.m == -INFINITY ? 0.f : a.s * __expf(a.m - m)) + (b.m == -INFINITY ? 0.f : b.s * __expf(b.m - m));
+  const bool take_b = b.bv > a.bv || (b.bv == a.bv && b.bi < a.bi);
+  r.bv = take_b ? b.bv : a.bv;
+  r.bi = take_b ? b.bi : a.bi;
+  return r;
+}
+
+// One block per row of the chunk: online softmax statistics, target logit, argmax, and (if g) the
+// logit gradient coef * (softmax - onehot) in bf16.
+__global__ void __launch_bounds__(kThreads) ce_row_kernel(const float* logits, int64_t V, const int32_t* targets,
+                                                          const float* coef, float* lse, float* tl, int32_t* amax,
+                                                          bf16* g) {
+  __shared__ Stat red[kThreads / 32];
+  __shared__ float s_lse;
+  const int64_t r = blockIdx.x;
+  const float* L = logits + r * V;
+  Stat st{-INFINITY, 0.f, -INFINITY, INT_MAX};
+  for (int64_t c = threadIdx.x; c < V; c += blockDim.x) {
+    const float x = L[c];
+    if (x > st.m) {
+      st.s = st.s * __expf(st.m - x) + 1.f;
+      st.m = x;
+    } else {
+      st.s += __expf(x - st.m);
+    }
+    if (x > st.bv) st.bv = x, st.bi = int(c);  // strictly greater: the first index wins per thread
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    Stat other{__shfl_xor_sync(0xffffffffu, st.m, o), __shfl_xor_sync(0xffffffffu, st.s, o),
+               __shfl_xor_sync(0xffffffffu, st.bv, o), __shfl_xor_sync(0xffffffffu, st.bi, o)};
+    st = combine(st, other);
+  }
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = st;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    Stat t = red[0];
+    for (int w = 1; w < kThreads / 32; ++w) t = combine(t, red[w]);
+    const float l = t.m + logf(t.s);
+    s_lse = l;
+    lse[r] = l;
+    amax[r] = t.bi;
+    tl[r] = L[targets[r]];
+  }
+  if (!g) return;
+  __syncthreads();
+  const float cr = coef[r], l = s_lse;
+  const int32_t tgt = targets[r];
+  bf16* gr = g + r * V;
+  for (int64_t c = threadIdx.x; c < V; c += blockDim.x) {
+    const float v = cr == 0.f ? 0.f : cr * (__expf(L[c] - l) - (c == tgt ? 1.f : 0.f));
+    gr[c] = __float2bfloat16_rn(v);
+  }
+}
+
+}  // namespace
+
+int64_t cross_entropy_row_chunk(int64_t V, int64_t max_bytes) {
+  if (V <= 0) throw std::invalid_argument("cross_entropy_row_chunk: V must be > 0");
+  return std::max<int64_t>(16, max_bytes / (V * 4) / 16 * 16);
+}
+
+int64_t cross_entropy_workspace_bytes(int64_t row_chunk, int64_t V) { return row_chunk * V * (4 + 2); }
+
+void cross_entropy(GemmContext& gemm, const bf16* h, const bf16* W, int64_t rows, int64_t d, int64_t V,
+                   const int32_t* targets, const float* coef, int64_t row_chunk, void* workspace, CeRowStats st,
+                   bf16* dh) {
+  if (rows < 0 || d <= 0 || V <= 0 || V > INT_MAX || row_chunk <= 0 || (dh && !coef))
+    throw std::invalid_argument("cross_entropy: bad arguments (rows " + std::to_string(rows) + ", d " +
+                                std::to_string(d) + ", V " + std::to_string(V) + ", row_chunk " +
+                                std::to_string(row_chunk) + ")");
+  float* L = static_cast<float*>(workspace);
+  bf16* G = reinterpret_cast<bf16*>(L + row_chunk * V);
+  for (int64_t r0 = 0; r0 < rows; r0 += row_chunk) {
+    const int64_t n = std::min(row_chunk, rows - r0);
+    gemm.gemm({n, V, d, false, true}, h + r0 * d, W, L);
+    ce_row_kernel<<<int(n), kThreads, 0, gemm.stream()>>>(L, V, targets + r0, dh ? coef + r0 : nullptr, st.lse + r0,
+                                                           st.target_logit + r0, st.argmax + r0, dh ? G : nullptr);
+    DFLASH_CUDA_CHECK_LAUNCH();
+    if (dh) gemm.gemm({n, d, V, false, false}, G, W, dh + r0 * d);
+  }
+}
+
+}  // namespace dflash::cuda
