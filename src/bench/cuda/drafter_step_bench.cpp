@@ -145,6 +145,17 @@ int run_drafter_step_bench(const DrafterStepBenchOptions& o) {
     const double dt = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (i >= o.warmup) ms.push_back(dt);
   }
+  // One more step with per-stage GPU timings (where the time goes), and the optimizer alone.
+  gpu.zero_grads();
+  DrafterGpuStepOptions timed;
+  timed.time_stages = true;
+  const DrafterGpuStepResult tr = gpu.step(seq, timed);
+  const auto t0 = std::chrono::steady_clock::now();
+  gpu.optimizer_step(ao, 6e-4, 1.0, o.warmup + o.steps + 1);
+  const double opt_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  nlohmann::json stages = nlohmann::json::object();
+  for (const auto& [name, v] : tr.stage_ms) stages[name] = v;
+  stages["optimizer"] = opt_ms;
   uint64_t pool_high = 0;
   DFLASH_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &pool_high));
   const double peak_gb = (double(free0 - free1) + double(pool_high)) / 1e9;
@@ -157,7 +168,8 @@ int run_drafter_step_bench(const DrafterStepBenchOptions& o) {
                                 {"max_ms", *std::max_element(ms.begin(), ms.end())}, {"loss", loss},
                                 {"model_tflop_per_step", flops / 1e12}, {"achieved_tflops", tflops},
                                 {"gemm_peak_tflops_8192", gemm_peak}, {"recompute", false},
-                                {"params", gpu.num_params()}, {"what", "zero_grads + forward + backward + clip + AdamW"}};
+                                {"params", gpu.num_params()}, {"stage_ms", stages},
+                                {"what", "zero_grads + forward + backward + clip + AdamW"}};
   for (const auto& [metric, value, unit] : {std::tuple<const char*, double, const char*>{"step_ms", step_ms, "ms"},
                                             {"peak_gb", peak_gb, "GB"}}) {
     BenchRecord r;

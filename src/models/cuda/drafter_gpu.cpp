@@ -2,6 +2,7 @@
 // comments give shapes in PyTorch order (Q = num_blocks * B query rows, S context rows).
 #include "models/cuda/drafter_gpu.h"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <stdexcept>
@@ -41,6 +42,52 @@ StreamBuffer<T> upload(const std::vector<T>& v, cudaStream_t s) {
   if (!v.empty()) DFLASH_CUDA_CHECK(cudaMemcpyAsync(b.data(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice, s));
   return b;
 }
+
+/// CUDA events around named stages of a step; totals per name after the stream is synchronized.
+class StageTimer {
+ public:
+  StageTimer(cudaStream_t s, bool on) : s_(s), on_(on) {}
+  ~StageTimer() {
+    for (auto& m : marks_) cudaEventDestroy(m.e0), cudaEventDestroy(m.e1);
+  }
+  void begin(const std::string& name) {
+    if (!on_) return;
+    Mark m{name, nullptr, nullptr};
+    DFLASH_CUDA_CHECK(cudaEventCreate(&m.e0));
+    DFLASH_CUDA_CHECK(cudaEventCreate(&m.e1));
+    DFLASH_CUDA_CHECK(cudaEventRecord(m.e0, s_));
+    marks_.push_back(m);
+  }
+  void end(const std::string& name) {
+    if (!on_) return;
+    for (auto it = marks_.rbegin(); it != marks_.rend(); ++it)
+      if (it->name == name) {
+        DFLASH_CUDA_CHECK(cudaEventRecord(it->e1, s_));
+        return;
+      }
+  }
+  /// Totals per name in first-seen order (the stream must be synchronized).
+  std::vector<std::pair<std::string, double>> totals() const {
+    std::vector<std::pair<std::string, double>> r;
+    for (const auto& m : marks_) {
+      float ms = 0;
+      DFLASH_CUDA_CHECK(cudaEventElapsedTime(&ms, m.e0, m.e1));
+      auto it = std::find_if(r.begin(), r.end(), [&](const auto& p) { return p.first == m.name; });
+      if (it == r.end()) r.emplace_back(m.name, ms);
+      else it->second += ms;
+    }
+    return r;
+  }
+
+ private:
+  struct Mark {
+    std::string name;
+    cudaEvent_t e0, e1;
+  };
+  cudaStream_t s_;
+  bool on_;
+  std::vector<Mark> marks_;
+};
 
 /// Saved activations of one draft layer (what the backward needs, as the CPU LayerSaved).
 struct Saved {
@@ -246,7 +293,9 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
     I.gemm.gemm({rows, out, in, false, true}, x, I.W(w), y, 1.f, beta);
   };
 
+  StageTimer timer(s, opt.time_stages);
   // ---- forward ----
+  timer.begin("forward");
   StreamBuffer<bf16> fc_out(size_t(S * d), s), ctx(size_t(S * d), s);
   StreamBuffer<float> inv_ctx(size_t(S), s);
   linear(seq.taps, S, K * d, d, "fc.weight", fc_out.data(), 0.f);
@@ -284,8 +333,10 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
     linear(a.kv_in.data(), SQ, d, Hkv * hd, lname(i, "self_attn.v_proj.weight"), a.v.data(), 0.f);
     a.o = StreamBuffer<bf16>(size_t(Q * H * hd), s);
     a.lse = StreamBuffer<float>(size_t(Q * H), s);
+    timer.begin("attention_fwd");
     cuda::masked_attention_forward(a.q_rot.data(), a.k_rot.data(), a.v.data(), layer_ranges(i), Q, SQ, int(H),
                                    int(Hkv), int(hd), scale, a.o.data(), a.lse.data(), s);
+    timer.end("attention_fwd");
     a.x_mid = StreamBuffer<bf16>(size_t(Q * d), s);  // x_in + o_proj(o)
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(a.x_mid.data(), a.x_in.data(), size_t(Q * d) * 2, cudaMemcpyDeviceToDevice, s));
     linear(a.o.data(), Q, H * hd, d, lname(i, "self_attn.o_proj.weight"), a.x_mid.data(), 1.f);
@@ -312,6 +363,8 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   for (int64_t r = 0; r < Q; ++r) coef[size_t(r)] = wsum > 0 ? float(wts[size_t(r)] / wsum) : 0.f;
   auto d_coef = upload(coef, s);
   const bool backward = opt.backward && wsum > 0;
+  timer.end("forward");
+  timer.begin("cross_entropy");
   const int64_t rc = std::min(Q, cuda::cross_entropy_row_chunk(I.V, opt.ce_chunk_bytes));
   StreamBuffer<char> ce_ws(size_t(cuda::cross_entropy_workspace_bytes(rc, I.V)), s);
   StreamBuffer<float> lse(size_t(Q), s), tl(size_t(Q), s);
@@ -320,6 +373,7 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   cuda::cross_entropy(I.gemm, hf.data(), I.lm_head.data(), Q, d, I.V, d_labels.data(), d_coef.data(), rc, ce_ws.data(),
                       {lse.data(), tl.data(), amax.data()}, backward ? dhf.data() : nullptr);
   ce_ws = StreamBuffer<char>();
+  timer.end("cross_entropy");
   std::vector<float> h_lse(static_cast<size_t>(Q)), h_tl(static_cast<size_t>(Q));
   std::vector<int32_t> h_amax(static_cast<size_t>(Q));
   int h_bad = 0;
@@ -341,9 +395,13 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
       res.slot_correct[size_t(r % B)] += h_amax[size_t(r)] == labels[size_t(r)];
     }
   res.loss = wsum > 0 ? lsum / wsum : 0.0;
-  if (!backward) return res;
+  if (!backward) {
+    res.stage_ms = timer.totals();
+    return res;
+  }
 
   // ---- backward ----
+  timer.begin("backward");
   StreamBuffer<bf16> dx(size_t(Q * d), s), tmp(size_t(Q * d), s);
   StreamBuffer<float> nws(size_t(cuda::rms_norm_workspace_floats(SQ * std::max(H, Hkv), std::max(d, hd))), s);
   cuda::rms_norm_backward(x.data(), I.F("norm.weight"), inv_final.data(), dhf.data(), dx.data(), I.G("norm.weight"),
@@ -379,9 +437,11 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
     // attention: x_mid = x_in + o_proj(attn(q, k, v))
     dgrad(dx.data(), Q, d, H * hd, lname(i, "self_attn.o_proj.weight"), dof.data(), 0.f);
     wgrad(dx.data(), a.o.data(), Q, d, H * hd, lname(i, "self_attn.o_proj.weight"));
+    timer.begin("attention_bwd");
     cuda::masked_attention_backward(a.q_rot.data(), a.k_rot.data(), a.v.data(), a.o.data(), a.lse.data(), dof.data(),
                                     layer_ranges(i), Q, SQ, int(H), int(Hkv), int(hd), scale, dq.data(), dk.data(),
                                     dv.data(), aws.data(), s);
+    timer.end("attention_bwd");
     cuda::rope_apply(dq.data(), Q, H, hd, hd, cq.data(), sq.data(), true, s);
     cuda::rope_apply(dk.data(), SQ, Hkv, hd, hd, ckv.data(), skv.data(), true, s);
     cuda::rms_norm_backward(a.q_pre.data(), I.F(lname(i, "self_attn.q_norm.weight")), a.q_inv.data(), dq.data(),
@@ -408,6 +468,11 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   cuda::rms_norm_backward(fc_out.data(), I.F("hidden_norm.weight"), inv_ctx.data(), dctx_b.data(), dfc.data(),
                           I.G("hidden_norm.weight"), nws.data(), S, d, false, s);
   wgrad(dfc.data(), seq.taps, S, d, K * d, "fc.weight");
+  timer.end("backward");
+  if (opt.time_stages) {
+    DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));
+    res.stage_ms = timer.totals();
+  }
   return res;
 }
 

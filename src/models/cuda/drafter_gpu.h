@@ -5,6 +5,8 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "models/drafter.h"
@@ -26,11 +28,16 @@ struct DrafterGpuSequence {
 struct DrafterGpuStepOptions {
   bool backward = true;
   int64_t ce_chunk_bytes = int64_t(1) << 30;  // fp32 logits held at once by the cross entropy (rows x V x 4)
+  bool time_stages = false;  // fill DrafterGpuStepResult::stage_ms (CUDA events around each stage)
 };
 
 struct DrafterGpuStepResult {
   double loss = 0, weight_sum = 0;                    // as DrafterStepResult
   std::vector<int64_t> slot_correct, slot_count;      // [B]
+  /// With time_stages: milliseconds per stage, GPU time, summed over layers: "forward" and
+  /// "backward" (whole passes, cross entropy excluded), "attention_fwd", "attention_bwd" (inside
+  /// them), "cross_entropy" (fused forward + backward).
+  std::vector<std::pair<std::string, double>> stage_ms;
 };
 
 /// Parameters of a drafter on the GPU (order and names: DrafterWeights::named()) and the frozen

@@ -50,6 +50,14 @@ __device__ __forceinline__ void load_b(uint32_t& b0, uint32_t& b1, const bf16* m
   b1 = ld32(m + (n0 + g) * ld + k0 + 2 * t + 8);
 }
 
+/// B fragment where B[k][n] = m[k0 + k][n0 + n] (m row-major, ld; rows 16-byte aligned): two 8x8
+/// blocks transposed on the way by ldmatrix (lanes 0-15 address rows k0..k0+15).
+__device__ __forceinline__ void load_b_trans(uint32_t& b0, uint32_t& b1, const bf16* m, int ld, int k0, int n0,
+                                             int lane) {
+  const unsigned addr = unsigned(__cvta_generic_to_shared(m + (k0 + (lane & 15)) * ld + n0));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n" : "=r"(b0), "=r"(b1) : "r"(addr));
+}
+
 /// A fragment for keys/queries 16kk..16kk+15 from an accumulator tile array c[n-tile][4].
 __device__ __forceinline__ void acc_to_a(uint32_t a[4], const float (*c)[4], int kk) {
   a[0] = pack(c[2 * kk][0], c[2 * kk][1]);
@@ -87,19 +95,6 @@ __device__ void load_rows(bf16* dst, int ld, const bf16* src, int N, int heads, 
     *reinterpret_cast<uint4*>(dst + r * ld + c) = val;
   }
 }
-/// The same, transposed into smem [D][ldt] (dst[c][r]).
-template <int D>
-__device__ void load_rows_t(bf16* dst, int ldt, const bf16* src, int N, int heads, int head, int r0, int rows) {
-  for (int i = threadIdx.x; i < rows * D / 8; i += kThreads) {
-    const int r = i / (D / 8), c = (i % (D / 8)) * 8;
-    uint4 val = make_uint4(0, 0, 0, 0);
-    if (r0 + r < N) val = *reinterpret_cast<const uint4*>(src + (int64_t(r0 + r) * heads + head) * D + c);
-    const bf16* e = reinterpret_cast<const bf16*>(&val);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) dst[(c + j) * ldt + r] = e[j];
-  }
-}
-
 /// Union of the ranges of query rows [row0, row0 + BM): lohi = {ctx lo, ctx hi, blk lo, blk hi}.
 __device__ void tile_union(const KvRange32* ranges, int Nq, int row0, int* lohi) {
   if (threadIdx.x == 0) lohi[0] = lohi[2] = INT_MAX, lohi[1] = lohi[3] = INT_MIN;
@@ -119,11 +114,11 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const bf16* __restrict__ 
                                                        const bf16* __restrict__ v, const KvRange32* __restrict__ ranges,
                                                        int Nq, int Nk, int H, int Hkv, float scale_log2, bf16* o,
                                                        float* lse) {
-  constexpr int LD = D + 8, LDT = BN + 8;
+  constexpr int LD = D + 8;
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* Qs = reinterpret_cast<bf16*>(smem);  // [BM][LD]
   bf16* Ks = Qs + BM * LD;                   // [BN][LD]
-  bf16* Vt = Ks + BN * LD;                   // [D][LDT]
+  bf16* Vs = Ks + BN * LD;                   // [BN][LD]
   __shared__ int lohi[4];
   const int h = blockIdx.y, kvh = h / (H / Hkv), row0 = blockIdx.x * BM;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -144,7 +139,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const bf16* __restrict__ 
     for (int k0 = lo; k0 < hi; k0 += BN) {
       __syncthreads();
       load_rows<D>(Ks, LD, k, Nk, Hkv, kvh, k0, BN);
-      load_rows_t<D>(Vt, LDT, v, Nk, Hkv, kvh, k0, BN);
+      load_rows<D>(Vs, LD, v, Nk, Hkv, kvh, k0, BN);
       __syncthreads();
       float s[BN / 8][4];
 #pragma unroll
@@ -191,7 +186,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const bf16* __restrict__ 
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt) {
           uint32_t b0, b1;
-          load_b(b0, b1, Vt, LDT, dt * 8, kk * 16, g, t);
+          load_b_trans(b0, b1, Vs, LD, kk * 16, dt * 8, lane);
           mma16816(oacc[dt], a, b0, b1);
         }
       }
@@ -240,12 +235,11 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const bf16* __restrict__ q
                                                       const float* __restrict__ lse, const float* __restrict__ delta,
                                                       const KvRange32* __restrict__ ranges, int Nq, int Nk, int H,
                                                       int Hkv, float scale, bf16* dq) {
-  constexpr int LD = D + 8, LDT = BN + 8;
+  constexpr int LD = D + 8;
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* Qs = reinterpret_cast<bf16*>(smem);  // [BM][LD], then dO
   bf16* Ks = Qs + BM * LD;                   // [BN][LD]
-  bf16* Kt = Ks + BN * LD;                   // [D][LDT]
-  bf16* Vs = Kt + D * LDT;                   // [BN][LD]
+  bf16* Vs = Ks + BN * LD;                   // [BN][LD]
   __shared__ int lohi[4];
   const int h = blockIdx.y, kvh = h / (H / Hkv), row0 = blockIdx.x * BM;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -273,7 +267,6 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const bf16* __restrict__ q
     for (int k0 = lo; k0 < hi; k0 += BN) {
       __syncthreads();
       load_rows<D>(Ks, LD, k, Nk, Hkv, kvh, k0, BN);
-      load_rows_t<D>(Kt, LDT, k, Nk, Hkv, kvh, k0, BN);
       load_rows<D>(Vs, LD, v, Nk, Hkv, kvh, k0, BN);
       __syncthreads();
       float s[BN / 8][4], dp[BN / 8][4];
@@ -306,7 +299,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const bf16* __restrict__ q
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt) {
           uint32_t b0, b1;
-          load_b(b0, b1, Kt, LDT, dt * 8, kk * 16, g, t);
+          load_b_trans(b0, b1, Ks, LD, kk * 16, dt * 8, lane);
           mma16816(acc[dt], a, b0, b1);
         }
       }
@@ -331,14 +324,12 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const bf16* __restrict__ 
                                                        const KvRange32* __restrict__ ranges,
                                                        const int4* __restrict__ tiles, int Nq, int Nk, int H, int Hkv,
                                                        float scale, bf16* dk, bf16* dv) {
-  constexpr int LD = D + 8, LDQ = BM + 8;
+  constexpr int LD = D + 8;
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* Ks = reinterpret_cast<bf16*>(smem);  // [BN][LD]
   bf16* Vs = Ks + BN * LD;                   // [BN][LD]
   bf16* Qs = Vs + BN * LD;                   // [BM][LD]
-  bf16* Qt = Qs + BM * LD;                   // [D][LDQ]
-  bf16* Os = Qt + D * LDQ;                   // dO [BM][LD]
-  bf16* Ot = Os + BM * LD;                   // dO^T [D][LDQ]
+  bf16* Os = Qs + BM * LD;                   // dO [BM][LD]
   __shared__ float s_lse[BM], s_delta[BM];
   __shared__ KvRange32 s_rg[BM];
   const int kvh = blockIdx.y, k0 = blockIdx.x * BN, G = H / Hkv;
@@ -361,9 +352,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const bf16* __restrict__ 
     for (int h = kvh * G; h < (kvh + 1) * G; ++h) {
       __syncthreads();
       load_rows<D>(Qs, LD, q, Nq, H, h, row0, BM);
-      load_rows_t<D>(Qt, LDQ, q, Nq, H, h, row0, BM);
       load_rows<D>(Os, LD, dout, Nq, H, h, row0, BM);
-      load_rows_t<D>(Ot, LDQ, dout, Nq, H, h, row0, BM);
       if (threadIdx.x < BM) {
         const int r = row0 + threadIdx.x;
         s_lse[threadIdx.x] = r < Nq ? lse[int64_t(r) * H + h] * kLog2e : 0.f;
@@ -408,9 +397,9 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const bf16* __restrict__ 
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt) {
           uint32_t b0, b1;
-          load_b(b0, b1, Ot, LDQ, dt * 8, kk * 16, g, t);
+          load_b_trans(b0, b1, Os, LD, kk * 16, dt * 8, lane);
           mma16816(dva[dt], pa, b0, b1);
-          load_b(b0, b1, Qt, LDQ, dt * 8, kk * 16, g, t);
+          load_b_trans(b0, b1, Qs, LD, kk * 16, dt * 8, lane);
           mma16816(dka[dt], sa, b0, b1);
         }
       }
@@ -444,7 +433,7 @@ void set_smem(K kernel, size_t bytes) {
 template <int D>
 void launch_fwd(const bf16* q, const bf16* k, const bf16* v, const KvRange32* r, int Nq, int Nk, int H, int Hkv,
                 float scale, bf16* o, float* lse, cudaStream_t s) {
-  const size_t smem = size_t((BM + BN) * (D + 8) + D * (BN + 8)) * sizeof(bf16);
+  const size_t smem = size_t((BM + 2 * BN) * (D + 8)) * sizeof(bf16);
   set_smem(fwd_kernel<D>, smem);
   fwd_kernel<D><<<dim3((Nq + BM - 1) / BM, H), kThreads, smem, s>>>(q, k, v, r, Nq, Nk, H, Hkv, scale * kLog2e, o, lse);
   DFLASH_CUDA_CHECK_LAUNCH();
@@ -460,11 +449,11 @@ void launch_bwd(const bf16* q, const bf16* k, const bf16* v, const bf16* o, cons
   const int qtiles = (Nq + BM - 1) / BM;
   tile_union_kernel<<<qtiles, kThreads, 0, s>>>(r, Nq, tiles);
   DFLASH_CUDA_CHECK_LAUNCH();
-  const size_t smem_dq = size_t((BM + 2 * BN) * (D + 8) + D * (BN + 8)) * sizeof(bf16);
+  const size_t smem_dq = size_t((BM + 2 * BN) * (D + 8)) * sizeof(bf16);
   set_smem(dq_kernel<D>, smem_dq);
   dq_kernel<D><<<dim3(qtiles, H), kThreads, smem_dq, s>>>(q, k, v, dout, lse, delta, r, Nq, Nk, H, Hkv, scale, dq);
   DFLASH_CUDA_CHECK_LAUNCH();
-  const size_t smem_kv = size_t((2 * BN + 2 * BM) * (D + 8) + 2 * D * (BM + 8)) * sizeof(bf16);
+  const size_t smem_kv = size_t((2 * BN + 2 * BM) * (D + 8)) * sizeof(bf16);
   set_smem(dkv_kernel<D>, smem_kv);
   dkv_kernel<D><<<dim3((Nk + BN - 1) / BN, Hkv), kThreads, smem_kv, s>>>(q, k, v, dout, lse, delta, r, tiles, Nq, Nk,
                                                                           H, Hkv, scale, dk, dv);

@@ -71,6 +71,67 @@ __global__ void rms_bwd_kernel(const bf16* x, const float* w, const float* inv, 
     for (int64_t c = threadIdx.x; c < n; c += blockDim.x) partial[blockIdx.x * n + c] = acc[c];
 }
 
+// Short rows (per-head q_norm / k_norm, n <= kWarpRowMax): one warp per row, 8 rows per block.
+constexpr int kWarpRowMax = 1024;
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__global__ void rms_fwd_warp_kernel(const bf16* x, const float* w, bf16* y, float* inv, int64_t rows, int64_t n,
+                                    float eps, bool zc) {
+  const int lane = threadIdx.x % 32, wid = threadIdx.x / 32, wpb = blockDim.x / 32;
+  for (int64_t r = int64_t(blockIdx.x) * wpb + wid; r < rows; r += int64_t(gridDim.x) * wpb) {
+    const bf16* xr = x + r * n;
+    float ss = 0;
+    for (int64_t c = lane; c < n; c += 32) {
+      const float v = __bfloat162float(xr[c]);
+      ss += v * v;
+    }
+    const float iv = rsqrtf(warp_sum(ss) / float(n) + eps);
+    if (inv && lane == 0) inv[r] = iv;
+    bf16* yr = y + r * n;
+    for (int64_t c = lane; c < n; c += 32) yr[c] = __float2bfloat16_rn(gain(w, c, zc) * (__bfloat162float(xr[c]) * iv));
+  }
+}
+
+// partial[b, c] = block b's sum of dy * xh (per-warp accumulators in smem [warps][n], then summed).
+__global__ void rms_bwd_warp_kernel(const bf16* x, const float* w, const float* inv, const bf16* dy, bf16* dx,
+                                    float* partial, int64_t rows, int64_t n, bool zc) {
+  extern __shared__ float acc[];  // [warps][n] when partial != nullptr
+  const int lane = threadIdx.x % 32, wid = threadIdx.x / 32, wpb = blockDim.x / 32;
+  float* my = acc + wid * n;
+  if (partial)
+    for (int64_t c = lane; c < n; c += 32) my[c] = 0;
+  for (int64_t r = int64_t(blockIdx.x) * wpb + wid; r < rows; r += int64_t(gridDim.x) * wpb) {
+    const bf16* xr = x + r * n;
+    const bf16* dyr = dy + r * n;
+    const float iv = inv[r];
+    float dot = 0;
+    for (int64_t c = lane; c < n; c += 32) {
+      const float xh = __bfloat162float(xr[c]) * iv, d = __bfloat162float(dyr[c]);
+      dot += gain(w, c, zc) * d * xh;
+      if (partial) my[c] += d * xh;
+    }
+    if (dx) {
+      const float mean = warp_sum(dot) / float(n);
+      bf16* dxr = dx + r * n;
+      for (int64_t c = lane; c < n; c += 32) {
+        const float xh = __bfloat162float(xr[c]) * iv;
+        dxr[c] = __float2bfloat16_rn(iv * (gain(w, c, zc) * __bfloat162float(dyr[c]) - xh * mean));
+      }
+    }
+  }
+  if (!partial) return;
+  __syncthreads();
+  for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
+    float t = 0;
+    for (int k = 0; k < wpb; ++k) t += acc[k * n + c];
+    partial[blockIdx.x * n + c] = t;
+  }
+}
+
 __global__ void column_sum_kernel(const float* partial, int blocks, int64_t n, float* dw) {
   for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < n; c += int64_t(gridDim.x) * blockDim.x) {
     float s = 0;
@@ -93,8 +154,13 @@ void rms_norm_forward(const bf16* x, const float* w, bf16* y, float* inv, int64_
                       bool zero_centered, cudaStream_t stream) {
   check_sizes(rows, n, "rms_norm_forward");
   if (rows == 0) return;
-  const int grid = int(std::min<int64_t>(rows, 65535));
-  rms_fwd_kernel<<<grid, kThreads, 0, stream>>>(x, w, y, inv, rows, n, float(eps), zero_centered);
+  if (n <= kWarpRowMax) {
+    const int grid = int(std::min<int64_t>((rows + 7) / 8, 65535));
+    rms_fwd_warp_kernel<<<grid, kThreads, 0, stream>>>(x, w, y, inv, rows, n, float(eps), zero_centered);
+  } else {
+    const int grid = int(std::min<int64_t>(rows, 65535));
+    rms_fwd_kernel<<<grid, kThreads, 0, stream>>>(x, w, y, inv, rows, n, float(eps), zero_centered);
+  }
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
@@ -102,12 +168,20 @@ void rms_norm_backward(const bf16* x, const float* w, const float* inv, const bf
                        float* workspace, int64_t rows, int64_t n, bool zero_centered, cudaStream_t stream) {
   check_sizes(rows, n, "rms_norm_backward");
   if (rows == 0) return;
-  const size_t smem = dw ? size_t(n) * sizeof(float) : 0;
+  const bool warp_rows = n <= kWarpRowMax;
+  const size_t smem = dw ? size_t(n) * sizeof(float) * (warp_rows ? kThreads / 32 : 1) : 0;
   if (smem > 200 * 1024) throw std::invalid_argument("rms_norm_backward: rows longer than 51200 are not supported");
-  if (smem > 48 * 1024)
-    DFLASH_CUDA_CHECK(cudaFuncSetAttribute(rms_bwd_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   const int grid = dw ? partial_blocks(rows) : int(std::min<int64_t>(rows, 65535));
-  rms_bwd_kernel<<<grid, kThreads, smem, stream>>>(x, w, inv, dy, dx, dw ? workspace : nullptr, rows, n, zero_centered);
+  if (warp_rows) {
+    if (smem > 48 * 1024)
+      DFLASH_CUDA_CHECK(cudaFuncSetAttribute(rms_bwd_warp_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    rms_bwd_warp_kernel<<<grid, kThreads, smem, stream>>>(x, w, inv, dy, dx, dw ? workspace : nullptr, rows, n,
+                                                          zero_centered);
+  } else {
+    if (smem > 48 * 1024)
+      DFLASH_CUDA_CHECK(cudaFuncSetAttribute(rms_bwd_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    rms_bwd_kernel<<<grid, kThreads, smem, stream>>>(x, w, inv, dy, dx, dw ? workspace : nullptr, rows, n, zero_centered);
+  }
   DFLASH_CUDA_CHECK_LAUNCH();
   if (dw) {
     column_sum_kernel<<<int((n + 255) / 256), 256, 0, stream>>>(workspace, grid, n, dw);
