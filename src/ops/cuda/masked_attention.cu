@@ -9,9 +9,11 @@ namespace dflash::cuda {
 
 namespace {
 
-constexpr int BM = 64;    // query rows per tile
-constexpr int BN = 64;    // keys per tile
-constexpr int kThreads = 128;
+// Tiles: the forward and dQ kernels give each of their W warps 16 query rows (16 W rows per CTA) and
+// walk keys 64 at a time; the dK/dV kernel gives each warp 16 keys and walks queries 64 at a time.
+constexpr int BM = 64;  // query rows per tile in the dK / dV kernel (and in its tile table)
+constexpr int BN = 64;  // keys per tile in the forward and dQ kernels
+constexpr int kWarps = 4;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -88,19 +90,52 @@ __device__ __forceinline__ float quad_sum(float v) {
 /// Copies rows [r0, r0 + rows) of one head of a [N, heads, D] tensor into smem [rows][ld] (zeros past N).
 template <int D>
 __device__ void load_rows(bf16* dst, int ld, const bf16* src, int N, int heads, int head, int r0, int rows) {
-  for (int i = threadIdx.x; i < rows * D / 8; i += kThreads) {
+  for (int i = threadIdx.x; i < rows * D / 8; i += blockDim.x) {
     const int r = i / (D / 8), c = (i % (D / 8)) * 8;
     uint4 val = make_uint4(0, 0, 0, 0);
     if (r0 + r < N) val = *reinterpret_cast<const uint4*>(src + (int64_t(r0 + r) * heads + head) * D + c);
     *reinterpret_cast<uint4*>(dst + r * ld + c) = val;
   }
 }
-/// Union of the ranges of query rows [row0, row0 + BM): lohi = {ctx lo, ctx hi, blk lo, blk hi}.
-__device__ void tile_union(const KvRange32* ranges, int Nq, int row0, int* lohi) {
+// cp.async (sm_80+): 16-byte global -> shared copies that complete in the background; the next
+// tile is fetched while the current one is computed on (double buffering).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  const unsigned d = unsigned(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+/// Waits until at most one committed group (the newest) is still in flight.
+__device__ __forceinline__ void cp_async_wait_prev() { asm volatile("cp.async.wait_group 1;\n" ::); }
+
+/// load_rows with cp.async (rows past N are zero-filled); completes at the next wait.
+template <int D>
+__device__ void load_rows_async(bf16* dst, int ld, const bf16* src, int N, int heads, int head, int r0, int rows) {
+  for (int i = threadIdx.x; i < rows * D / 8; i += blockDim.x) {
+    const int r = i / (D / 8), c = (i % (D / 8)) * 8;
+    const bool ok = r0 + r < N;
+    cp_async16(dst + r * ld + c, ok ? src + (int64_t(r0 + r) * heads + head) * D + c : src, ok);
+  }
+}
+
+/// Key tiles of a query tile: the ctx union [lohi[0], lohi[1]) then the blk union [lohi[2], lohi[3]),
+/// BN keys each. Tile j starts at start(j) and belongs to range seg(j).
+struct KeyTiles {
+  int lo0, n0, lo1, n;
+  __device__ KeyTiles(const int* lohi) {
+    lo0 = lohi[0], lo1 = lohi[2];
+    n0 = lohi[1] > lohi[0] ? (lohi[1] - lohi[0] + BN - 1) / BN : 0;
+    n = n0 + (lohi[3] > lohi[2] ? (lohi[3] - lohi[2] + BN - 1) / BN : 0);
+  }
+  __device__ int start(int j) const { return j < n0 ? lo0 + j * BN : lo1 + (j - n0) * BN; }
+  __device__ int seg(int j) const { return j < n0 ? 0 : 1; }
+};
+
+/// Union of the ranges of query rows [row0, row0 + rows): lohi = {ctx lo, ctx hi, blk lo, blk hi}.
+__device__ void tile_union(const KvRange32* ranges, int Nq, int row0, int rows, int* lohi) {
   if (threadIdx.x == 0) lohi[0] = lohi[2] = INT_MAX, lohi[1] = lohi[3] = INT_MIN;
   __syncthreads();
-  if (threadIdx.x < BM && row0 + int(threadIdx.x) < Nq) {
-    const KvRange32 r = ranges[row0 + threadIdx.x];
+  for (int i = threadIdx.x; i < rows && row0 + i < Nq; i += blockDim.x) {
+    const KvRange32 r = ranges[row0 + i];
     if (r.ctx_end > r.ctx_begin) atomicMin(&lohi[0], r.ctx_begin), atomicMax(&lohi[1], r.ctx_end);
     if (r.blk_end > r.blk_begin) atomicMin(&lohi[2], r.blk_begin), atomicMax(&lohi[3], r.blk_end);
   }
@@ -109,21 +144,22 @@ __device__ void tile_union(const KvRange32* ranges, int Nq, int row0, int* lohi)
 
 // ---------------------------------------------------------------------------------------------
 // Forward: one CTA per (query tile, head); warp w owns rows 16w..16w+15 of the tile.
-template <int D>
-__global__ void __launch_bounds__(kThreads) fwd_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
+template <int D, int W>
+__global__ void __launch_bounds__(32 * W) fwd_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                        const bf16* __restrict__ v, const KvRange32* __restrict__ ranges,
                                                        int Nq, int Nk, int H, int Hkv, float scale_log2, bf16* o,
                                                        float* lse) {
   constexpr int LD = D + 8;
   extern __shared__ __align__(16) unsigned char smem[];
-  bf16* Qs = reinterpret_cast<bf16*>(smem);  // [BM][LD]
-  bf16* Ks = Qs + BM * LD;                   // [BN][LD]
-  bf16* Vs = Ks + BN * LD;                   // [BN][LD]
+  constexpr int QR = 16 * W;
+  bf16* Qs = reinterpret_cast<bf16*>(smem);  // [QR][LD]
+  bf16* Kb = Qs + QR * LD;                   // 2 x [BN][LD]
+  bf16* Vb = Kb + 2 * BN * LD;               // 2 x [BN][LD]
   __shared__ int lohi[4];
-  const int h = blockIdx.y, kvh = h / (H / Hkv), row0 = blockIdx.x * BM;
+  const int h = blockIdx.y, kvh = h / (H / Hkv), row0 = blockIdx.x * QR;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  load_rows<D>(Qs, LD, q, Nq, H, h, row0, BM);
-  tile_union(ranges, Nq, row0, lohi);  // (synchronizes)
+  load_rows<D>(Qs, LD, q, Nq, H, h, row0, QR);
+  tile_union(ranges, Nq, row0, QR, lohi);  // (synchronizes)
   const int ra = row0 + warp * 16 + g, rb = ra + 8;
   const KvRange32 rga = ra < Nq ? ranges[ra] : KvRange32{}, rgb = rb < Nq ? ranges[rb] : KvRange32{};
   uint32_t qa[D / 16][4];
@@ -134,13 +170,24 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const bf16* __restrict__ 
   for (int i = 0; i < D / 8; ++i) oacc[i][0] = oacc[i][1] = oacc[i][2] = oacc[i][3] = 0.f;
   float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;
 
-  for (int seg = 0; seg < 2; ++seg) {
-    const int lo = lohi[2 * seg], hi = lohi[2 * seg + 1];
-    for (int k0 = lo; k0 < hi; k0 += BN) {
-      __syncthreads();
-      load_rows<D>(Ks, LD, k, Nk, Hkv, kvh, k0, BN);
-      load_rows<D>(Vs, LD, v, Nk, Hkv, kvh, k0, BN);
-      __syncthreads();
+  const KeyTiles kt(lohi);
+  if (kt.n > 0) {
+    load_rows_async<D>(Kb, LD, k, Nk, Hkv, kvh, kt.start(0), BN);
+    load_rows_async<D>(Vb, LD, v, Nk, Hkv, kvh, kt.start(0), BN);
+  }
+  cp_async_commit();
+  for (int j = 0; j < kt.n; ++j) {
+    const int seg = kt.seg(j), k0 = kt.start(j);
+    const bf16* Ks = Kb + (j & 1) * BN * LD;
+    const bf16* Vs = Vb + (j & 1) * BN * LD;
+    if (j + 1 < kt.n) {
+      load_rows_async<D>(Kb + ((j + 1) & 1) * BN * LD, LD, k, Nk, Hkv, kvh, kt.start(j + 1), BN);
+      load_rows_async<D>(Vb + ((j + 1) & 1) * BN * LD, LD, v, Nk, Hkv, kvh, kt.start(j + 1), BN);
+    }
+    cp_async_commit();
+    cp_async_wait_prev();
+    __syncthreads();
+    {
       float s[BN / 8][4];
 #pragma unroll
       for (int nt = 0; nt < BN / 8; ++nt) {
@@ -191,6 +238,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const bf16* __restrict__ 
         }
       }
     }
+    __syncthreads();  // every warp is done with this buffer before it is refilled
   }
   l_a = quad_sum(l_a), l_b = quad_sum(l_b);
   const float ia = l_a > 0.f ? 1.f / l_a : 0.f, ib = l_b > 0.f ? 1.f / l_b : 0.f;
@@ -224,33 +272,34 @@ __global__ void delta_kernel(const bf16* o, const bf16* dout, int64_t rows_heads
 /// Per query tile, the union of its rows' ranges (int4: ctx lo, ctx hi, blk lo, blk hi).
 __global__ void tile_union_kernel(const KvRange32* ranges, int Nq, int4* out) {
   __shared__ int lohi[4];
-  tile_union(ranges, Nq, blockIdx.x * BM, lohi);
+  tile_union(ranges, Nq, blockIdx.x * BM, BM, lohi);
   if (threadIdx.x == 0) out[blockIdx.x] = make_int4(lohi[0], lohi[1], lohi[2], lohi[3]);
 }
 
 // dQ: one CTA per (query tile, head), like the forward; recomputes P and dP per key tile.
-template <int D>
-__global__ void __launch_bounds__(kThreads) dq_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
+template <int D, int W>
+__global__ void __launch_bounds__(32 * W) dq_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                       const bf16* __restrict__ v, const bf16* __restrict__ dout,
                                                       const float* __restrict__ lse, const float* __restrict__ delta,
                                                       const KvRange32* __restrict__ ranges, int Nq, int Nk, int H,
                                                       int Hkv, float scale, bf16* dq) {
   constexpr int LD = D + 8;
   extern __shared__ __align__(16) unsigned char smem[];
-  bf16* Qs = reinterpret_cast<bf16*>(smem);  // [BM][LD], then dO
-  bf16* Ks = Qs + BM * LD;                   // [BN][LD]
-  bf16* Vs = Ks + BN * LD;                   // [BN][LD]
+  constexpr int QR = 16 * W;
+  bf16* Qs = reinterpret_cast<bf16*>(smem);  // [QR][LD], then dO
+  bf16* Kb = Qs + QR * LD;                   // 2 x [BN][LD]
+  bf16* Vb = Kb + 2 * BN * LD;               // 2 x [BN][LD]
   __shared__ int lohi[4];
-  const int h = blockIdx.y, kvh = h / (H / Hkv), row0 = blockIdx.x * BM;
+  const int h = blockIdx.y, kvh = h / (H / Hkv), row0 = blockIdx.x * QR;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const float scale_log2 = scale * kLog2e;
-  load_rows<D>(Qs, LD, q, Nq, H, h, row0, BM);
-  tile_union(ranges, Nq, row0, lohi);
+  load_rows<D>(Qs, LD, q, Nq, H, h, row0, QR);
+  tile_union(ranges, Nq, row0, QR, lohi);
   uint32_t qa[D / 16][4], da[D / 16][4];
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) load_a(qa[kk], Qs, LD, warp * 16, kk * 16, g, t);
   __syncthreads();
-  load_rows<D>(Qs, LD, dout, Nq, H, h, row0, BM);
+  load_rows<D>(Qs, LD, dout, Nq, H, h, row0, QR);
   __syncthreads();
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) load_a(da[kk], Qs, LD, warp * 16, kk * 16, g, t);
@@ -262,13 +311,24 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const bf16* __restrict__ q
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
-  for (int seg = 0; seg < 2; ++seg) {
-    const int lo = lohi[2 * seg], hi = lohi[2 * seg + 1];
-    for (int k0 = lo; k0 < hi; k0 += BN) {
-      __syncthreads();
-      load_rows<D>(Ks, LD, k, Nk, Hkv, kvh, k0, BN);
-      load_rows<D>(Vs, LD, v, Nk, Hkv, kvh, k0, BN);
-      __syncthreads();
+  const KeyTiles kt(lohi);
+  if (kt.n > 0) {
+    load_rows_async<D>(Kb, LD, k, Nk, Hkv, kvh, kt.start(0), BN);
+    load_rows_async<D>(Vb, LD, v, Nk, Hkv, kvh, kt.start(0), BN);
+  }
+  cp_async_commit();
+  for (int j = 0; j < kt.n; ++j) {
+    const int seg = kt.seg(j), k0 = kt.start(j);
+    const bf16* Ks = Kb + (j & 1) * BN * LD;
+    const bf16* Vs = Vb + (j & 1) * BN * LD;
+    if (j + 1 < kt.n) {
+      load_rows_async<D>(Kb + ((j + 1) & 1) * BN * LD, LD, k, Nk, Hkv, kvh, kt.start(j + 1), BN);
+      load_rows_async<D>(Vb + ((j + 1) & 1) * BN * LD, LD, v, Nk, Hkv, kvh, kt.start(j + 1), BN);
+    }
+    cp_async_commit();
+    cp_async_wait_prev();
+    __syncthreads();
+    {
       float s[BN / 8][4], dp[BN / 8][4];
 #pragma unroll
       for (int nt = 0; nt < BN / 8; ++nt) {
@@ -304,6 +364,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const bf16* __restrict__ q
         }
       }
     }
+    __syncthreads();
   }
 #pragma unroll
   for (int dt = 0; dt < D / 8; ++dt) {
@@ -317,8 +378,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const bf16* __restrict__ q
 
 // dK, dV: one CTA per (key tile, kv head); warp w owns keys 16w..16w+15; loops over the query heads
 // of the kv head and the query tiles whose ranges reach the key tile.
-template <int D>
-__global__ void __launch_bounds__(kThreads) dkv_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
+template <int D, int W>
+__global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                        const bf16* __restrict__ v, const bf16* __restrict__ dout,
                                                        const float* __restrict__ lse, const float* __restrict__ delta,
                                                        const KvRange32* __restrict__ ranges,
@@ -326,17 +387,18 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const bf16* __restrict__ 
                                                        float scale, bf16* dk, bf16* dv) {
   constexpr int LD = D + 8;
   extern __shared__ __align__(16) unsigned char smem[];
-  bf16* Ks = reinterpret_cast<bf16*>(smem);  // [BN][LD]
-  bf16* Vs = Ks + BN * LD;                   // [BN][LD]
-  bf16* Qs = Vs + BN * LD;                   // [BM][LD]
-  bf16* Os = Qs + BM * LD;                   // dO [BM][LD]
-  __shared__ float s_lse[BM], s_delta[BM];
-  __shared__ KvRange32 s_rg[BM];
-  const int kvh = blockIdx.y, k0 = blockIdx.x * BN, G = H / Hkv;
+  constexpr int KR = 16 * W;  // keys per CTA
+  bf16* Ks = reinterpret_cast<bf16*>(smem);  // [KR][LD]
+  bf16* Vs = Ks + KR * LD;                   // [KR][LD]
+  bf16* Qb = Vs + KR * LD;                   // 2 x [BM][LD]
+  bf16* Ob = Qb + 2 * BM * LD;               // dO, 2 x [BM][LD]
+  __shared__ float s_lse_b[2][BM], s_delta_b[2][BM];
+  __shared__ KvRange32 s_rg_b[2][BM];
+  const int kvh = blockIdx.y, k0 = blockIdx.x * KR, G = H / Hkv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const float scale_log2 = scale * kLog2e;
-  load_rows<D>(Ks, LD, k, Nk, Hkv, kvh, k0, BN);
-  load_rows<D>(Vs, LD, v, Nk, Hkv, kvh, k0, BN);
+  load_rows<D>(Ks, LD, k, Nk, Hkv, kvh, k0, KR);
+  load_rows<D>(Vs, LD, v, Nk, Hkv, kvh, k0, KR);
   const int key_a = k0 + warp * 16 + g, key_b = key_a + 8;
   float dka[D / 8][4], dva[D / 8][4];
 #pragma unroll
@@ -344,22 +406,45 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const bf16* __restrict__ 
 #pragma unroll
     for (int e = 0; e < 4; ++e) dka[i][e] = dva[i][e] = 0.f;
   const int qtiles = (Nq + BM - 1) / BM;
-  for (int qt = 0; qt < qtiles; ++qt) {
+  auto hits = [&](int qt) {
     const int4 u = tiles[qt];
-    const bool hit = (u.x < u.y && u.x < k0 + BN && k0 < u.y) || (u.z < u.w && u.z < k0 + BN && k0 < u.w);
-    if (!hit) continue;
-    const int row0 = qt * BM;
-    for (int h = kvh * G; h < (kvh + 1) * G; ++h) {
-      __syncthreads();
-      load_rows<D>(Qs, LD, q, Nq, H, h, row0, BM);
-      load_rows<D>(Os, LD, dout, Nq, H, h, row0, BM);
-      if (threadIdx.x < BM) {
-        const int r = row0 + threadIdx.x;
-        s_lse[threadIdx.x] = r < Nq ? lse[int64_t(r) * H + h] * kLog2e : 0.f;
-        s_delta[threadIdx.x] = r < Nq ? delta[int64_t(r) * H + h] : 0.f;
-        s_rg[threadIdx.x] = r < Nq ? ranges[r] : KvRange32{};
-      }
-      __syncthreads();
+    return (u.x < u.y && u.x < k0 + KR && k0 < u.y) || (u.z < u.w && u.z < k0 + KR && k0 < u.w);
+  };
+  // Work items: (query tile, query head of this kv head) = qt * G + hi, over the tiles that reach
+  // this key tile. next(-1) is the first.
+  auto next = [&](int it) {
+    if (it >= 0 && it % G + 1 < G) return it + 1;
+    for (int qt = it < 0 ? 0 : it / G + 1; qt < qtiles; ++qt)
+      if (hits(qt)) return qt * G;
+    return -1;
+  };
+  auto issue = [&](int it, int buf) {
+    const int row0 = (it / G) * BM, h = kvh * G + it % G;
+    load_rows_async<D>(Qb + buf * BM * LD, LD, q, Nq, H, h, row0, BM);
+    load_rows_async<D>(Ob + buf * BM * LD, LD, dout, Nq, H, h, row0, BM);
+    for (int i = threadIdx.x; i < BM; i += blockDim.x) {
+      const int r = row0 + i;
+      s_lse_b[buf][i] = r < Nq ? lse[int64_t(r) * H + h] * kLog2e : 0.f;
+      s_delta_b[buf][i] = r < Nq ? delta[int64_t(r) * H + h] : 0.f;
+      s_rg_b[buf][i] = r < Nq ? ranges[r] : KvRange32{};
+    }
+  };
+  int it = next(-1), buf = 0;
+  if (it >= 0) issue(it, 0);
+  cp_async_commit();
+  while (it >= 0) {
+    const int nx = next(it);
+    if (nx >= 0) issue(nx, buf ^ 1);
+    cp_async_commit();
+    cp_async_wait_prev();
+    __syncthreads();
+    {
+      const int row0 = (it / G) * BM;
+      const bf16* Qs = Qb + buf * BM * LD;
+      const bf16* Os = Ob + buf * BM * LD;
+      const float* s_lse = s_lse_b[buf];
+      const float* s_delta = s_delta_b[buf];
+      const KvRange32* s_rg = s_rg_b[buf];
       float st[BM / 8][4], dpt[BM / 8][4];  // [keys of the warp] x [queries]
 #pragma unroll
       for (int nt = 0; nt < BM / 8; ++nt)
@@ -404,6 +489,9 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(const bf16* __restrict__ 
         }
       }
     }
+    __syncthreads();
+    it = nx;
+    buf ^= 1;
   }
 #pragma unroll
   for (int dt = 0; dt < D / 8; ++dt) {
@@ -430,12 +518,13 @@ void set_smem(K kernel, size_t bytes) {
   DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
 }
 
-template <int D>
+template <int D, int W>
 void launch_fwd(const bf16* q, const bf16* k, const bf16* v, const KvRange32* r, int Nq, int Nk, int H, int Hkv,
                 float scale, bf16* o, float* lse, cudaStream_t s) {
-  const size_t smem = size_t((BM + 2 * BN) * (D + 8)) * sizeof(bf16);
-  set_smem(fwd_kernel<D>, smem);
-  fwd_kernel<D><<<dim3((Nq + BM - 1) / BM, H), kThreads, smem, s>>>(q, k, v, r, Nq, Nk, H, Hkv, scale * kLog2e, o, lse);
+  const size_t smem = size_t((16 * W + 4 * BN) * (D + 8)) * sizeof(bf16);
+  set_smem(fwd_kernel<D, W>, smem);
+  fwd_kernel<D, W><<<dim3((Nq + 16 * W - 1) / (16 * W), H), 32 * W, smem, s>>>(q, k, v, r, Nq, Nk, H, Hkv,
+                                                                                 scale * kLog2e, o, lse);
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
@@ -443,20 +532,21 @@ template <int D>
 void launch_bwd(const bf16* q, const bf16* k, const bf16* v, const bf16* o, const float* lse, const bf16* dout,
                 const KvRange32* r, int Nq, int Nk, int H, int Hkv, float scale, bf16* dq, bf16* dk, bf16* dv,
                 float* delta, int4* tiles, cudaStream_t s) {
+  constexpr int W = kWarps;
   const int64_t rh = int64_t(Nq) * H;
   delta_kernel<D><<<int((rh * 32 + 255) / 256), 256, 0, s>>>(o, dout, rh, delta);
   DFLASH_CUDA_CHECK_LAUNCH();
-  const int qtiles = (Nq + BM - 1) / BM;
-  tile_union_kernel<<<qtiles, kThreads, 0, s>>>(r, Nq, tiles);
+  tile_union_kernel<<<(Nq + BM - 1) / BM, 128, 0, s>>>(r, Nq, tiles);
   DFLASH_CUDA_CHECK_LAUNCH();
-  const size_t smem_dq = size_t((BM + 2 * BN) * (D + 8)) * sizeof(bf16);
-  set_smem(dq_kernel<D>, smem_dq);
-  dq_kernel<D><<<dim3(qtiles, H), kThreads, smem_dq, s>>>(q, k, v, dout, lse, delta, r, Nq, Nk, H, Hkv, scale, dq);
+  const size_t smem_dq = size_t((16 * W + 4 * BN) * (D + 8)) * sizeof(bf16);
+  set_smem(dq_kernel<D, W>, smem_dq);
+  dq_kernel<D, W><<<dim3((Nq + 16 * W - 1) / (16 * W), H), 32 * W, smem_dq, s>>>(q, k, v, dout, lse, delta, r, Nq, Nk,
+                                                                                   H, Hkv, scale, dq);
   DFLASH_CUDA_CHECK_LAUNCH();
-  const size_t smem_kv = size_t((2 * BN + 2 * BM) * (D + 8)) * sizeof(bf16);
-  set_smem(dkv_kernel<D>, smem_kv);
-  dkv_kernel<D><<<dim3((Nk + BN - 1) / BN, Hkv), kThreads, smem_kv, s>>>(q, k, v, dout, lse, delta, r, tiles, Nq, Nk,
-                                                                          H, Hkv, scale, dk, dv);
+  const size_t smem_kv = size_t((2 * 16 * W + 4 * BM) * (D + 8)) * sizeof(bf16);
+  set_smem(dkv_kernel<D, W>, smem_kv);
+  dkv_kernel<D, W><<<dim3((Nk + 16 * W - 1) / (16 * W), Hkv), 32 * W, smem_kv, s>>>(q, k, v, dout, lse, delta, r, tiles,
+                                                                                     Nq, Nk, H, Hkv, scale, dk, dv);
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
@@ -468,9 +558,9 @@ void masked_attention_forward(const bf16* q, const bf16* k, const bf16* v, const
   check_args(Nq, Nk, H, Hkv, "masked_attention_forward");
   if (Nq == 0) return;
   switch (D) {
-    case 64: return launch_fwd<64>(q, k, v, ranges, int(Nq), int(Nk), H, Hkv, scale, o, lse, stream);
-    case 128: return launch_fwd<128>(q, k, v, ranges, int(Nq), int(Nk), H, Hkv, scale, o, lse, stream);
-    case 256: return launch_fwd<256>(q, k, v, ranges, int(Nq), int(Nk), H, Hkv, scale, o, lse, stream);
+    case 64: return launch_fwd<64, kWarps>(q, k, v, ranges, int(Nq), int(Nk), H, Hkv, scale, o, lse, stream);
+    case 128: return launch_fwd<128, kWarps>(q, k, v, ranges, int(Nq), int(Nk), H, Hkv, scale, o, lse, stream);
+    case 256: return launch_fwd<256, 4>(q, k, v, ranges, int(Nq), int(Nk), H, Hkv, scale, o, lse, stream);
     default: throw std::invalid_argument("masked_attention_forward: head_dim " + std::to_string(D) + " not in {64, 128, 256}");
   }
 }
