@@ -8,6 +8,7 @@ they measure the C++ reference's error and not transformers' own fp32 rounding.
 
 What it writes (one directory per model, each made from scratch):
   llama/         LlamaForCausalLM, GQA 3, head_dim 10, untied lm_head, single model.safetensors
+  qwen3_hd64/    Qwen3ForCausalLM with head_dim 64 (GQA 2, 2 layers, untied): the GPU kernels' smallest head size
   qwen3/         Qwen3ForCausalLM, head_dim 16 != hidden/heads, q/k norms, TIED embeddings (no lm_head.weight
                  in the files), saved SHARDED (model.safetensors.index.json + 2-4 shards)
   qwen3_5_text/  Qwen3_5ForCausalLM (model_type qwen3_5_text), layer_types
@@ -121,6 +122,30 @@ def build_qwen3():
     return Qwen3ForCausalLM, cfg
 
 
+def build_qwen3_hd64():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    # head_dim 64: the smallest head size the GPU attention kernels take (tests/cuda/target_gpu_test.cpp)
+    cfg = Qwen3Config(
+        vocab_size=301,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        hidden_act="silu",
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=False,
+        attention_bias=False,
+        use_sliding_window=False,
+        attn_implementation="eager",
+    )
+    return Qwen3ForCausalLM, cfg
+
+
 def qwen35_text_kwargs(*, vocab, hidden, inter, layer_types, heads, kv_heads, head_dim, lk_heads, lv_heads,
                        lk_dim, lv_dim, mrope_section):
     rotary_dim = int(head_dim * 0.25)
@@ -197,6 +222,7 @@ def build_qwen3_5():
 MODELS = {
     "llama": build_llama,
     "qwen3": build_qwen3,
+    "qwen3_hd64": build_qwen3_hd64,
     "qwen3_5_text": build_qwen3_5_text,
     "qwen3_5": build_qwen3_5,
 }
@@ -355,7 +381,7 @@ def check_layout(name, keys, cfg_text, tied):
     L = cfg_text.num_hidden_layers
     for k, (dt, shape, fn) in keys.items():
         check(dt in ("F32", "float32", "torch.float32"), f"{k} has dtype {dt}, wanted F32")
-    if name in ("llama", "qwen3", "qwen3_5_text"):
+    if name in ("llama", "qwen3", "qwen3_hd64", "qwen3_5_text"):
         pre = "model."
         bad = [k for k in keys if not (k.startswith("model.") or k == "lm_head.weight")]
         check(not bad, f"unexpected keys (want model.* / lm_head.weight): {bad[:8]}")
@@ -523,7 +549,8 @@ def build_one(name, out_root):
     check_layout(name, keys, ct, want_tied)
     cfg_json = json.loads((d / "config.json").read_text())
     print(f"  config.json: model_type={cfg_json.get('model_type')} architectures={cfg_json.get('architectures')}")
-    exp_type = {"llama": "llama", "qwen3": "qwen3", "qwen3_5_text": "qwen3_5_text", "qwen3_5": "qwen3_5"}[name]
+    exp_type = {"llama": "llama", "qwen3": "qwen3", "qwen3_hd64": "qwen3", "qwen3_5_text": "qwen3_5_text",
+                "qwen3_5": "qwen3_5"}[name]
     check(cfg_json.get("model_type") == exp_type, f"config model_type {cfg_json.get('model_type')} != {exp_type}")
 
     # reload exactly as a user would and compare every weight with the in-memory model

@@ -37,6 +37,23 @@ std::vector<double> read_f64(const SafetensorsFile& f, const std::string& name, 
   return out;
 }
 
+TargetGolden load_target_golden(const std::filesystem::path& dir) {
+  auto g = SafetensorsCheckpoint::open((dir / "golden.safetensors").string());
+  TargetGolden r;
+  for (int s = 0;; ++s) {
+    const std::string p = "seq" + std::to_string(s) + ".";
+    if (!g->has(p + "input_ids")) break;
+    Tensor ids = g->load_f32(p + "input_ids");
+    r.ids.emplace_back(ids.data.begin(), ids.data.end());
+    r.logits.push_back(g->load_f32(p + "logits"));
+    r.hidden.emplace_back();
+    for (int j = 0; g->has(p + "hidden_states." + std::to_string(j)); ++j)
+      r.hidden.back().push_back(g->load_f32(p + "hidden_states." + std::to_string(j)));
+  }
+  r.num_layers = r.hidden.empty() ? 0 : int(r.hidden[0].size()) - 1;
+  return r;
+}
+
 std::vector<int64_t> read_i64(const SafetensorsFile& f, const std::string& name) {
   const std::vector<double> v = read_f64(f, name);
   return std::vector<int64_t>(v.begin(), v.end());

@@ -45,6 +45,16 @@ BasicTensor<T> read_tensor(const SafetensorsFile& f, const std::string& name) {
 /// An integer tensor (I64, or exact integers in a float tensor).
 std::vector<int64_t> read_i64(const SafetensorsFile& f, const std::string& name);
 
+/// A target fixture's golden outputs (tests/fixtures/<name>/golden.safetensors, written by
+/// scripts/make_fixtures.py): per sequence the ids, logits [T, V] and hidden_states j = 0..L.
+struct TargetGolden {
+  std::vector<std::vector<int32_t>> ids;
+  std::vector<Tensor> logits;
+  std::vector<std::vector<Tensor>> hidden;  // [seq][j]
+  int num_layers = 0;
+};
+TargetGolden load_target_golden(const std::filesystem::path& dir);
+
 /// Source tree root and the committed fixtures directory (env DFLASH_SOURCE_DIR overrides).
 std::filesystem::path source_dir();
 std::filesystem::path fixtures_dir();

@@ -82,6 +82,15 @@ class TargetModel {
   ForwardOutput forward(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu_seqlens,
                         const ForwardOptions& opt) const;
 
+  // Weights (float32 host), for the GPU backend's upload.
+  const std::vector<LayerWeights>& layers() const { return layers_; }
+  const Tensor& embed_tokens() const { return embed_tokens_; }
+  const Tensor& final_norm() const { return norm_; }
+  /// lm_head [V, D] (embed_tokens when tied).
+  const Tensor& lm_head() const { return lm_head_.numel() ? lm_head_ : embed_tokens_; }
+  /// RoPE inverse frequencies [rotary_dim / 2] (float32, as transformers computes them).
+  const std::vector<float>& inv_freq() const { return inv_freq_; }
+
  private:
   TargetModel() = default;
 

@@ -15,29 +15,8 @@ using namespace dflash;
 
 namespace {
 
-struct Golden {
-  std::vector<std::vector<int32_t>> ids;
-  std::vector<Tensor> logits;
-  std::vector<std::vector<Tensor>> hidden;  // [seq][j]
-  int num_layers = 0;
-};
-
-Golden load_golden(const std::filesystem::path& dir) {
-  auto g = SafetensorsCheckpoint::open((dir / "golden.safetensors").string());
-  Golden r;
-  for (int s = 0;; ++s) {
-    const std::string p = "seq" + std::to_string(s) + ".";
-    if (!g->has(p + "input_ids")) break;
-    Tensor ids = g->load_f32(p + "input_ids");
-    r.ids.emplace_back(ids.data.begin(), ids.data.end());
-    r.logits.push_back(g->load_f32(p + "logits"));
-    r.hidden.emplace_back();
-    for (int j = 0; g->has(p + "hidden_states." + std::to_string(j)); ++j)
-      r.hidden.back().push_back(g->load_f32(p + "hidden_states." + std::to_string(j)));
-  }
-  r.num_layers = r.hidden.empty() ? 0 : int(r.hidden[0].size()) - 1;
-  return r;
-}
+using test::load_target_golden;
+using Golden = test::TargetGolden;
 
 class TargetFixture : public ::testing::TestWithParam<std::string> {};
 
@@ -57,7 +36,7 @@ void expect_close(const Tensor& got, const Tensor& want, const std::string& what
 
 TEST_P(TargetFixture, SingleSequencesMatchTransformers) {
   const auto dir = test::fixtures_dir() / GetParam();
-  const Golden g = load_golden(dir);
+  const Golden g = load_target_golden(dir);
   ASSERT_EQ(g.ids.size(), 3u);
   auto model = TargetModel::load(dir.string());
   ASSERT_EQ(model->spec().num_hidden_layers, g.num_layers);
@@ -72,7 +51,7 @@ TEST_P(TargetFixture, SingleSequencesMatchTransformers) {
 
 TEST_P(TargetFixture, PackedBatchMatchesTransformersPerSequence) {
   const auto dir = test::fixtures_dir() / GetParam();
-  const Golden g = load_golden(dir);
+  const Golden g = load_target_golden(dir);
   auto model = TargetModel::load(dir.string());
   // Longest first, so that a leak from an earlier sequence would show in the short ones.
   std::vector<int32_t> ids;
@@ -95,7 +74,7 @@ TEST_P(TargetFixture, PackedBatchMatchesTransformersPerSequence) {
 
 TEST_P(TargetFixture, StopsAtDeepestRequestedLayerWithoutLmHead) {
   const auto dir = test::fixtures_dir() / GetParam();
-  const Golden g = load_golden(dir);
+  const Golden g = load_target_golden(dir);
   auto model = TargetModel::load(dir.string());
   ForwardOptions opt;
   opt.logits = false;
@@ -114,7 +93,7 @@ TEST_P(TargetFixture, StopsAtDeepestRequestedLayerWithoutLmHead) {
   EXPECT_THROW(model->forward(g.ids[2], {0, int64_t(g.ids[2].size())}, opt), std::invalid_argument);
 }
 
-INSTANTIATE_TEST_SUITE_P(Target, TargetFixture, ::testing::Values("llama", "qwen3", "qwen3_5_text", "qwen3_5"));
+INSTANTIATE_TEST_SUITE_P(Target, TargetFixture, ::testing::Values("llama", "qwen3", "qwen3_hd64", "qwen3_5_text", "qwen3_5"));
 
 namespace {
 /// Copies the llama fixture into `dir`, with `edit` applied to its tensors before writing.

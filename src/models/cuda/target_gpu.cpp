@@ -1,0 +1,217 @@
+// Dense target forward on the GPU: embed, per layer pre-norm attention + SwiGLU MLP with residuals,
+// final norm, lm_head; hidden states in bf16 (the residual stream is bf16 as in transformers' bf16).
+#include "models/cuda/target_gpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <stdexcept>
+
+#include "ops/cuda/elementwise.h"
+#include "ops/cuda/gemm.h"
+#include "ops/cuda/masked_attention.h"
+#include "ops/cuda/norm.h"
+#include "ops/cuda/rope.h"
+#include "tensor/dtype.h"
+
+namespace dflash {
+
+using cuda::bf16;
+using cuda::DeviceArray;
+using cuda::StreamBuffer;
+
+namespace {
+
+DeviceArray<bf16> to_bf16(const Tensor& t, cudaStream_t s) {
+  std::vector<uint16_t> h(t.data.size());
+  for (size_t i = 0; i < h.size(); ++i) h[i] = f32_to_bf16(t.data[i]);
+  DeviceArray<bf16> d(h.size());
+  if (!h.empty()) {
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(d.data(), h.data(), h.size() * 2, cudaMemcpyHostToDevice, s));
+    DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));
+  }
+  return d;
+}
+
+struct LayerGpu {
+  DeviceArray<bf16> q, k, v, o, gate, up, down;
+  DeviceArray<float> q_norm, k_norm, in_ln, post_ln;
+};
+
+std::vector<float> host_f32(const StreamBuffer<bf16>& b, int64_t n, cudaStream_t s) {
+  std::vector<uint16_t> h(static_cast<size_t>(n));
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(h.data(), b.data(), size_t(n) * 2, cudaMemcpyDeviceToHost, s));
+  DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));
+  std::vector<float> r(h.size());
+  for (size_t i = 0; i < h.size(); ++i) r[i] = bf16_to_f32(h[i]);
+  return r;
+}
+
+}  // namespace
+
+struct TargetGpu::Impl {
+  cudaStream_t s;
+  cuda::GemmContext gemm;
+  std::vector<LayerGpu> layers;
+  DeviceArray<bf16> embed, lm_head;
+  DeviceArray<float> norm;
+  DeviceArray<double> inv_freq;
+  explicit Impl(cudaStream_t st) : s(st), gemm(st) {}
+};
+
+std::string TargetGpu::unsupported_reason(const ModelSpec& s) {
+  for (LayerKind k : s.layer_types)
+    if (k != LayerKind::Attention)
+      return "GatedDeltaNet layers have no GPU kernel yet (Qwen3.5 / 3.6 hybrids run on the CPU reference only)";
+  if (s.attn_output_gate()) return "attention output gates have no GPU kernel yet";
+  if (s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256)
+    return "head_dim " + std::to_string(s.head_dim) + " (the GPU attention kernels take 64, 128 or 256)";
+  if (s.rotary_dim() % 2) return "odd rotary dimension";
+  return "";
+}
+
+TargetGpu::TargetGpu(const TargetModel& m, cudaStream_t stream) : impl_(new Impl(stream)), spec_(m.spec()) {
+  const std::string why = unsupported_reason(spec_);
+  if (!why.empty()) throw std::invalid_argument("this model cannot run with --device cuda: " + why);
+  Impl& I = *impl_;
+  for (const LayerWeights& l : m.layers()) {
+    LayerGpu g;
+    g.q = to_bf16(l.attn.q_proj, stream), g.k = to_bf16(l.attn.k_proj, stream), g.v = to_bf16(l.attn.v_proj, stream);
+    g.o = to_bf16(l.attn.o_proj, stream);
+    g.gate = to_bf16(l.mlp.gate_proj, stream), g.up = to_bf16(l.mlp.up_proj, stream);
+    g.down = to_bf16(l.mlp.down_proj, stream);
+    if (spec_.has_qk_norm()) {
+      g.q_norm = DeviceArray<float>(l.attn.q_norm.data, stream);
+      g.k_norm = DeviceArray<float>(l.attn.k_norm.data, stream);
+    }
+    g.in_ln = DeviceArray<float>(l.input_layernorm.data, stream);
+    g.post_ln = DeviceArray<float>(l.post_attention_layernorm.data, stream);
+    I.layers.push_back(std::move(g));
+  }
+  I.embed = to_bf16(m.embed_tokens(), stream);
+  I.lm_head = to_bf16(m.lm_head(), stream);
+  I.norm = DeviceArray<float>(m.final_norm().data, stream);
+  I.inv_freq = DeviceArray<double>(std::vector<double>(m.inv_freq().begin(), m.inv_freq().end()), stream);
+}
+
+TargetGpu::~TargetGpu() = default;
+
+namespace {
+void check_batch(const ModelSpec& sp, const std::vector<int32_t>& ids, const std::vector<int64_t>& cu) {
+  if (cu.size() < 2 || cu.front() != 0 || cu.back() != int64_t(ids.size()))
+    throw std::invalid_argument("cu_seqlens must run from 0 to the number of tokens");
+  for (size_t i = 1; i < cu.size(); ++i)
+    if (cu[i] < cu[i - 1]) throw std::invalid_argument("cu_seqlens must be non-decreasing");
+  for (int32_t t : ids)
+    if (t < 0 || t >= sp.vocab_size) throw std::invalid_argument("token id " + std::to_string(t) + " outside the vocabulary");
+}
+}  // namespace
+
+StreamBuffer<bf16> TargetGpu::run_layers(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu, int64_t last,
+                                         const std::function<void(int64_t, const bf16*)>& on_hidden) {
+  Impl& I = *impl_;
+  const ModelSpec& sp = spec_;
+  cudaStream_t s = I.s;
+  check_batch(sp, ids, cu);
+  const int64_t T = int64_t(ids.size()), D = sp.hidden_size, H = sp.num_attention_heads, Hkv = sp.num_key_value_heads;
+  const int64_t Dh = sp.head_dim, Im = sp.intermediate_size, rot = sp.rotary_dim();
+  const bool zc = sp.zero_centered_norm();
+  std::vector<int64_t> pos(static_cast<size_t>(T));
+  for (size_t q = 0; q + 1 < cu.size(); ++q)
+    for (int64_t t = cu[q]; t < cu[q + 1]; ++t) pos[size_t(t)] = t - cu[q];
+  DeviceArray<int64_t> d_pos(pos, s);
+  DeviceArray<int32_t> d_ids(ids, s);
+  DeviceArray<cuda::KvRange32> ranges(cuda::causal_ranges(cu), s);
+  StreamBuffer<float> cs(size_t(T * rot / 2), s), sn(size_t(T * rot / 2), s);
+  cuda::rope_table(d_pos.data(), I.inv_freq.data(), T, rot, cs.data(), sn.data(), s);
+  StreamBuffer<bf16> x(size_t(T * D), s), h(size_t(T * D), s), q(size_t(T * H * Dh), s), k(size_t(T * Hkv * Dh), s),
+      v(size_t(T * Hkv * Dh), s), o(size_t(T * H * Dh), s), g(size_t(T * Im), s), u(size_t(T * Im), s);
+  cuda::embedding_gather(I.embed.data(), sp.vocab_size, D, d_ids.data(), T, x.data(), nullptr, s);
+  on_hidden(0, x.data());
+  const float scale = float(1.0 / std::sqrt(double(Dh)));
+  auto linear = [&](const bf16* in, int64_t out_f, int64_t in_f, const DeviceArray<bf16>& w, bf16* y, float beta) {
+    I.gemm.gemm({T, out_f, in_f, false, true}, in, w.data(), y, 1.f, beta);
+  };
+  for (int64_t i = 0; i <= last; ++i) {
+    const LayerGpu& l = I.layers[size_t(i)];
+    cuda::rms_norm_forward(x.data(), l.in_ln.data(), h.data(), nullptr, T, D, sp.rms_norm_eps, zc, s);
+    linear(h.data(), H * Dh, D, l.q, q.data(), 0.f);
+    linear(h.data(), Hkv * Dh, D, l.k, k.data(), 0.f);
+    linear(h.data(), Hkv * Dh, D, l.v, v.data(), 0.f);
+    if (sp.has_qk_norm()) {
+      cuda::rms_norm_forward(q.data(), l.q_norm.data(), q.data(), nullptr, T * H, Dh, sp.rms_norm_eps, zc, s);
+      cuda::rms_norm_forward(k.data(), l.k_norm.data(), k.data(), nullptr, T * Hkv, Dh, sp.rms_norm_eps, zc, s);
+    }
+    cuda::rope_apply(q.data(), T, H, Dh, rot, cs.data(), sn.data(), false, s);
+    cuda::rope_apply(k.data(), T, Hkv, Dh, rot, cs.data(), sn.data(), false, s);
+    cuda::masked_attention_forward(q.data(), k.data(), v.data(), ranges.data(), T, T, int(H), int(Hkv), int(Dh), scale,
+                                   o.data(), nullptr, s);
+    linear(o.data(), D, H * Dh, l.o, x.data(), 1.f);  // x += o_proj(o)
+    cuda::rms_norm_forward(x.data(), l.post_ln.data(), h.data(), nullptr, T, D, sp.rms_norm_eps, zc, s);
+    linear(h.data(), Im, D, l.gate, g.data(), 0.f);
+    linear(h.data(), Im, D, l.up, u.data(), 0.f);
+    cuda::swiglu_forward(g.data(), u.data(), g.data(), T * Im, s);
+    linear(g.data(), D, Im, l.down, x.data(), 1.f);  // x += down_proj(act)
+    on_hidden(i + 1, x.data());
+  }
+  return x;
+}
+
+ForwardOutput TargetGpu::forward(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu,
+                                 const ForwardOptions& opt) {
+  Impl& I = *impl_;
+  const ModelSpec& sp = spec_;
+  const int64_t T = int64_t(ids.size()), D = sp.hidden_size, L = sp.num_hidden_layers;
+  for (int j : opt.hidden_states)
+    if (j < 0 || j > L) throw std::invalid_argument("hidden state index " + std::to_string(j) + " outside 0.." + std::to_string(L));
+  int64_t last = opt.logits ? L - 1 : -1;
+  for (int j : opt.hidden_states) last = std::max<int64_t>(last, j == L ? L - 1 : j - 1);
+  ForwardOutput out;
+  auto want = [&](int64_t j) { return std::find(opt.hidden_states.begin(), opt.hidden_states.end(), j) != opt.hidden_states.end(); };
+  auto keep = [&](int64_t j, const bf16* p) {
+    if (j == L || !want(j)) return;  // index L is after the final norm (below)
+    std::vector<uint16_t> hbuf(static_cast<size_t>(T * D));
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(hbuf.data(), p, hbuf.size() * 2, cudaMemcpyDeviceToHost, I.s));
+    DFLASH_CUDA_CHECK(cudaStreamSynchronize(I.s));
+    Tensor t({T, D});
+    for (size_t i = 0; i < hbuf.size(); ++i) t.data[i] = bf16_to_f32(hbuf[i]);
+    out.hidden_states[int(j)] = std::move(t);
+  };
+  StreamBuffer<bf16> x = run_layers(ids, cu, last, keep);
+  if (last == L - 1 && (opt.logits || want(L))) {
+    StreamBuffer<bf16> hf(size_t(T * D), I.s);
+    cuda::rms_norm_forward(x.data(), I.norm.data(), hf.data(), nullptr, T, D, sp.rms_norm_eps, sp.zero_centered_norm(), I.s);
+    if (want(L)) {
+      Tensor t({T, D});
+      t.data = host_f32(hf, T * D, I.s);
+      out.hidden_states[int(L)] = std::move(t);
+    }
+    if (opt.logits) {
+      StreamBuffer<float> lg(size_t(T * sp.vocab_size), I.s);
+      I.gemm.gemm({T, sp.vocab_size, D, false, true}, hf.data(), I.lm_head.data(), lg.data());
+      out.logits = Tensor({T, sp.vocab_size});
+      DFLASH_CUDA_CHECK(cudaMemcpyAsync(out.logits.data.data(), lg.data(), lg.size() * 4, cudaMemcpyDeviceToHost, I.s));
+      DFLASH_CUDA_CHECK(cudaStreamSynchronize(I.s));
+    }
+  }
+  return out;
+}
+
+void TargetGpu::forward_taps(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu,
+                             const std::vector<int64_t>& layer_ids, bf16* out) {
+  const int64_t T = int64_t(ids.size()), D = spec_.hidden_size, K = int64_t(layer_ids.size());
+  if (layer_ids.empty()) throw std::invalid_argument("forward_taps: no layer ids");
+  for (int64_t id : layer_ids)
+    if (id < 0 || id >= spec_.num_hidden_layers)
+      throw std::invalid_argument("forward_taps: layer id " + std::to_string(id) + " outside the target's " +
+                                  std::to_string(spec_.num_hidden_layers) + " layers");
+  const int64_t last = *std::max_element(layer_ids.begin(), layer_ids.end());
+  run_layers(ids, cu, last, [&](int64_t j, const bf16* x) {
+    for (int64_t k = 0; k < K; ++k)
+      if (layer_ids[size_t(k)] + 1 == j)  // tap i = output of layer i = hidden_states[i + 1]
+        DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(out + k * D, size_t(K * D) * 2, x, size_t(D) * 2, size_t(D) * 2, size_t(T),
+                                            cudaMemcpyDeviceToDevice, impl_->s));
+  });
+}
+
+}  // namespace dflash

@@ -1,0 +1,50 @@
+// A dense target (Llama / Qwen3: softmax attention layers only) on one GPU in bf16: the forward pass
+// of `dflash forward --device cuda` and the taps of GPU training. Same math as TargetModel::forward
+// (src/models/target.h), built from the kernels in src/ops/cuda.
+#pragma once
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "models/target.h"
+#include "ops/cuda/runtime.h"
+
+namespace dflash {
+
+class TargetGpu {
+ public:
+  /// Uploads `m`'s weights (matrices bf16, norm weights fp32). Throws std::invalid_argument naming
+  /// the reason for a model the GPU backend does not run yet: GatedDeltaNet layers (Qwen3.5 hybrids,
+  /// no GPU kernel yet), attention output gates, head_dim outside {64, 128, 256}.
+  TargetGpu(const TargetModel& m, cudaStream_t stream);
+  ~TargetGpu();
+
+  /// As TargetModel::forward (packed batch, cu_seqlens); results copied to the host as float32.
+  ForwardOutput forward(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu_seqlens,
+                        const ForwardOptions& opt);
+
+  /// Training taps: hidden_states[i + 1] for each i in layer_ids, concatenated along features into
+  /// out [T, K*D] (device bf16). Layers past the deepest tap are not run. Throws
+  /// std::invalid_argument for bad ids, cu_seqlens or layer ids.
+  void forward_taps(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu_seqlens,
+                    const std::vector<int64_t>& layer_ids, cuda::bf16* out);
+
+  const ModelSpec& spec() const { return spec_; }
+
+  /// Why this model cannot run on the GPU backend, or "" when it can (for `dflash inspect`).
+  static std::string unsupported_reason(const ModelSpec& s);
+
+  struct Impl;
+
+ private:
+  /// Runs the decoder over a packed batch; calls on_hidden(j, x [T, D]) for each hidden-state index
+  /// j (0 = embeddings, j = output of layer j - 1) up to layer `last` (inclusive); returns x.
+  cuda::StreamBuffer<cuda::bf16> run_layers(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu,
+                                            int64_t last, const std::function<void(int64_t, const cuda::bf16*)>& on_hidden);
+
+  std::unique_ptr<Impl> impl_;
+  ModelSpec spec_;
+};
+
+}  // namespace dflash

@@ -1,0 +1,93 @@
+// The dense target forward on the GPU (bf16) against transformers' goldens (tests/fixtures/qwen3_hd64,
+// head_dim 64: the smallest head the GPU attention takes), single sequences and a packed batch; the
+// training taps equal the forward's hidden states; models the GPU backend cannot run are refused
+// with the reason.
+#include <gtest/gtest.h>
+
+#ifdef DFLASH_HAVE_CUDA
+
+#include <cstring>
+
+#include "models/cuda/target_gpu.h"
+#include "tensor/dtype.h"
+#include "test_util.h"
+
+using namespace dflash;
+
+namespace {
+// bf16 weights and activations through 2 layers, fp32 accumulation (the bf16 bound).
+constexpr double kTolBf16Target = 1e-2;
+
+ForwardOptions all_outputs(int L) {
+  ForwardOptions o;
+  for (int j = 0; j <= L; ++j) o.hidden_states.push_back(j);
+  return o;
+}
+}  // namespace
+
+TEST(CudaTarget, Qwen3MatchesTransformersInBf16) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  const auto dir = test::fixtures_dir() / "qwen3_hd64";
+  const test::TargetGolden g = test::load_target_golden(dir);
+  ASSERT_EQ(g.ids.size(), 3u);
+  const auto model = TargetModel::load(dir.string());
+  cudaStream_t s;
+  DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
+  {
+    TargetGpu gpu(*model, s);
+    const int L = g.num_layers;
+    double worst = 0;
+    for (size_t q = 0; q < g.ids.size(); ++q) {
+      const auto out = gpu.forward(g.ids[q], {0, int64_t(g.ids[q].size())}, all_outputs(L));
+      const double e = test::rel_l2(out.logits.data, g.logits[q].data);
+      worst = std::max(worst, e);
+      EXPECT_LE(e, kTolBf16Target) << "seq" << q << " logits";
+      for (int j = 0; j <= L; ++j)
+        EXPECT_LE(test::rel_l2(out.hidden_states.at(j).data, g.hidden[q][size_t(j)].data), kTolBf16Target)
+            << "seq" << q << " hidden_states." << j;
+    }
+    // Packed: longest first; each sequence's rows must match its own golden.
+    std::vector<int32_t> ids;
+    std::vector<int64_t> cu{0};
+    for (size_t q : {size_t(2), size_t(0), size_t(1)}) {
+      ids.insert(ids.end(), g.ids[q].begin(), g.ids[q].end());
+      cu.push_back(int64_t(ids.size()));
+    }
+    const auto packed = gpu.forward(ids, cu, all_outputs(L));
+    const int64_t V = model->spec().vocab_size;
+    size_t part = 0;
+    for (size_t q : {size_t(2), size_t(0), size_t(1)}) {
+      const std::vector<float> rows(packed.logits.data.begin() + cu[part] * V, packed.logits.data.begin() + cu[part + 1] * V);
+      const double e = test::rel_l2(rows, g.logits[q].data);
+      worst = std::max(worst, e);
+      EXPECT_LE(e, kTolBf16Target) << "packed seq" << q;
+      ++part;
+    }
+    std::printf("[gpu target] qwen3_hd64 worst logits rel L2 vs transformers (bf16 GPU path): %.2e\n", worst);
+
+    // Taps: hidden_states[i + 1] of layers {1, 0}, concatenated in that order.
+    const int64_t T = int64_t(ids.size()), D = model->spec().hidden_size;
+    cuda::DeviceArray<cuda::bf16> taps(size_t(T * 2 * D));
+    gpu.forward_taps(ids, cu, {1, 0}, taps.data());
+    std::vector<uint16_t> h(taps.size());
+    DFLASH_CUDA_CHECK(cudaMemcpy(h.data(), taps.data(), h.size() * 2, cudaMemcpyDeviceToHost));
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t c = 0; c < D; ++c) {
+        ASSERT_EQ(bf16_to_f32(h[size_t(t * 2 * D + c)]), packed.hidden_states.at(2).data[size_t(t * D + c)]);
+        ASSERT_EQ(bf16_to_f32(h[size_t(t * 2 * D + D + c)]), packed.hidden_states.at(1).data[size_t(t * D + c)]);
+      }
+    EXPECT_THROW(gpu.forward_taps(ids, cu, {2}, taps.data()), std::invalid_argument);
+  }
+  DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
+}
+
+TEST(CudaTarget, RefusesWhatItCannotRunAndSaysWhy) {
+  const auto hybrid = TargetModel::load((test::fixtures_dir() / "qwen3_5_text").string());
+  EXPECT_NE(TargetGpu::unsupported_reason(hybrid->spec()).find("GatedDeltaNet"), std::string::npos);
+  const auto small_heads = TargetModel::load((test::fixtures_dir() / "qwen3").string());
+  EXPECT_NE(TargetGpu::unsupported_reason(small_heads->spec()).find("head_dim 16"), std::string::npos);
+  const auto ok = TargetModel::load((test::fixtures_dir() / "qwen3_hd64").string());
+  EXPECT_EQ(TargetGpu::unsupported_reason(ok->spec()), "");
+}
+
+#endif
