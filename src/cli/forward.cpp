@@ -1,5 +1,6 @@
-// `dflash forward`: the reference forward pass of a target over one or more token sequences,
-// written to a safetensors file (float32 logits [T, V] and hidden_states.{j} [T, D]).
+// `dflash forward`: the forward pass of a target over one or more token sequences (CPU reference,
+// or --device cuda: bf16 on the GPU), written to a safetensors file (float32 logits [T, V] and
+// hidden_states.{j} [T, D]).
 #include <algorithm>
 #include <fmt/core.h>
 
@@ -9,6 +10,9 @@
 #include "cli/commands.h"
 #include "io/safetensors.h"
 #include "models/target.h"
+#ifdef DFLASH_HAVE_CUDA
+#include "models/cuda/target_gpu.h"
+#endif
 
 namespace dflash::cli {
 
@@ -51,8 +55,10 @@ void add_forward(CLI::App& app, Runner& run) {
   cmd->add_flag("--no-logits", no_logits, "Skip the LM head (hidden states only)");
   cmd->callback([&run] {
     run = [] {
+#ifndef DFLASH_HAVE_CUDA
       if (device != "cpu")
-        throw std::runtime_error("--device " + device + ": the GPU forward is not part of this build yet; use --device cpu");
+        throw std::runtime_error("--device " + device + ": this build has no CUDA backend (configure with nvcc present)");
+#endif
       namespace fs = std::filesystem;
       if (fs::is_directory(out)) throw std::runtime_error("--out " + out + " is a directory; give a .safetensors file path");
       if (const fs::path parent = fs::path(out).parent_path(); !parent.empty() && !fs::is_directory(parent))
@@ -69,7 +75,19 @@ void add_forward(CLI::App& app, Runner& run) {
       ForwardOptions opt;
       opt.logits = !no_logits;
       for (int j = 0; j <= L; ++j) opt.hidden_states.push_back(j);
-      ForwardOutput r = target->forward(ids, cu, opt);
+      ForwardOutput r;
+#ifdef DFLASH_HAVE_CUDA
+      if (device == "cuda") {
+        cudaStream_t stream;
+        DFLASH_CUDA_CHECK(cudaStreamCreate(&stream));
+        {
+          TargetGpu gpu(*target, stream);  // throws, saying why, for a model the GPU backend cannot run
+          r = gpu.forward(ids, cu, opt);
+        }
+        cudaStreamDestroy(stream);
+      }
+#endif
+      if (device == "cpu") r = target->forward(ids, cu, opt);
 
       std::vector<std::pair<std::string, Tensor>> named;
       const bool packed = cu.size() > 2;

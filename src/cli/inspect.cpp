@@ -56,9 +56,13 @@ nlohmann::json describe(const std::string& path) {
   nlohmann::json layers = nlohmann::json::array();
   for (int64_t i = 0; i < s.num_hidden_layers; ++i) {
     nlohmann::json k = nlohmann::json::object();
-    for (const KernelChoice& c : layer_kernels(s.layer_types[size_t(i)]))
+    nlohmann::json refused = nlohmann::json::object();
+    for (const KernelChoice& c : layer_kernels(s, s.layer_types[size_t(i)])) {
       k[c.device] = c.kernel.empty() ? nlohmann::json(nullptr) : nlohmann::json(c.kernel);
-    layers.push_back({{"index", i}, {"type", layer_kind_name(s.layer_types[size_t(i)])}, {"kernels", k}});
+      if (c.kernel.empty()) refused[c.device] = c.refused_because;
+    }
+    layers.push_back(
+        {{"index", i}, {"type", layer_kind_name(s.layer_types[size_t(i)])}, {"kernels", k}, {"refused", refused}});
   }
   j["layers"] = layers;
   nlohmann::json dev = {{"cpu", "available"}};
@@ -109,16 +113,31 @@ void print_text(const nlohmann::json& j) {
     fmt::print("devices      cpu; CUDA backend not built\n");
   } else {
     std::string d;
-    for (const auto& g : cuda["devices"])
-      d += fmt::format("{}cuda:{} {} (sm_{})", d.empty() ? "" : ", ", g["index"].get<int>(), g["name"].get<std::string>(),
-                       g["sm"].get<int>());
+    for (const auto& g : cuda["devices"]) {
+      // Which device code runs: the native cubin for this sm, else the driver JIT-compiles the
+      // newest embedded PTX that is not newer than the device.
+      const int sm = g["sm"].get<int>();
+      int ptx = 0;
+      bool native = false;
+      for (const auto& a : cuda["compiled_archs"]) {
+        native = native || a.get<int>() == sm;
+        if (a.get<int>() <= sm) ptx = std::max(ptx, a.get<int>());
+      }
+      const std::string code = native ? fmt::format("native sm_{} code", sm)
+                               : ptx ? fmt::format("PTX JIT from compute_{}", ptx)
+                                     : std::string("no usable device code");
+      d += fmt::format("{}cuda:{} {} (sm_{}, {})", d.empty() ? "" : ", ", g["index"].get<int>(),
+                       g["name"].get<std::string>(), sm, code);
+    }
     fmt::print("devices      cpu; {}\n", d.empty() ? "CUDA built, no GPU visible" : d);
   }
   fmt::print("\n{:>5}  {:<32}  {}\n", "layer", "type", "kernels");
   for (const auto& l : j["layers"]) {
     std::string k;
     for (auto& [dev, name] : l["kernels"].items())
-      k += fmt::format("{}{}: {}", k.empty() ? "" : " | ", dev, name.is_null() ? "none (refused)" : name.get<std::string>());
+      k += fmt::format("{}{}: {}", k.empty() ? "" : " | ", dev,
+                       name.is_null() ? "none (refused: " + l["refused"].value(dev, std::string("no kernel")) + ")"
+                                      : name.get<std::string>());
     fmt::print("{:>5}  {:<32}  {}\n", l["index"].get<int64_t>(), l["type"].get<std::string>(), k);
   }
 }

@@ -146,12 +146,31 @@ ForwardOutput TargetModel::forward(const std::vector<int32_t>& ids, const std::v
   return out;
 }
 
-std::vector<KernelChoice> layer_kernels(LayerKind kind) {
+std::string gpu_unsupported_reason(const ModelSpec& s) {
+  for (LayerKind k : s.layer_types)
+    if (k != LayerKind::Attention)
+      return "GatedDeltaNet layers have no GPU kernel yet (Qwen3.5 / 3.6 hybrids run on the CPU reference only)";
+  if (s.attn_output_gate()) return "attention output gates have no GPU kernel yet";
+  if (s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256)
+    return "head_dim " + std::to_string(s.head_dim) + " (the GPU attention kernels take 64, 128 or 256)";
+  if (s.rotary_dim() % 2) return "odd rotary dimension";
+  return "";
+}
+
+std::vector<KernelChoice> layer_kernels(const ModelSpec& s, LayerKind kind) {
   std::vector<KernelChoice> r;
   r.push_back({"cpu", kind == LayerKind::Attention ? "cpu::causal_attention (reference, fp32)"
-                                                   : "cpu::gated_delta_rule_recurrent + causal_conv1d_silu (reference, fp32)"});
+                                                   : "cpu::gated_delta_rule_recurrent + causal_conv1d_silu (reference, fp32)",
+               ""});
 #ifdef DFLASH_HAVE_CUDA
-  r.push_back({"cuda", ""});  // GPU kernels arrive with the CUDA backend issues; no fallback is offered.
+  const std::string why = gpu_unsupported_reason(s);
+  if (why.empty())
+    r.push_back({"cuda",
+                 "cuda::masked_attention_forward<head_dim " + std::to_string(s.head_dim) +
+                     "> (causal varlen, mma.sync bf16, fp32 softmax) + cuBLASLt bf16 GEMMs",
+                 ""});
+  else
+    r.push_back({"cuda", "", why});  // no fallback is offered
 #endif
   return r;
 }

@@ -63,6 +63,7 @@ struct ForwardOptions {
 struct KernelChoice {
   std::string device;  // "cpu", "cuda"
   std::string kernel;  // empty: no kernel on this device (the engine refuses to run there)
+  std::string refused_because;  // why, when kernel is empty
 };
 
 class TargetModel {
@@ -102,8 +103,13 @@ class TargetModel {
   std::vector<float> inv_freq_;
 };
 
-/// Kernels that run a layer of this kind on each device of this build (reference on CPU).
-std::vector<KernelChoice> layer_kernels(LayerKind kind);
+/// Kernels that run a layer of kind `kind` of model `s` on each device of this build (reference on
+/// CPU; with CUDA, the GPU kernels or the reason the GPU backend refuses the model).
+std::vector<KernelChoice> layer_kernels(const ModelSpec& s, LayerKind kind);
+
+/// Why the GPU backend cannot run model `s` ("" when it can): GatedDeltaNet layers, attention output
+/// gates, head_dim outside {64, 128, 256}, an odd rotary dimension.
+std::string gpu_unsupported_reason(const ModelSpec& s);
 
 /// Opens the weights of MODEL (directory or .gguf) and reads its spec, without loading tensors.
 struct OpenedModel {

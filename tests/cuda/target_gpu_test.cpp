@@ -15,7 +15,7 @@
 using namespace dflash;
 
 namespace {
-// bf16 weights and activations through 2 layers, fp32 accumulation (the bf16 bound).
+// bf16 weights and GEMM inputs through 2 layers, fp32 accumulation and residual (the bf16 bound).
 constexpr double kTolBf16Target = 1e-2;
 
 ForwardOptions all_outputs(int L) {
@@ -65,18 +65,23 @@ TEST(CudaTarget, Qwen3MatchesTransformersInBf16) {
     }
     std::printf("[gpu target] qwen3_hd64 worst logits rel L2 vs transformers (bf16 GPU path): %.2e\n", worst);
 
-    // Taps: hidden_states[i + 1] of layers {1, 0}, concatenated in that order.
-    const int64_t T = int64_t(ids.size()), D = model->spec().hidden_size;
+    // Taps of layers {1, 0} for the 100-token sequence: layer 1 (the last) is its raw output
+    // (golden last_layer_output, before the final norm), layer 0 equals hidden_states[1] rounded to bf16.
+    const std::vector<int32_t>& ids2 = g.ids[2];
+    const int64_t T = int64_t(ids2.size()), D = model->spec().hidden_size;
     cuda::DeviceArray<cuda::bf16> taps(size_t(T * 2 * D));
-    gpu.forward_taps(ids, cu, {1, 0}, taps.data());
+    gpu.forward_taps(ids2, {0, T}, {1, 0}, taps.data());
     std::vector<uint16_t> h(taps.size());
     DFLASH_CUDA_CHECK(cudaMemcpy(h.data(), taps.data(), h.size() * 2, cudaMemcpyDeviceToHost));
+    const auto one = gpu.forward(ids2, {0, T}, all_outputs(L));
+    std::vector<float> tap1(static_cast<size_t>(T * D));
     for (int64_t t = 0; t < T; ++t)
       for (int64_t c = 0; c < D; ++c) {
-        ASSERT_EQ(bf16_to_f32(h[size_t(t * 2 * D + c)]), packed.hidden_states.at(2).data[size_t(t * D + c)]);
-        ASSERT_EQ(bf16_to_f32(h[size_t(t * 2 * D + D + c)]), packed.hidden_states.at(1).data[size_t(t * D + c)]);
+        tap1[size_t(t * D + c)] = bf16_to_f32(h[size_t(t * 2 * D + c)]);
+        ASSERT_EQ(h[size_t(t * 2 * D + D + c)], f32_to_bf16(one.hidden_states.at(1).data[size_t(t * D + c)]));
       }
-    EXPECT_THROW(gpu.forward_taps(ids, cu, {2}, taps.data()), std::invalid_argument);
+    EXPECT_LE(test::rel_l2(tap1, g.last_layer_output[2].data), kTolBf16Target);
+    EXPECT_THROW(gpu.forward_taps(ids2, {0, T}, {2}, taps.data()), std::invalid_argument);
   }
   DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
 }

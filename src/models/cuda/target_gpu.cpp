@@ -59,16 +59,7 @@ struct TargetGpu::Impl {
   explicit Impl(cudaStream_t st) : s(st), gemm(st) {}
 };
 
-std::string TargetGpu::unsupported_reason(const ModelSpec& s) {
-  for (LayerKind k : s.layer_types)
-    if (k != LayerKind::Attention)
-      return "GatedDeltaNet layers have no GPU kernel yet (Qwen3.5 / 3.6 hybrids run on the CPU reference only)";
-  if (s.attn_output_gate()) return "attention output gates have no GPU kernel yet";
-  if (s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256)
-    return "head_dim " + std::to_string(s.head_dim) + " (the GPU attention kernels take 64, 128 or 256)";
-  if (s.rotary_dim() % 2) return "odd rotary dimension";
-  return "";
-}
+std::string TargetGpu::unsupported_reason(const ModelSpec& s) { return gpu_unsupported_reason(s); }
 
 TargetGpu::TargetGpu(const TargetModel& m, cudaStream_t stream) : impl_(new Impl(stream)), spec_(m.spec()) {
   const std::string why = unsupported_reason(spec_);
@@ -107,8 +98,8 @@ void check_batch(const ModelSpec& sp, const std::vector<int32_t>& ids, const std
 }
 }  // namespace
 
-StreamBuffer<bf16> TargetGpu::run_layers(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu, int64_t last,
-                                         const std::function<void(int64_t, const bf16*)>& on_hidden) {
+StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu, int64_t last,
+                                          const std::function<void(int64_t, const float*)>& on_hidden) {
   Impl& I = *impl_;
   const ModelSpec& sp = spec_;
   cudaStream_t s = I.s;
@@ -124,12 +115,14 @@ StreamBuffer<bf16> TargetGpu::run_layers(const std::vector<int32_t>& ids, const 
   DeviceArray<cuda::KvRange32> ranges(cuda::causal_ranges(cu), s);
   StreamBuffer<float> cs(size_t(T * rot / 2), s), sn(size_t(T * rot / 2), s);
   cuda::rope_table(d_pos.data(), I.inv_freq.data(), T, rot, cs.data(), sn.data(), s);
-  StreamBuffer<bf16> x(size_t(T * D), s), h(size_t(T * D), s), q(size_t(T * H * Dh), s), k(size_t(T * Hkv * Dh), s),
+  StreamBuffer<float> x(size_t(T * D), s);  // the residual stream, fp32 (only GEMM inputs are bf16)
+  StreamBuffer<bf16> h(size_t(T * D), s), q(size_t(T * H * Dh), s), k(size_t(T * Hkv * Dh), s),
       v(size_t(T * Hkv * Dh), s), o(size_t(T * H * Dh), s), g(size_t(T * Im), s), u(size_t(T * Im), s);
-  cuda::embedding_gather(I.embed.data(), sp.vocab_size, D, d_ids.data(), T, x.data(), nullptr, s);
+  cuda::embedding_gather(I.embed.data(), sp.vocab_size, D, d_ids.data(), T, h.data(), nullptr, s);
+  cuda::bf16_to_f32(h.data(), x.data(), T * D, s);
   on_hidden(0, x.data());
   const float scale = float(1.0 / std::sqrt(double(Dh)));
-  auto linear = [&](const bf16* in, int64_t out_f, int64_t in_f, const DeviceArray<bf16>& w, bf16* y, float beta) {
+  auto linear = [&](const bf16* in, int64_t out_f, int64_t in_f, const DeviceArray<bf16>& w, auto* y, float beta) {
     I.gemm.gemm({T, out_f, in_f, false, true}, in, w.data(), y, 1.f, beta);
   };
   for (int64_t i = 0; i <= last; ++i) {
@@ -168,16 +161,14 @@ ForwardOutput TargetGpu::forward(const std::vector<int32_t>& ids, const std::vec
   for (int j : opt.hidden_states) last = std::max<int64_t>(last, j == L ? L - 1 : j - 1);
   ForwardOutput out;
   auto want = [&](int64_t j) { return std::find(opt.hidden_states.begin(), opt.hidden_states.end(), j) != opt.hidden_states.end(); };
-  auto keep = [&](int64_t j, const bf16* p) {
+  auto keep = [&](int64_t j, const float* p) {
     if (j == L || !want(j)) return;  // index L is after the final norm (below)
-    std::vector<uint16_t> hbuf(static_cast<size_t>(T * D));
-    DFLASH_CUDA_CHECK(cudaMemcpyAsync(hbuf.data(), p, hbuf.size() * 2, cudaMemcpyDeviceToHost, I.s));
-    DFLASH_CUDA_CHECK(cudaStreamSynchronize(I.s));
     Tensor t({T, D});
-    for (size_t i = 0; i < hbuf.size(); ++i) t.data[i] = bf16_to_f32(hbuf[i]);
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(t.data.data(), p, t.data.size() * 4, cudaMemcpyDeviceToHost, I.s));
+    DFLASH_CUDA_CHECK(cudaStreamSynchronize(I.s));
     out.hidden_states[int(j)] = std::move(t);
   };
-  StreamBuffer<bf16> x = run_layers(ids, cu, last, keep);
+  StreamBuffer<float> x = run_layers(ids, cu, last, keep);
   if (last == L - 1 && (opt.logits || want(L))) {
     StreamBuffer<bf16> hf(size_t(T * D), I.s);
     cuda::rms_norm_forward(x.data(), I.norm.data(), hf.data(), nullptr, T, D, sp.rms_norm_eps, sp.zero_centered_norm(), I.s);
@@ -206,11 +197,15 @@ void TargetGpu::forward_taps(const std::vector<int32_t>& ids, const std::vector<
       throw std::invalid_argument("forward_taps: layer id " + std::to_string(id) + " outside the target's " +
                                   std::to_string(spec_.num_hidden_layers) + " layers");
   const int64_t last = *std::max_element(layer_ids.begin(), layer_ids.end());
-  run_layers(ids, cu, last, [&](int64_t j, const bf16* x) {
+  StreamBuffer<bf16> xb(size_t(T * D), impl_->s);
+  run_layers(ids, cu, last, [&](int64_t j, const float* x) {
+    bool converted = false;
     for (int64_t k = 0; k < K; ++k)
-      if (layer_ids[size_t(k)] + 1 == j)  // tap i = output of layer i = hidden_states[i + 1]
-        DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(out + k * D, size_t(K * D) * 2, x, size_t(D) * 2, size_t(D) * 2, size_t(T),
-                                            cudaMemcpyDeviceToDevice, impl_->s));
+      if (layer_ids[size_t(k)] + 1 == j) {  // tap i = raw output of layer i (hidden_states[i + 1])
+        if (!converted) cuda::f32_to_bf16(x, xb.data(), T * D, impl_->s), converted = true;
+        DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(out + k * D, size_t(K * D) * 2, xb.data(), size_t(D) * 2, size_t(D) * 2,
+                                            size_t(T), cudaMemcpyDeviceToDevice, impl_->s));
+      }
   });
 }
 

@@ -1,4 +1,5 @@
-// A dense target (Llama / Qwen3: softmax attention layers only) on one GPU in bf16: the forward pass
+// A dense target (Llama / Qwen3: softmax attention layers only) on one GPU, bf16 weights and GEMM
+// inputs, fp32 accumulation and an fp32 residual stream: the forward pass
 // of `dflash forward --device cuda` and the taps of GPU training. Same math as TargetModel::forward
 // (src/models/target.h), built from the kernels in src/ops/cuda.
 #pragma once
@@ -38,10 +39,10 @@ class TargetGpu {
   struct Impl;
 
  private:
-  /// Runs the decoder over a packed batch; calls on_hidden(j, x [T, D]) for each hidden-state index
-  /// j (0 = embeddings, j = output of layer j - 1) up to layer `last` (inclusive); returns x.
-  cuda::StreamBuffer<cuda::bf16> run_layers(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu,
-                                            int64_t last, const std::function<void(int64_t, const cuda::bf16*)>& on_hidden);
+  /// Runs the decoder over a packed batch; calls on_hidden(j, x [T, D] fp32) for each hidden-state
+  /// index j (0 = embeddings, j = output of layer j - 1) up to layer `last` (inclusive); returns x.
+  cuda::StreamBuffer<float> run_layers(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu, int64_t last,
+                                       const std::function<void(int64_t, const float*)>& on_hidden);
 
   std::unique_ptr<Impl> impl_;
   ModelSpec spec_;

@@ -24,20 +24,24 @@ __device__ float block_sum(float v, float* red) {
 
 __device__ __forceinline__ float gain(const float* w, int64_t c, bool zc) { return zc ? 1.f + w[c] : w[c]; }
 
-__global__ void rms_fwd_kernel(const bf16* x, const float* w, bf16* y, float* inv, int64_t rows, int64_t n, float eps,
+__device__ __forceinline__ float to_f(bf16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f(float v) { return v; }
+
+template <typename X>
+__global__ void rms_fwd_kernel(const X* x, const float* w, bf16* y, float* inv, int64_t rows, int64_t n, float eps,
                                bool zc) {
   __shared__ float red[kThreads / 32];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const bf16* xr = x + r * n;
+    const X* xr = x + r * n;
     float ss = 0;
     for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
-      const float v = __bfloat162float(xr[c]);
+      const float v = to_f(xr[c]);
       ss += v * v;
     }
     const float iv = rsqrtf(block_sum(ss, red) / float(n) + eps);
     if (inv && threadIdx.x == 0) inv[r] = iv;
     bf16* yr = y + r * n;
-    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) yr[c] = __float2bfloat16_rn(gain(w, c, zc) * (__bfloat162float(xr[c]) * iv));
+    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) yr[c] = __float2bfloat16_rn(gain(w, c, zc) * (to_f(xr[c]) * iv));
   }
 }
 
@@ -79,20 +83,21 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-__global__ void rms_fwd_warp_kernel(const bf16* x, const float* w, bf16* y, float* inv, int64_t rows, int64_t n,
+template <typename X>
+__global__ void rms_fwd_warp_kernel(const X* x, const float* w, bf16* y, float* inv, int64_t rows, int64_t n,
                                     float eps, bool zc) {
   const int lane = threadIdx.x % 32, wid = threadIdx.x / 32, wpb = blockDim.x / 32;
   for (int64_t r = int64_t(blockIdx.x) * wpb + wid; r < rows; r += int64_t(gridDim.x) * wpb) {
-    const bf16* xr = x + r * n;
+    const X* xr = x + r * n;
     float ss = 0;
     for (int64_t c = lane; c < n; c += 32) {
-      const float v = __bfloat162float(xr[c]);
+      const float v = to_f(xr[c]);
       ss += v * v;
     }
     const float iv = rsqrtf(warp_sum(ss) / float(n) + eps);
     if (inv && lane == 0) inv[r] = iv;
     bf16* yr = y + r * n;
-    for (int64_t c = lane; c < n; c += 32) yr[c] = __float2bfloat16_rn(gain(w, c, zc) * (__bfloat162float(xr[c]) * iv));
+    for (int64_t c = lane; c < n; c += 32) yr[c] = __float2bfloat16_rn(gain(w, c, zc) * (to_f(xr[c]) * iv));
   }
 }
 
@@ -150,18 +155,30 @@ void check_sizes(int64_t rows, int64_t n, const char* what) {
 
 int64_t rms_norm_workspace_floats(int64_t rows, int64_t n) { return int64_t(partial_blocks(std::max<int64_t>(rows, 1))) * n; }
 
-void rms_norm_forward(const bf16* x, const float* w, bf16* y, float* inv, int64_t rows, int64_t n, double eps,
-                      bool zero_centered, cudaStream_t stream) {
+namespace {
+template <typename X>
+void rms_forward_impl(const X* x, const float* w, bf16* y, float* inv, int64_t rows, int64_t n, double eps, bool zc,
+                      cudaStream_t stream) {
   check_sizes(rows, n, "rms_norm_forward");
   if (rows == 0) return;
   if (n <= kWarpRowMax) {
     const int grid = int(std::min<int64_t>((rows + 7) / 8, 65535));
-    rms_fwd_warp_kernel<<<grid, kThreads, 0, stream>>>(x, w, y, inv, rows, n, float(eps), zero_centered);
+    rms_fwd_warp_kernel<X><<<grid, kThreads, 0, stream>>>(x, w, y, inv, rows, n, float(eps), zc);
   } else {
     const int grid = int(std::min<int64_t>(rows, 65535));
-    rms_fwd_kernel<<<grid, kThreads, 0, stream>>>(x, w, y, inv, rows, n, float(eps), zero_centered);
+    rms_fwd_kernel<X><<<grid, kThreads, 0, stream>>>(x, w, y, inv, rows, n, float(eps), zc);
   }
   DFLASH_CUDA_CHECK_LAUNCH();
+}
+}  // namespace
+
+void rms_norm_forward(const bf16* x, const float* w, bf16* y, float* inv, int64_t rows, int64_t n, double eps,
+                      bool zero_centered, cudaStream_t stream) {
+  rms_forward_impl(x, w, y, inv, rows, n, eps, zero_centered, stream);
+}
+void rms_norm_forward(const float* x, const float* w, bf16* y, float* inv, int64_t rows, int64_t n, double eps,
+                      bool zero_centered, cudaStream_t stream) {
+  rms_forward_impl(x, w, y, inv, rows, n, eps, zero_centered, stream);
 }
 
 void rms_norm_backward(const bf16* x, const float* w, const float* inv, const bf16* dy, bf16* dx, float* dw,

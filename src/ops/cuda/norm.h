@@ -13,6 +13,10 @@ namespace dflash::cuda {
 void rms_norm_forward(const bf16* x, const float* w, bf16* y, float* inv, int64_t rows, int64_t n, double eps,
                       bool zero_centered, cudaStream_t stream);
 
+/// The same with an fp32 input (a residual stream kept in fp32), y bf16.
+void rms_norm_forward(const float* x, const float* w, bf16* y, float* inv, int64_t rows, int64_t n, double eps,
+                      bool zero_centered, cudaStream_t stream);
+
 /// Backward of rms_norm_forward with the saved inv:
 ///   xh = x * inv;  dx = inv * (g*dy - xh * mean(g*dy*xh))  (bf16, may alias dy);
 ///   dw += sum over rows of dy * xh  (fp32, accumulated into dw; deterministic: fixed-order
