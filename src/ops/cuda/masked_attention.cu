@@ -45,19 +45,24 @@ __device__ __forceinline__ void load_a(uint32_t a[4], const bf16* m, int ld, int
   a[3] = ld32(m + (row0 + g + 8) * ld + col0 + 2 * t + 8);
 }
 
-/// B fragment where B[k][n] = m[n0 + n][k0 + k] (m row-major, ld): consecutive k are adjacent.
-__device__ __forceinline__ void load_b(uint32_t& b0, uint32_t& b1, const bf16* m, int ld, int n0, int k0, int g,
-                                       int t) {
-  b0 = ld32(m + (n0 + g) * ld + k0 + 2 * t);
-  b1 = ld32(m + (n0 + g) * ld + k0 + 2 * t + 8);
+/// B fragments of two n-tiles at once: B[k][n] = m[n0 + n][k0 + k] for n-tiles n0 (b[0], b[1]) and
+/// n0 + 8 (b[2], b[3]) (m row-major, ld, rows 16-byte aligned), one ldmatrix.x4.
+__device__ __forceinline__ void load_b_x4(uint32_t b[4], const bf16* m, int ld, int n0, int k0, int lane) {
+  const unsigned addr =
+      unsigned(__cvta_generic_to_shared(m + (n0 + (lane & 7) + ((lane >> 4) & 1) * 8) * ld + k0 + ((lane >> 3) & 1) * 8));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+               : "r"(addr));
 }
 
-/// B fragment where B[k][n] = m[k0 + k][n0 + n] (m row-major, ld; rows 16-byte aligned): two 8x8
-/// blocks transposed on the way by ldmatrix (lanes 0-15 address rows k0..k0+15).
-__device__ __forceinline__ void load_b_trans(uint32_t& b0, uint32_t& b1, const bf16* m, int ld, int k0, int n0,
-                                             int lane) {
-  const unsigned addr = unsigned(__cvta_generic_to_shared(m + (k0 + (lane & 15)) * ld + n0));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n" : "=r"(b0), "=r"(b1) : "r"(addr));
+/// B fragments of two n-tiles where B[k][n] = m[k0 + k][n0 + n]: n-tile n0 (b[0], b[1]) and n0 + 8
+/// (b[2], b[3]), transposed by ldmatrix.x4.trans.
+__device__ __forceinline__ void load_b_trans_x4(uint32_t b[4], const bf16* m, int ld, int k0, int n0, int lane) {
+  const unsigned addr =
+      unsigned(__cvta_generic_to_shared(m + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + ((lane >> 4) & 1) * 8));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+               : "r"(addr));
 }
 
 /// A fragment for keys/queries 16kk..16kk+15 from an accumulator tile array c[n-tile][4].
@@ -130,14 +135,35 @@ struct KeyTiles {
   __device__ int seg(int j) const { return j < n0 ? 0 : 1; }
 };
 
-/// Union of the ranges of query rows [row0, row0 + rows): lohi = {ctx lo, ctx hi, blk lo, blk hi}.
+/// Every row of the query tile sees all BN keys from k0 through range `seg` (see tile_union).
+__device__ __forceinline__ bool tile_full(const int* lohi, int seg, int k0, int width, int Nk) {
+  return k0 >= lohi[4 + 2 * seg] && k0 + width <= lohi[5 + 2 * seg] && k0 + width <= Nk;
+}
+
+/// Union and intersection of the ranges of query rows [row0, row0 + rows):
+/// lohi = {ctx lo, ctx hi, blk lo, blk hi} (union) and lohi[4..7] = the same for the intersection
+/// (empty when some row of the tile has an empty range of that kind, or the tile runs past Nq).
+/// A key tile inside the intersection is visible to every row: no per-element mask is needed.
 __device__ void tile_union(const KvRange32* ranges, int Nq, int row0, int rows, int* lohi) {
-  if (threadIdx.x == 0) lohi[0] = lohi[2] = INT_MAX, lohi[1] = lohi[3] = INT_MIN;
+  if (threadIdx.x == 0) {
+    lohi[0] = lohi[2] = INT_MAX, lohi[1] = lohi[3] = INT_MIN;
+    lohi[4] = lohi[6] = INT_MIN, lohi[5] = lohi[7] = row0 + rows <= Nq ? INT_MAX : INT_MIN;
+  }
   __syncthreads();
   for (int i = threadIdx.x; i < rows && row0 + i < Nq; i += blockDim.x) {
     const KvRange32 r = ranges[row0 + i];
-    if (r.ctx_end > r.ctx_begin) atomicMin(&lohi[0], r.ctx_begin), atomicMax(&lohi[1], r.ctx_end);
-    if (r.blk_end > r.blk_begin) atomicMin(&lohi[2], r.blk_begin), atomicMax(&lohi[3], r.blk_end);
+    if (r.ctx_end > r.ctx_begin) {
+      atomicMin(&lohi[0], r.ctx_begin), atomicMax(&lohi[1], r.ctx_end);
+      atomicMax(&lohi[4], r.ctx_begin), atomicMin(&lohi[5], r.ctx_end);
+    } else {
+      atomicMin(&lohi[5], INT_MIN);
+    }
+    if (r.blk_end > r.blk_begin) {
+      atomicMin(&lohi[2], r.blk_begin), atomicMax(&lohi[3], r.blk_end);
+      atomicMax(&lohi[6], r.blk_begin), atomicMin(&lohi[7], r.blk_end);
+    } else {
+      atomicMin(&lohi[7], INT_MIN);
+    }
   }
   __syncthreads();
 }
@@ -155,7 +181,7 @@ __global__ void __launch_bounds__(32 * W) fwd_kernel(const bf16* __restrict__ q,
   bf16* Qs = reinterpret_cast<bf16*>(smem);  // [QR][LD]
   bf16* Kb = Qs + QR * LD;                   // 2 x [BN][LD]
   bf16* Vb = Kb + 2 * BN * LD;               // 2 x [BN][LD]
-  __shared__ int lohi[4];
+  __shared__ int lohi[8];
   const int h = blockIdx.y, kvh = h / (H / Hkv), row0 = blockIdx.x * QR;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   load_rows<D>(Qs, LD, q, Nq, H, h, row0, QR);
@@ -190,26 +216,37 @@ __global__ void __launch_bounds__(32 * W) fwd_kernel(const bf16* __restrict__ q,
     {
       float s[BN / 8][4];
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
-        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+      for (int nt = 0; nt < BN / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-          uint32_t b0, b1;
-          load_b(b0, b1, Ks, LD, nt * 8, kk * 16, g, t);
-          mma16816(s[nt], qa[kk], b0, b1);
+      for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; nt += 2) {
+          uint32_t b[4];
+          load_b_x4(b, Ks, LD, nt * 8, kk * 16, lane);
+          mma16816(s[nt], qa[kk], b[0], b[1]);
+          mma16816(s[nt + 1], qa[kk], b[2], b[3]);
         }
-      }
       float mx_a = -INFINITY, mx_b = -INFINITY;
+      if (tile_full(lohi, seg, k0, BN, Nk)) {
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt)
+        for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = k0 + nt * 8 + 2 * t + (e & 1);
-          const bool ok = key < Nk && visible_in(e < 2 ? rga : rgb, key, seg);
-          s[nt][e] = ok ? s[nt][e] * scale_log2 : -INFINITY;
-          if (e < 2) mx_a = fmaxf(mx_a, s[nt][e]);
-          else mx_b = fmaxf(mx_b, s[nt][e]);
+          for (int e = 0; e < 4; ++e) s[nt][e] *= scale_log2;
+          mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
+          mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
         }
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = k0 + nt * 8 + 2 * t + (e & 1);
+            const bool ok = key < Nk && visible_in(e < 2 ? rga : rgb, key, seg);
+            s[nt][e] = ok ? s[nt][e] * scale_log2 : -INFINITY;
+            if (e < 2) mx_a = fmaxf(mx_a, s[nt][e]);
+            else mx_b = fmaxf(mx_b, s[nt][e]);
+          }
+      }
       const float mn_a = fmaxf(m_a, quad_max(mx_a)), mn_b = fmaxf(m_b, quad_max(mx_b));
       const float base_a = mn_a == -INFINITY ? 0.f : mn_a, base_b = mn_b == -INFINITY ? 0.f : mn_b;
       const float al_a = exp2f(m_a - base_a), al_b = exp2f(m_b - base_b);  // 0 while nothing was seen
@@ -231,10 +268,11 @@ __global__ void __launch_bounds__(32 * W) fwd_kernel(const bf16* __restrict__ q,
         uint32_t a[4];
         acc_to_a(a, s, kk);
 #pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
-          uint32_t b0, b1;
-          load_b_trans(b0, b1, Vs, LD, kk * 16, dt * 8, lane);
-          mma16816(oacc[dt], a, b0, b1);
+        for (int dt = 0; dt < D / 8; dt += 2) {
+          uint32_t b[4];
+          load_b_trans_x4(b, Vs, LD, kk * 16, dt * 8, lane);
+          mma16816(oacc[dt], a, b[0], b[1]);
+          mma16816(oacc[dt + 1], a, b[2], b[3]);
         }
       }
     }
@@ -271,9 +309,12 @@ __global__ void delta_kernel(const bf16* o, const bf16* dout, int64_t rows_heads
 
 /// Per query tile, the union of its rows' ranges (int4: ctx lo, ctx hi, blk lo, blk hi).
 __global__ void tile_union_kernel(const KvRange32* ranges, int Nq, int4* out) {
-  __shared__ int lohi[4];
+  __shared__ int lohi[8];
   tile_union(ranges, Nq, blockIdx.x * BM, BM, lohi);
-  if (threadIdx.x == 0) out[blockIdx.x] = make_int4(lohi[0], lohi[1], lohi[2], lohi[3]);
+  if (threadIdx.x == 0) {
+    out[2 * blockIdx.x] = make_int4(lohi[0], lohi[1], lohi[2], lohi[3]);
+    out[2 * blockIdx.x + 1] = make_int4(lohi[4], lohi[5], lohi[6], lohi[7]);
+  }
 }
 
 // dQ: one CTA per (query tile, head), like the forward; recomputes P and dP per key tile.
@@ -289,7 +330,7 @@ __global__ void __launch_bounds__(32 * W) dq_kernel(const bf16* __restrict__ q, 
   bf16* Qs = reinterpret_cast<bf16*>(smem);  // [QR][LD], then dO
   bf16* Kb = Qs + QR * LD;                   // 2 x [BN][LD]
   bf16* Vb = Kb + 2 * BN * LD;               // 2 x [BN][LD]
-  __shared__ int lohi[4];
+  __shared__ int lohi[8];
   const int h = blockIdx.y, kvh = h / (H / Hkv), row0 = blockIdx.x * QR;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const float scale_log2 = scale * kLog2e;
@@ -331,24 +372,28 @@ __global__ void __launch_bounds__(32 * W) dq_kernel(const bf16* __restrict__ q, 
     {
       float s[BN / 8][4], dp[BN / 8][4];
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
-        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-        dp[nt][0] = dp[nt][1] = dp[nt][2] = dp[nt][3] = 0.f;
+      for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-          uint32_t b0, b1;
-          load_b(b0, b1, Ks, LD, nt * 8, kk * 16, g, t);
-          mma16816(s[nt], qa[kk], b0, b1);
-          load_b(b0, b1, Vs, LD, nt * 8, kk * 16, g, t);
-          mma16816(dp[nt], da[kk], b0, b1);
+        for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; nt += 2) {
+          uint32_t b[4];
+          load_b_x4(b, Ks, LD, nt * 8, kk * 16, lane);
+          mma16816(s[nt], qa[kk], b[0], b[1]);
+          mma16816(s[nt + 1], qa[kk], b[2], b[3]);
+          load_b_x4(b, Vs, LD, nt * 8, kk * 16, lane);
+          mma16816(dp[nt], da[kk], b[0], b[1]);
+          mma16816(dp[nt + 1], da[kk], b[2], b[3]);
         }
-      }
+      const bool full = tile_full(lohi, seg, k0, BN, Nk);
 #pragma unroll
       for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = k0 + nt * 8 + 2 * t + (e & 1);
-          const bool ok = key < Nk && visible_in(e < 2 ? rga : rgb, key, seg);
+          const bool ok = full || (key < Nk && visible_in(e < 2 ? rga : rgb, key, seg));
           const float p = ok ? exp2f(s[nt][e] * scale_log2 - (e < 2 ? lse_a : lse_b)) : 0.f;
           s[nt][e] = p * (dp[nt][e] - (e < 2 ? dl_a : dl_b));  // dS
         }
@@ -357,10 +402,11 @@ __global__ void __launch_bounds__(32 * W) dq_kernel(const bf16* __restrict__ q, 
         uint32_t a[4];
         acc_to_a(a, s, kk);
 #pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
-          uint32_t b0, b1;
-          load_b_trans(b0, b1, Ks, LD, kk * 16, dt * 8, lane);
-          mma16816(acc[dt], a, b0, b1);
+        for (int dt = 0; dt < D / 8; dt += 2) {
+          uint32_t b[4];
+          load_b_trans_x4(b, Ks, LD, kk * 16, dt * 8, lane);
+          mma16816(acc[dt], a, b[0], b[1]);
+          mma16816(acc[dt + 1], a, b[2], b[3]);
         }
       }
     }
@@ -407,7 +453,7 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
     for (int e = 0; e < 4; ++e) dka[i][e] = dva[i][e] = 0.f;
   const int qtiles = (Nq + BM - 1) / BM;
   auto hits = [&](int qt) {
-    const int4 u = tiles[qt];
+    const int4 u = tiles[2 * qt];
     return (u.x < u.y && u.x < k0 + KR && k0 < u.y) || (u.z < u.w && u.z < k0 + KR && k0 < u.w);
   };
   // Work items: (query tile, query head of this kv head) = qt * G + hi, over the tiles that reach
@@ -440,6 +486,8 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
     __syncthreads();
     {
       const int row0 = (it / G) * BM;
+      const int4 in = tiles[2 * (it / G) + 1];  // intersection of the query tile's ranges
+      const bool full = (k0 >= in.x && k0 + KR <= in.y && k0 + KR <= Nk) || (k0 >= in.z && k0 + KR <= in.w && k0 + KR <= Nk);
       const bf16* Qs = Qb + buf * BM * LD;
       const bf16* Os = Ob + buf * BM * LD;
       const float* s_lse = s_lse_b[buf];
@@ -456,12 +504,14 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
         load_a(ka, Ks, LD, warp * 16, kk * 16, g, t);
         load_a(va, Vs, LD, warp * 16, kk * 16, g, t);
 #pragma unroll
-        for (int nt = 0; nt < BM / 8; ++nt) {
-          uint32_t b0, b1;
-          load_b(b0, b1, Qs, LD, nt * 8, kk * 16, g, t);
-          mma16816(st[nt], ka, b0, b1);
-          load_b(b0, b1, Os, LD, nt * 8, kk * 16, g, t);
-          mma16816(dpt[nt], va, b0, b1);
+        for (int nt = 0; nt < BM / 8; nt += 2) {
+          uint32_t b[4];
+          load_b_x4(b, Qs, LD, nt * 8, kk * 16, lane);
+          mma16816(st[nt], ka, b[0], b[1]);
+          mma16816(st[nt + 1], ka, b[2], b[3]);
+          load_b_x4(b, Os, LD, nt * 8, kk * 16, lane);
+          mma16816(dpt[nt], va, b[0], b[1]);
+          mma16816(dpt[nt + 1], va, b[2], b[3]);
         }
       }
 #pragma unroll
@@ -469,7 +519,7 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int ql = nt * 8 + 2 * t + (e & 1), key = e < 2 ? key_a : key_b;
-          const bool ok = row0 + ql < Nq && key < Nk && visible(s_rg[ql], key);
+          const bool ok = full || (row0 + ql < Nq && key < Nk && visible(s_rg[ql], key));
           const float p = ok ? exp2f(st[nt][e] * scale_log2 - s_lse[ql]) : 0.f;
           st[nt][e] = p;
           dpt[nt][e] = p * (dpt[nt][e] - s_delta[ql]);  // dS^T
@@ -480,12 +530,14 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
         acc_to_a(pa, st, kk);
         acc_to_a(sa, dpt, kk);
 #pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
-          uint32_t b0, b1;
-          load_b_trans(b0, b1, Os, LD, kk * 16, dt * 8, lane);
-          mma16816(dva[dt], pa, b0, b1);
-          load_b_trans(b0, b1, Qs, LD, kk * 16, dt * 8, lane);
-          mma16816(dka[dt], sa, b0, b1);
+        for (int dt = 0; dt < D / 8; dt += 2) {
+          uint32_t b[4];
+          load_b_trans_x4(b, Os, LD, kk * 16, dt * 8, lane);
+          mma16816(dva[dt], pa, b[0], b[1]);
+          mma16816(dva[dt + 1], pa, b[2], b[3]);
+          load_b_trans_x4(b, Qs, LD, kk * 16, dt * 8, lane);
+          mma16816(dka[dt], sa, b[0], b[1]);
+          mma16816(dka[dt + 1], sa, b[2], b[3]);
         }
       }
     }
@@ -567,7 +619,7 @@ void masked_attention_forward(const bf16* q, const bf16* k, const bf16* v, const
 
 int64_t masked_attention_backward_workspace_bytes(int64_t Nq, int H) {
   const int64_t delta = (Nq * H * int64_t(sizeof(float)) + 15) / 16 * 16;
-  return delta + (Nq + BM - 1) / BM * int64_t(sizeof(int4));
+  return delta + 2 * ((Nq + BM - 1) / BM) * int64_t(sizeof(int4));
 }
 
 void masked_attention_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* o, const float* lse,
