@@ -46,6 +46,15 @@ if command -v compute-sanitizer >/dev/null; then
   [ $mc_rc -ne 0 ] && tests_rc=1
 fi
 inspect=$("$build/dflash" inspect tests/fixtures/qwen3_5 2>&1 | sed -n '1,20p')
+inspect_dense=$("$build/dflash" inspect tests/fixtures/qwen3_hd64 2>&1 | sed -n '/^devices/,$p')
+# Drafter training step benchmarks (random weights, published shapes); appended to $out/drafter-step.*
+bench=""
+if [ "${GPU_CHECK_BENCH:-1}" != 0 ]; then
+  for p in qwen3-8b qwen3.6-27b; do
+    DFLASH_COMMIT="$commit" "$build/dflash" bench drafter-step --preset "$p" --results "$out" >>"$log" 2>&1 || tests_rc=1
+  done
+  bench=$(tail -n 4 "$out/drafter-step.md" 2>/dev/null)
+fi
 smol="not run (DFLASH_SMOLLM2_GGUF unset)"
 if [ -n "${DFLASH_SMOLLM2_GGUF:-}" ]; then
   smol=$("$build/dflash" inspect "$DFLASH_SMOLLM2_GGUF" 2>&1 | sed -n '1,14p')
@@ -72,6 +81,14 @@ fi
   echo '## dflash inspect tests/fixtures/qwen3_5 (device detection)'
   echo '```'
   echo "$inspect"
+  echo '```'
+  echo '## dflash inspect tests/fixtures/qwen3_hd64 (a model the GPU backend runs)'
+  echo '```'
+  echo "$inspect_dense"
+  echo '```'
+  echo '## dflash bench drafter-step (one step = zero_grads + forward + backward + clip + AdamW)'
+  echo '```'
+  echo "$bench"
   echo '```'
   echo '## dflash inspect SmolLM2-135M-Instruct (Q4_1 GGUF)'
   echo '```'
