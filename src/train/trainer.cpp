@@ -1,5 +1,6 @@
 #include "train/trainer.h"
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -18,18 +19,6 @@ namespace {
 
 constexpr const char* kStateFormat = "dflash-train-state-v1";
 
-std::vector<NamedSpan<float>> spans(DrafterWeights<float>& w) {
-  std::vector<NamedSpan<float>> r;
-  for (auto& [name, t] : w.named()) r.push_back({name, std::span<float>(t->data)});
-  return r;
-}
-
-std::vector<NamedSpan<const float>> const_spans(const DrafterWeights<float>& w) {
-  std::vector<NamedSpan<const float>> r;
-  for (const auto& [name, t] : w.named()) r.push_back({name, std::span<const float>(t->data)});
-  return r;
-}
-
 nlohmann::json options_json(const TrainerOptions& o) {
   return {{"num_anchors", o.num_anchors},     {"grad_accum", o.grad_accum},
           {"max_grad_norm", o.max_grad_norm}, {"gamma", o.gamma},
@@ -41,21 +30,13 @@ nlohmann::json options_json(const TrainerOptions& o) {
 
 }  // namespace
 
-DrafterTrainer::DrafterTrainer(DrafterConfig cfg, DrafterWeights<float> weights, const Tensor* embed,
-                               const Tensor* lm_head, int64_t num_examples, TrainerOptions opt)
-    : cfg_(std::move(cfg)), w_(std::move(weights)), embed_(embed), lm_head_(lm_head), num_examples_(num_examples),
-      opt_(opt), adam_(spans(w_), opt.adamw), rng_(opt.seed) {
+DrafterTrainer::DrafterTrainer(DrafterConfig cfg, std::unique_ptr<DrafterBackend> backend, int64_t num_examples,
+                               TrainerOptions opt)
+    : cfg_(std::move(cfg)), backend_(std::move(backend)), num_examples_(num_examples), opt_(opt), rng_(opt.seed) {
   if (num_examples <= 0) throw std::invalid_argument("DrafterTrainer: no training examples");
   if (opt.grad_accum <= 0) throw std::invalid_argument("DrafterTrainer: grad_accum must be > 0");
   if (opt.num_anchors <= 0) throw std::invalid_argument("DrafterTrainer: num_anchors must be > 0");
-  if (!embed || !lm_head) throw std::invalid_argument("DrafterTrainer: embed and lm_head are required");
-  const auto shapes = drafter_param_shapes(cfg_);
-  const auto named = w_.named();
-  if (named.size() != shapes.size()) throw std::invalid_argument("DrafterTrainer: weights do not match the config");
-  for (size_t i = 0; i < named.size(); ++i)
-    if (named[i].first != shapes[i].first || named[i].second->shape != shapes[i].second)
-      throw std::invalid_argument("DrafterTrainer: " + named[i].first + " has shape " +
-                                  shape_str(named[i].second->shape) + ", expected " + shape_str(shapes[i].second));
+  if (!backend_) throw std::invalid_argument("DrafterTrainer: no backend");
   make_order();
 }
 
@@ -77,48 +58,38 @@ int64_t DrafterTrainer::next_example() {
   return order_[size_t(pos_.index++)];
 }
 
-TrainStepStats DrafterTrainer::step(const ExampleSource& source) {
+TrainStepStats DrafterTrainer::step(const SampleSource& source) {
   const DataPosition pos0 = pos_;
   const std::mt19937_64 rng0 = rng_;
   const int64_t B = cfg_.block_size;
   TrainStepStats st;
   st.slot_correct.assign(size_t(B), 0);
   st.slot_count.assign(size_t(B), 0);
-  DrafterGrads<float> acc = drafter_zeros<float>(cfg_);
-  const auto acc_spans = spans(acc);
+  backend_->zero_grads();
   int64_t used = 0;
   double loss_sum = 0;
   try {
     for (int64_t m = 0; m < opt_.grad_accum; ++m) {
       const int64_t idx = next_example();
       try {
-        const TrainExample ex = source(idx);
-        DrafterSequence<float> seq;
-        seq.taps = &ex.taps;
-        seq.ids = ex.ids;
-        seq.loss_mask.assign(ex.loss_mask.begin(), ex.loss_mask.end());
-        if (seq.loss_mask.size() != seq.ids.size())
-          throw std::invalid_argument("loss_mask has " + std::to_string(seq.loss_mask.size()) + " entries for " +
-                                      std::to_string(seq.ids.size()) + " tokens");
-        seq.anchors = sample_anchors(ex.loss_mask, opt_.num_anchors, rng_);
-        seq.num_blocks = int64_t(seq.anchors.size());
-        seq.embed = embed_;
-        seq.lm_head = lm_head_;
-        seq.gamma = opt_.gamma;
-        const DrafterStepResult<float> r = drafter_step(cfg_, w_, seq);
+        TrainSample sample = source(idx);
+        sample.index = idx;
+        const std::vector<int64_t> anchors = sample_anchors(sample.loss_mask, opt_.num_anchors, rng_);
+        const MicroResult r = backend_->micro_step(sample, anchors, opt_.gamma);
         ++st.micro_batches;
-        st.tokens += int64_t(ex.ids.size());
+        st.tokens += int64_t(sample.ids.size());
+        st.target_ms += r.target_ms;
+        st.drafter_ms += r.drafter_ms;
         if (!(r.weight_sum > 0)) {
           ++st.empty_micro_batches;
           continue;
         }
         ++used;
-        loss_sum += double(r.loss);
+        loss_sum += r.loss;
         for (int64_t k = 0; k < B; ++k) {
           st.slot_correct[size_t(k)] += r.slot_correct[size_t(k)];
           st.slot_count[size_t(k)] += r.slot_count[size_t(k)];
         }
-        accumulate_scaled(acc_spans, const_spans(r.grads), 1.0);
       } catch (const std::exception& e) {
         throw std::runtime_error("training example " + std::to_string(idx) + ": " + e.what());
       }
@@ -130,39 +101,38 @@ TrainStepStats DrafterTrainer::step(const ExampleSource& source) {
     if (new_epoch) make_order();
     throw;
   }
-  st.lr = opt_.schedule.lr(adam_.step_count());
+  st.lr = opt_.schedule.lr(step_);
   if (used > 0) {
     st.loss = loss_sum / double(used);
-    if (used > 1) {
-      const float inv = float(1.0 / double(used));
-      for (auto& s : acc_spans)
-        for (float& g : s.data) g *= inv;
-    }
-    const ClipResult clip = clip_grad_norm(acc_spans, opt_.max_grad_norm);
+    if (used > 1) backend_->scale_grads(1.0 / double(used));
+    const auto t0 = std::chrono::steady_clock::now();
+    const ClipResult clip = backend_->optimizer_step(opt_.adamw, st.lr, opt_.max_grad_norm, step_ + 1);
+    st.optimizer_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     st.grad_norm = clip.norm;
     if (!std::isfinite(clip.norm)) st.skipped = true;
-    else adam_.step(spans(w_), const_spans(acc), st.lr);
+    else ++step_;
   } else {
     st.skipped = true;  // nothing to learn from: no update, the step count stays
   }
-  st.step = adam_.step_count();
+  st.step = step_;
   return st;
 }
 
 void DrafterTrainer::save(const std::string& dir) const {
-  write_drafter_checkpoint(dir, cfg_, w_, [&](const std::string& path) {
+  const OptimizerState os = backend_->state();
+  write_drafter_checkpoint(dir, cfg_, os.weights, [&](const std::string& path) {
     std::vector<SafetensorsEntry> e;
-    const auto named = w_.named();
+    const auto named = os.weights.named();
     for (const auto& [name, t] : named) e.push_back({"master." + name, DType::F32, t->shape, t->data.data()});
     for (size_t i = 0; i < named.size(); ++i) {
-      e.push_back({"exp_avg." + named[i].first, DType::F32, named[i].second->shape, adam_.exp_avg()[i].data()});
-      e.push_back({"exp_avg_sq." + named[i].first, DType::F32, named[i].second->shape, adam_.exp_avg_sq()[i].data()});
+      e.push_back({"exp_avg." + named[i].first, DType::F32, named[i].second->shape, os.exp_avg[i].data()});
+      e.push_back({"exp_avg_sq." + named[i].first, DType::F32, named[i].second->shape, os.exp_avg_sq[i].data()});
     }
     std::ostringstream rng;
     rng << rng_;
     write_safetensors(path, e,
                       {{"format", kStateFormat},
-                       {"step", std::to_string(adam_.step_count())},
+                       {"step", std::to_string(step_)},
                        {"epoch", std::to_string(pos_.epoch)},
                        {"index", std::to_string(pos_.index)},
                        {"num_examples", std::to_string(num_examples_)},
@@ -230,8 +200,8 @@ void DrafterTrainer::resume(const std::string& dir) {
     read("exp_avg_sq." + name, v.back(), t->shape);
   }
   if (f.tensors().size() != 3 * w.named().size()) fail("holds tensors that are not part of this drafter's state");
-  adam_.set_state(step, std::move(m), std::move(v));
-  w_ = std::move(w);
+  backend_->set_state({step, std::move(w), std::move(m), std::move(v)});
+  step_ = step;
   rng_ = rng;
   pos_ = {epoch, index};
   make_order();

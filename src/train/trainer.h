@@ -1,6 +1,6 @@
-// The drafter training loop on the CPU (reference): data order, anchors, gradient accumulation,
-// clipping, schedule, AdamW, and checkpoints with a training state for exact resume
-// (../shared/docs/dflash.md "Training"). The GPU trainer (issue 6) must reproduce its numbers.
+// The drafter training loop: data order, anchors, gradient accumulation, clipping, schedule, AdamW
+// (through a DrafterBackend), and checkpoints with a training state for exact resume
+// (../shared/docs/dflash.md "Training").
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -9,21 +9,15 @@
 #include <vector>
 
 #include "models/drafter.h"
+#include "train/backend.h"
 #include "train/optimizer.h"
 #include "train/schedule.h"
 
 namespace dflash {
 
-/// One training example as the trainer consumes it: a tokenized conversation and the target's taps.
-struct TrainExample {
-  std::vector<int64_t> ids;        // [S]
-  std::vector<uint8_t> loss_mask;  // [S], 1 on assistant tokens
-  Tensor taps;                     // [S, K*d] float32: target taps in target_layer_ids order, concatenated
-};
-
-/// Supplies example `index`, 0 <= index < num_examples. Must return the same example for the same
+/// Supplies sample `index`, 0 <= index < num_examples. Must return the same sample for the same
 /// index every time (resume relies on it).
-using ExampleSource = std::function<TrainExample(int64_t index)>;
+using SampleSource = std::function<TrainSample(int64_t index)>;
 
 /// Hyper-parameters. Defaults: the published recipe (dflash.md step 6) with gamma 7 for B = 16.
 struct TrainerOptions {
@@ -50,30 +44,29 @@ struct TrainStepStats {
   double lr = 0;                     // learning rate used
   int64_t micro_batches = 0, empty_micro_batches = 0;  // empty: no anchor / no loss weight
   int64_t tokens = 0;                // context tokens seen
+  double target_ms = 0, drafter_ms = 0, optimizer_ms = 0;  // wall time per stage, summed over micro-batches
   std::vector<int64_t> slot_correct, slot_count;       // [B] top-1 hits per slot (as DrafterStepResult)
   bool skipped = false;              // non-finite gradient norm: weights and optimizer untouched
 };
 
-/// Trains a drafter on the CPU, one sequence per micro-batch.
+/// Trains a drafter, one sequence per micro-batch, on any DrafterBackend (CPU reference or GPU).
 ///
-/// One step: for each of grad_accum micro-batches, take the next example of the data order (a seeded
+/// One step: for each of grad_accum micro-batches, take the next sample of the data order (a seeded
 /// permutation per epoch, or 0..n-1 without shuffle), sample up to num_anchors anchors from its loss
-/// mask with the trainer's RNG (sample_anchors), run drafter_step (forward + backward) and add its
-/// gradients; average over the micro-batches that had loss weight (an example without any anchor
-/// candidate contributes nothing and is counted as empty); clip to max_grad_norm
-/// (clip_grad_norm); AdamW at schedule.lr(step). Deterministic: the same options, data and seed give
-/// bitwise the same weights, on every run and across save / resume.
+/// mask with the trainer's RNG (sample_anchors), and let the backend run the target and the drafter's
+/// forward + backward (gradients accumulated); average over the micro-batches that had loss weight (a
+/// sample without any anchor candidate contributes nothing and is counted as empty); clip to
+/// max_grad_norm; AdamW at schedule.lr(step). Deterministic on a deterministic backend: the same
+/// options, data and seed give bitwise the same weights, on every run and across save / resume.
 class DrafterTrainer {
  public:
-  /// `embed` and `lm_head` [V, d] are the frozen target tensors; they must outlive the trainer.
-  /// Throws std::invalid_argument for num_examples <= 0, grad_accum <= 0, num_anchors <= 0, or
-  /// weights that do not match cfg.
-  DrafterTrainer(DrafterConfig cfg, DrafterWeights<float> weights, const Tensor* embed, const Tensor* lm_head,
-                 int64_t num_examples, TrainerOptions opt);
+  /// Throws std::invalid_argument for num_examples <= 0, grad_accum <= 0, num_anchors <= 0 or a
+  /// null backend.
+  DrafterTrainer(DrafterConfig cfg, std::unique_ptr<DrafterBackend> backend, int64_t num_examples, TrainerOptions opt);
 
-  /// One optimizer step (see the class comment). Throws what drafter_step throws for a bad example
-  /// (the message names the example index); the trainer's state is then unchanged.
-  TrainStepStats step(const ExampleSource& source);
+  /// One optimizer step (see the class comment). Throws what the backend throws for a bad sample
+  /// (the message names the sample index); the data position and RNG are then unchanged.
+  TrainStepStats step(const SampleSource& source);
 
   /// Writes `dir` atomically: the servable DFlash checkpoint (config.json, bf16 model.safetensors)
   /// plus kTrainingStateFile: fp32 master weights ("master.<name>"), AdamW moments
@@ -87,23 +80,21 @@ class DrafterTrainer {
   /// examples or the seed differ (the data order would not be the same).
   void resume(const std::string& dir);
 
-  const DrafterWeights<float>& weights() const { return w_; }
   const DrafterConfig& config() const { return cfg_; }
-  const AdamW<float>& optimizer() const { return adam_; }
-  int64_t step_count() const { return adam_.step_count(); }
+  const DrafterBackend& backend() const { return *backend_; }
+  int64_t step_count() const { return step_; }
   DataPosition position() const { return pos_; }
+  const TrainerOptions& options() const { return opt_; }
 
  private:
   int64_t next_example();
   void make_order();
 
   DrafterConfig cfg_;
-  DrafterWeights<float> w_;
-  const Tensor* embed_;
-  const Tensor* lm_head_;
+  std::unique_ptr<DrafterBackend> backend_;
   int64_t num_examples_;
   TrainerOptions opt_;
-  AdamW<float> adam_;
+  int64_t step_ = 0;            // optimizer steps taken
   std::mt19937_64 rng_;         // anchors
   DataPosition pos_;
   std::vector<int64_t> order_;  // permutation of epoch pos_.epoch

@@ -25,7 +25,8 @@ std::filesystem::path fixture() { return test::fixtures_dir() / "drafter"; }
 struct TinyRun {
   DrafterConfig cfg;
   Tensor embed, lm_head;
-  std::vector<TrainExample> examples;
+  std::vector<TrainSample> examples;
+  std::vector<Tensor> taps;  // per example: what a target would give
 
   TinyRun() {
     load_drafter_weights<float>((fixture() / "init").string(), &cfg);
@@ -36,19 +37,26 @@ struct TinyRun {
     std::normal_distribution<float> nd;
     const int64_t kd = cfg.hidden_size * int64_t(cfg.target_layer_ids.size());
     for (int64_t e = 0; e < 5; ++e) {
-      TrainExample ex;
+      TrainSample ex;
       const int64_t S = 14 + 4 * e;
       for (int64_t p = 0; p < S; ++p) {
         ex.ids.push_back(int64_t(rng() % 90));
         ex.loss_mask.push_back(e == 3 ? 0 : uint8_t(p >= 5 && p != S - 4));
       }
-      ex.taps = Tensor({S, kd});
-      for (float& x : ex.taps.data) x = nd(rng);
+      Tensor t({S, kd});
+      for (float& x : t.data) x = nd(rng);
       examples.push_back(std::move(ex));
+      taps.push_back(std::move(t));
     }
   }
-  ExampleSource source() const {
+  SampleSource source() const {
     return [this](int64_t i) { return examples.at(size_t(i)); };
+  }
+  TapsFn taps_fn() const {
+    return [this](const TrainSample& s) { return taps.at(size_t(s.index)); };
+  }
+  std::unique_ptr<DrafterBackend> backend(uint64_t init_seed, TapsFn t = {}) const {
+    return make_cpu_backend(cfg, init_drafter_weights(cfg, init_seed), &embed, &lm_head, t ? t : taps_fn());
   }
   TrainerOptions options() const {
     TrainerOptions o;
@@ -62,8 +70,7 @@ struct TinyRun {
     return o;
   }
   DrafterTrainer trainer(uint64_t init_seed = 7) const {
-    return DrafterTrainer(cfg, init_drafter_weights(cfg, init_seed), &embed, &lm_head, int64_t(examples.size()),
-                          options());
+    return DrafterTrainer(cfg, backend(init_seed), int64_t(examples.size()), options());
   }
 };
 
@@ -73,12 +80,14 @@ bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
 }
 
 void expect_same_state(const DrafterTrainer& a, const DrafterTrainer& b) {
-  const auto na = a.weights().named(), nb = b.weights().named();
+  const OptimizerState sa = a.backend().state(), sb = b.backend().state();
+  const auto na = sa.weights.named(), nb = sb.weights.named();
   ASSERT_EQ(na.size(), nb.size());
+  EXPECT_EQ(sa.step, sb.step);
   for (size_t i = 0; i < na.size(); ++i) {
     EXPECT_TRUE(same_bits(na[i].second->data, nb[i].second->data)) << "weights " << na[i].first;
-    EXPECT_TRUE(same_bits(a.optimizer().exp_avg()[i], b.optimizer().exp_avg()[i])) << "exp_avg " << na[i].first;
-    EXPECT_TRUE(same_bits(a.optimizer().exp_avg_sq()[i], b.optimizer().exp_avg_sq()[i])) << "exp_avg_sq " << na[i].first;
+    EXPECT_TRUE(same_bits(sa.exp_avg[i], sb.exp_avg[i])) << "exp_avg " << na[i].first;
+    EXPECT_TRUE(same_bits(sa.exp_avg_sq[i], sb.exp_avg_sq[i])) << "exp_avg_sq " << na[i].first;
   }
   EXPECT_EQ(a.step_count(), b.step_count());
   EXPECT_EQ(a.position().epoch, b.position().epoch);
@@ -123,7 +132,9 @@ TEST(Trainer, ResumeIsBitwiseExact) {
 
   // The servable model.safetensors is the bf16 rounding of the fp32 masters.
   const auto served = load_drafter_weights<float>(ckpt, nullptr);
-  const auto sn = served.named(), fn = first.weights().named();
+  const OptimizerState fs = first.backend().state();
+  const auto sn = served.named();
+  const auto fn = fs.weights.named();
   for (size_t i = 0; i < sn.size(); ++i)
     for (size_t j = 0; j < sn[i].second->data.size(); ++j)
       ASSERT_EQ(sn[i].second->data[j], bf16_to_f32(f32_to_bf16(fn[i].second->data[j]))) << sn[i].first;
@@ -138,15 +149,15 @@ TEST(Trainer, GradientAccumulationAveragesMicroBatches) {
   o.shuffle = false;
   o.max_grad_norm = 1e9;  // no clipping
   const DrafterWeights<float> w0 = init_drafter_weights(s.cfg, 7);
-  DrafterTrainer t(s.cfg, w0, &s.embed, &s.lm_head, 2, o);
+  DrafterTrainer t(s.cfg, s.backend(7), 2, o);
   t.step(s.source());
   // Reproduce the anchors: the trainer's RNG starts from the seed and draws per example in order.
   std::mt19937_64 rng(o.seed);
   DrafterGrads<double> mean = drafter_zeros<double>(s.cfg);
   for (int e = 0; e < 2; ++e) {
-    const TrainExample& ex = s.examples[size_t(e)];
+    const TrainSample& ex = s.examples[size_t(e)];
     DrafterSequence<float> seq;
-    seq.taps = &ex.taps;
+    seq.taps = &s.taps[size_t(e)];
     seq.ids = ex.ids;
     seq.loss_mask.assign(ex.loss_mask.begin(), ex.loss_mask.end());
     seq.anchors = sample_anchors(ex.loss_mask, o.num_anchors, rng);
@@ -164,7 +175,7 @@ TEST(Trainer, GradientAccumulationAveragesMicroBatches) {
   for (size_t i = 0; i < mn.size(); ++i) {
     std::vector<double> want(mn[i].second->data.size());
     for (size_t j = 0; j < want.size(); ++j) want[j] = (1 - o.adamw.beta1) * mn[i].second->data[j];
-    EXPECT_LE(test::rel_l2(t.optimizer().exp_avg()[i], want), 1e-6) << mn[i].first;
+    EXPECT_LE(test::rel_l2(t.backend().state().exp_avg[i], want), 1e-6) << mn[i].first;
   }
 }
 
@@ -175,7 +186,7 @@ TEST(Trainer, TrainingLowersTheLoss) {
   o.schedule.warmup_ratio = 0.04;
   o.schedule.peak_lr = 3e-3;
   o.num_anchors = 8;
-  DrafterTrainer t(s.cfg, init_drafter_weights(s.cfg, 7), &s.embed, &s.lm_head, int64_t(s.examples.size()), o);
+  DrafterTrainer t(s.cfg, s.backend(7), int64_t(s.examples.size()), o);
   double first = 0, last = 0;
   for (int i = 0; i < 60; ++i) {
     const TrainStepStats st = t.step(s.source());
@@ -190,16 +201,12 @@ TEST(Trainer, TrainingLowersTheLoss) {
 TEST(Trainer, BadExamplesAndMismatchedResumesAreRefused) {
   const TinyRun s;
   DrafterTrainer t = s.trainer();
-  ExampleSource bad = [&](int64_t i) {
-    TrainExample ex = s.examples.at(size_t(i));
-    if (i == 1) ex.taps = Tensor({3, 3});
-    return ex;
-  };
+  TapsFn bad = [&](const TrainSample& x) { return x.index == 1 ? Tensor({3, 3}) : s.taps.at(size_t(x.index)); };
   TrainerOptions o = s.options();
   o.shuffle = false;
-  DrafterTrainer ordered(s.cfg, init_drafter_weights(s.cfg, 7), &s.embed, &s.lm_head, 5, o);
+  DrafterTrainer ordered(s.cfg, s.backend(7, bad), 5, o);
   try {
-    ordered.step(bad);
+    ordered.step(s.source());
     FAIL() << "a bad example was accepted";
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("training example 1"), std::string::npos) << e.what();
@@ -212,11 +219,11 @@ TEST(Trainer, BadExamplesAndMismatchedResumesAreRefused) {
   const std::string ckpt = (td / "ckpt").string();
   t.step(s.source());
   t.save(ckpt);
-  DrafterTrainer fewer(s.cfg, init_drafter_weights(s.cfg, 7), &s.embed, &s.lm_head, 4, s.options());
+  DrafterTrainer fewer(s.cfg, s.backend(7), 4, s.options());
   EXPECT_THROW(fewer.resume(ckpt), std::runtime_error);
   TrainerOptions other_seed = s.options();
   other_seed.seed = 5;
-  DrafterTrainer seeded(s.cfg, init_drafter_weights(s.cfg, 7), &s.embed, &s.lm_head, 5, other_seed);
+  DrafterTrainer seeded(s.cfg, s.backend(7), 5, other_seed);
   EXPECT_THROW(seeded.resume(ckpt), std::runtime_error);
   DrafterTrainer fine = s.trainer();
   EXPECT_THROW(fine.resume((td / "nothing").string()), std::runtime_error);
