@@ -17,13 +17,3 @@ void add_prepare(CLI::App& app, Runner& run);
 void add_tokenize(CLI::App& app, Runner& run);
 
 }  // namespace dflash::cli
-
-namespace dflash {
-class Tokenizer;
-enum class ChatFamily;
-namespace cli {
-/// The chat family of --chat-template NAME, or detected from the tokenizer's own template (throws
-/// naming `tok_path` and suggesting --chat-template when it has none).
-ChatFamily chat_family_for(const Tokenizer& tok, const std::string& name, const std::string& tok_path);
-}  // namespace cli
-}  // namespace dflash

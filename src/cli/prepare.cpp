@@ -13,7 +13,7 @@
 #include "text/chat_template.h"
 #include "text/dataset.h"
 #include "text/packed.h"
-#include "text/sample.h"
+#include "text/prepare.h"
 #include "text/tokenizer.h"
 
 namespace dflash::cli {
@@ -50,18 +50,7 @@ bool is_packed_dir(const std::filesystem::path& dir) {
   }
 }
 
-struct SourceStats {
-  int64_t records = 0, samples = 0, skipped = 0, tokens = 0, truncated = 0;
-};
-
 }  // namespace
-
-ChatFamily chat_family_for(const Tokenizer& tok, const std::string& name, const std::string& tok_path) {
-  if (!name.empty()) return chat_family_from_name(name);
-  if (tok.chat_template().empty())
-    throw std::runtime_error(tok_path + ": the tokenizer has no chat_template; pass --chat-template NAME");
-  return detect_chat_family(tok.chat_template());
-}
 
 void add_prepare(CLI::App& app, Runner& run) {
   auto* cmd = app.add_subcommand("prepare", "Tokenize chat data into a packed training directory");
@@ -91,68 +80,13 @@ void add_prepare(CLI::App& app, Runner& run) {
       remove_stale_partials(out);
       const std::string tmp = out + ".partial-" + std::to_string(::getpid());
       for (int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, on_signal);
-      std::vector<SkippedRecord> skipped;
-      nlohmann::json sources = nlohmann::json::array();
+      PrepareReport rep;
       try {
-        PackedWriter w(tmp);
-        for (const auto& file : data) {
-          SourceStats st;
-          const size_t skipped_before = skipped.size();
-          auto skip = [&](const Conversation& c, const std::string& why) {
-            if (strict) throw std::runtime_error(c.file + ":" + std::to_string(c.line) + ": " + why);
-            skipped.push_back({c.file, c.line, why});
-          };
-          read_chat_file(file, strict, [&](Conversation&& c) {
-            if (c.prompt_only) {
-              skip(c, "prompt-only record (no assistant turn): its responses must be generated first");
-              return;
-            }
-            bool truncated = false;
-            Sample s;
-            try {
-              s = build_sample(*tok, family, c, max_length, &truncated);
-            } catch (const std::invalid_argument& e) {  // the template refuses this conversation
-              skip(c, e.what());
-              return;
-            }
-            int64_t loss = 0;
-            for (uint8_t m : s.loss_mask) loss += m;
-            if (loss == 0) {
-              skip(c, "no assistant token within --max-length " + std::to_string(max_length));
-              return;
-            }
-            w.add(s);
-            ++st.samples;
-            st.tokens += int64_t(s.ids.size());
-            st.truncated += truncated;
-            if (w.num_samples() % 10000 == 0)
-              fmt::print(stderr, "prepare: {} samples, {} tokens\n", w.num_samples(), w.num_tokens());
-          }, skipped, [] { return g_interrupted.load(); });
-          st.skipped = int64_t(skipped.size() - skipped_before);
-          st.records = st.samples + st.skipped;
-          sources.push_back({{"file", fs::absolute(file).string()}, {"records", st.records}, {"samples", st.samples},
-                             {"skipped", st.skipped}, {"tokens", st.tokens}, {"truncated", st.truncated}});
-        }
-        if (w.num_samples() == 0)
-          throw std::runtime_error("prepare: no sample was produced (" + std::to_string(skipped.size()) +
-                                   " records skipped, e.g. " +
-                                   (skipped.empty() ? std::string("none")
-                                                    : skipped[0].file + ":" + std::to_string(skipped[0].line) + ": " +
-                                                          skipped[0].reason) +
-                                   "); nothing was written");
-        nlohmann::json sk = nlohmann::json::array();
-        const size_t kMaxListed = 10000;
-        for (size_t i = 0; i < skipped.size() && i < kMaxListed; ++i)
-          sk.push_back({{"file", skipped[i].file}, {"line", skipped[i].line}, {"reason", skipped[i].reason}});
-        int64_t truncated = 0;
-        for (const auto& s : sources) truncated += s["truncated"].get<int64_t>();
-        w.finish({{"tokenizer", fs::absolute(tok_path).string()}, {"chat_template", chat_family_name(family)},
-                  {"max_length", max_length}, {"sources", sources}, {"num_truncated", truncated},
-                  {"num_skipped", skipped.size()}, {"skipped_listed", sk.size()}, {"skipped", sk}});
+        rep = write_prepared(*tok, family, {data, max_length, strict, tok_path}, tmp, [] { return g_interrupted.load(); });
         if (fs::exists(out)) fs::remove_all(out);  // --overwrite (checked above)
         fs::rename(tmp, out);
         fmt::print("prepare: wrote {}: {} samples, {} tokens ({} with loss), {} truncated to {}, {} records skipped\n",
-                   out, w.num_samples(), w.num_tokens(), w.num_loss_tokens(), truncated, max_length, skipped.size());
+                   out, rep.samples, rep.tokens, rep.loss_tokens, rep.truncated, max_length, rep.skipped.size());
       } catch (...) {
         std::error_code ec;
         fs::remove_all(tmp, ec);
@@ -160,9 +94,9 @@ void add_prepare(CLI::App& app, Runner& run) {
         fmt::print(stderr, "prepare: interrupted; nothing was written to {}\n", out);
         return 130;
       }
-      for (size_t i = 0; i < skipped.size() && i < 5; ++i)
-        fmt::print("  skipped {}:{}: {}\n", skipped[i].file, skipped[i].line, skipped[i].reason);
-      if (skipped.size() > 5) fmt::print("  ... {} more in {}/manifest.json\n", skipped.size() - 5, out);
+      for (size_t i = 0; i < rep.skipped.size() && i < 5; ++i)
+        fmt::print("  skipped {}:{}: {}\n", rep.skipped[i].file, rep.skipped[i].line, rep.skipped[i].reason);
+      if (rep.skipped.size() > 5) fmt::print("  ... {} more in {}/manifest.json\n", rep.skipped.size() - 5, out);
       return 0;
     };
   });

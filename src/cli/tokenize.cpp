@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "text/prepare.h"
 #include "io/json_file.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"

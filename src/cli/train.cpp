@@ -1,22 +1,91 @@
-// `dflash train`: the main job. Its pipeline lands with the drafter and training issues; until then
-// the command says exactly what is missing instead of pretending to run.
+// `dflash train`: the main job. Flags override the --config file, which overrides the published
+// recipe's defaults (src/train/train_config.h); the run itself is src/train/run.h.
 #include <fmt/core.h>
 
+#include <algorithm>
+#include <atomic>
+#include <csignal>
+
 #include "cli/commands.h"
+#include "io/json_file.h"
+#include "train/run.h"
+#include "train/train_config.h"
 
 namespace dflash::cli {
 
+namespace {
+
+std::atomic<int> g_stop{0};
+void on_signal(int sig) { g_stop = sig; }
+
+}  // namespace
+
 void add_train(CLI::App& app, Runner& run) {
-  auto* cmd = app.add_subcommand("train", "Train a DFlash drafter for a target (not available in this version)");
-  cmd->allow_extras();
-  cmd->callback([&run] {
-    run = [] {
-      fmt::print(stderr,
-                 "dflash train: not available in this version. What exists: model loading (safetensors, GGUF), "
-                 "`dflash inspect` and the CPU reference `dflash forward`. Still missing: the tokenizer and "
-                 "dataset readers, the drafter and its training step, the CUDA backend and the training "
-                 "pipeline.\n");
-      return 2;
+  auto* cmd = app.add_subcommand("train", "Train a DFlash drafter for a target on chat data");
+  static TrainConfig c;  // flag defaults = the recipe
+  static std::string config_file;
+  static bool dump = false;
+  static int64_t mask_id = -1;
+  cmd->add_option("--config", config_file, "JSON file with any of the settings below (flags win)");
+  cmd->add_flag("--dump-config", dump, "Print the resolved configuration as JSON and exit");
+  cmd->add_option("--target", c.target, "Target model: checkpoint directory or .gguf");
+  cmd->add_option("--data", c.data, "A directory made by dflash prepare, or chat files (JSONL / JSON)");
+  cmd->add_option("--out", c.out, "Output directory (checkpoints, metrics.jsonl, train_config.json, final/)");
+  cmd->add_option("--tokenizer", c.tokenizer, "Tokenizer (default: the target's)");
+  cmd->add_option("--chat-template", c.chat_template, "Chat template family for raw data (default: detected)");
+  cmd->add_option("--device", c.device, "cpu (reference) or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  cmd->add_option("--gpu", c.gpu, "CUDA device index");
+  cmd->add_option("--init-from", c.init_from, "Start from this DFlash checkpoint (published or ours)");
+  cmd->add_option("--max-length", c.max_length, "Truncate samples to this many tokens (raw data)");
+  cmd->add_option("--seed", c.seed, "Seed of the initial weights, data order and anchors");
+  cmd->add_flag("--shuffle,!--no-shuffle", c.shuffle, "A fresh order of the samples every epoch");
+  cmd->add_option("--num-draft-layers", c.num_draft_layers, "Draft decoder layers");
+  cmd->add_option("--num-taps", c.num_taps, "Target layers tapped (default formula of dflash.md)");
+  cmd->add_option("--target-layer-ids", c.target_layer_ids, "Explicit tapped target layers")->delimiter(',');
+  cmd->add_option("--block-size", c.block_size, "Tokens drafted per block");
+  cmd->add_option("--mask-token-id", mask_id, "Mask token id (default: <|MASK|>, a spare row or an unused special token)");
+  cmd->add_option("--epochs", c.epochs, "Epochs over the data");
+  cmd->add_option("--max-steps", c.max_steps, "Optimizer steps (overrides --epochs)");
+  cmd->add_option("--grad-accum", c.grad_accum, "Sequences per optimizer step");
+  cmd->add_option("--num-anchors", c.num_anchors, "Anchors (blocks) per sequence");
+  cmd->add_option("--lr", c.lr, "Peak learning rate");
+  cmd->add_option("--warmup-ratio", c.warmup_ratio, "Fraction of the steps spent warming up");
+  cmd->add_option("--weight-decay", c.weight_decay, "AdamW weight decay");
+  cmd->add_option("--beta1", c.beta1, "AdamW beta1");
+  cmd->add_option("--beta2", c.beta2, "AdamW beta2");
+  cmd->add_option("--eps", c.eps, "AdamW epsilon");
+  cmd->add_option("--max-grad-norm", c.max_grad_norm, "Global gradient-norm clip");
+  cmd->add_option("--gamma", c.gamma, "Loss decay over block slots (0: by block size)");
+  cmd->add_option("--save-every", c.save_every, "Checkpoint every N steps");
+  cmd->add_option("--keep-last", c.keep_last, "Checkpoints kept");
+  cmd->add_option("--log-every", c.log_every, "Progress line every N steps");
+  cmd->add_option("--stages-every", c.stages_every, "Stage breakdown every N steps");
+  cmd->add_option("--nan-abort", c.nan_abort, "Stop after this many non-finite steps in a row");
+  cmd->add_option("--steps-this-run", c.steps_this_run, "Checkpoint and exit after N steps (time-sliced jobs)");
+  cmd->add_flag("--resume", c.resume, "Continue the run in --out from its last checkpoint");
+  cmd->callback([&run, cmd] {
+    run = [cmd] {
+      TrainConfig cfg;
+      if (!config_file.empty()) cfg = train_config_from_json(read_json_file(config_file), config_file);
+      // Flags given on the command line win over the file.
+      const nlohmann::json flags = to_json(c);
+      nlohmann::json merged = to_json(cfg);
+      for (auto* opt : cmd->get_options()) {
+        if (opt->count() == 0) continue;
+        std::string key = opt->get_name(false, true);
+        while (!key.empty() && key[0] == '-') key.erase(0, 1);
+        std::replace(key.begin(), key.end(), '-', '_');
+        if (key == "no_shuffle") key = "shuffle";
+        if (flags.contains(key)) merged[key] = flags[key];
+      }
+      if (mask_id >= 0) merged["mask_token_id"] = mask_id;
+      cfg = train_config_from_json(merged, "command line");
+      if (dump) {
+        fmt::print("{}\n", to_json(cfg).dump(2));
+        return 0;
+      }
+      for (int sig : {SIGINT, SIGTERM}) std::signal(sig, on_signal);
+      return run_training(cfg, g_stop);
     };
   });
 }

@@ -213,6 +213,45 @@ DrafterWeights<float> download(const DrafterConfig& cfg, const DeviceArray<T>& f
 DrafterWeights<float> DrafterGpu::weights() const { return download(cfg_, impl_->master, impl_->s); }
 DrafterWeights<float> DrafterGpu::grads() const { return download(cfg_, impl_->grad, impl_->s); }
 
+namespace {
+std::vector<std::vector<float>> split(const std::vector<float>& flat, const DrafterConfig& cfg) {
+  std::vector<std::vector<float>> r;
+  size_t off = 0;
+  for (const auto& [name, shape] : drafter_param_shapes(cfg)) {
+    const size_t n = size_t(BasicTensor<float>::numel_of(shape));
+    r.emplace_back(flat.begin() + long(off), flat.begin() + long(off + n));
+    off += n;
+  }
+  return r;
+}
+}  // namespace
+
+void DrafterGpu::moments(std::vector<std::vector<float>>* m, std::vector<std::vector<float>>* v) const {
+  if (m) *m = split(impl_->m.to_host(impl_->s), cfg_);
+  if (v) *v = split(impl_->v.to_host(impl_->s), cfg_);
+}
+
+void DrafterGpu::set_state(const DrafterWeights<float>& w, const std::vector<std::vector<float>>& m,
+                           const std::vector<std::vector<float>>& v) {
+  Impl& I = *impl_;
+  const auto named = w.named();
+  if (named.size() != m.size() || named.size() != v.size()) throw std::invalid_argument("DrafterGpu::set_state: tensor count");
+  std::vector<float> fw, fm, fv;
+  for (size_t i = 0; i < named.size(); ++i) {
+    if (m[i].size() != named[i].second->data.size() || v[i].size() != m[i].size())
+      throw std::invalid_argument("DrafterGpu::set_state: size of " + named[i].first);
+    fw.insert(fw.end(), named[i].second->data.begin(), named[i].second->data.end());
+    fm.insert(fm.end(), m[i].begin(), m[i].end());
+    fv.insert(fv.end(), v[i].begin(), v[i].end());
+  }
+  if (int64_t(fw.size()) != I.n) throw std::invalid_argument("DrafterGpu::set_state: parameter count");
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(I.master.data(), fw.data(), fw.size() * 4, cudaMemcpyHostToDevice, I.s));
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(I.m.data(), fm.data(), fm.size() * 4, cudaMemcpyHostToDevice, I.s));
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(I.v.data(), fv.data(), fv.size() * 4, cudaMemcpyHostToDevice, I.s));
+  cuda::f32_to_bf16(I.master.data(), I.wb.data(), I.n, I.s);
+  DFLASH_CUDA_CHECK(cudaStreamSynchronize(I.s));
+}
+
 void DrafterGpu::scale_grads(float f) { cuda::scale_inplace(impl_->grad.data(), f, impl_->n, impl_->s); }
 
 ClipResult DrafterGpu::optimizer_step(const AdamWOptions& o, double lr, double max_norm, int64_t t) {

@@ -68,6 +68,11 @@ class DrafterGpu {
 
   DrafterWeights<float> weights() const;  // fp32 masters, downloaded
   DrafterWeights<float> grads() const;    // fp32 gradients, downloaded
+  /// AdamW moments (exp_avg, exp_avg_sq), downloaded, one vector per parameter in named() order.
+  void moments(std::vector<std::vector<float>>* exp_avg, std::vector<std::vector<float>>* exp_avg_sq) const;
+  /// Replaces masters (and their bf16 copy) and moments (resume). Throws std::invalid_argument on sizes.
+  void set_state(const DrafterWeights<float>& w, const std::vector<std::vector<float>>& exp_avg,
+                 const std::vector<std::vector<float>>& exp_avg_sq);
   int64_t num_params() const;
   const DrafterConfig& config() const { return cfg_; }
 

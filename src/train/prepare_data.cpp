@@ -1,0 +1,73 @@
+#include "train/prepare_data.h"
+
+#include <fmt/core.h>
+#include <unistd.h>
+
+#include <stdexcept>
+
+#include "io/json_file.h"
+#include "text/packed.h"
+#include "text/prepare.h"
+#include "text/tokenizer.h"
+
+namespace dflash {
+
+namespace fs = std::filesystem;
+
+namespace {
+nlohmann::json read_manifest(const fs::path& dir) {
+  try {
+    return read_json_file((dir / "manifest.json").string());
+  } catch (const std::exception&) {
+    return nullptr;
+  }
+}
+}  // namespace
+
+std::string prepared_data_dir(const TrainConfig& c, const Tokenizer* tok, const fs::path& data_dir,
+                              const std::atomic<int>& stop) {
+  if (c.data.size() == 1 && fs::is_directory(c.data[0])) {
+    const nlohmann::json m = read_manifest(c.data[0]);
+    if (!m.is_object() || m.value("format", "") != kPackedFormat)
+      throw std::runtime_error(c.data[0] + ": a directory that is not the output of dflash prepare (no " +
+                               std::string(kPackedFormat) + " manifest.json)");
+    return c.data[0];
+  }
+  std::vector<std::string> abs;
+  for (const auto& f : c.data) {
+    if (!fs::is_regular_file(f)) throw std::runtime_error(f + ": no such data file");
+    abs.push_back(fs::absolute(f).string());
+  }
+  if (!tok) throw std::runtime_error("raw chat files need a tokenizer: the target has none; pass --tokenizer");
+  // Reuse an earlier preparation of the same files (a resumed run must see the same samples).
+  if (const nlohmann::json m = read_manifest(data_dir); m.is_object() && m.value("max_length", int64_t(-1)) == c.max_length) {
+    std::vector<std::string> files;
+    for (const auto& s : m.value("sources", nlohmann::json::array())) files.push_back(s.value("file", ""));
+    if (files == abs) {
+      fmt::print("train: using the data prepared earlier in {}\n", data_dir.string());
+      return data_dir.string();
+    }
+    if (c.resume)
+      throw std::runtime_error(data_dir.string() + " was prepared from other files or another --max-length than this "
+                               "run's: a resumed run must train on the same data");
+  }
+  const std::string tok_path = c.tokenizer.empty() ? c.target : c.tokenizer;
+  const ChatFamily family = chat_family_for(*tok, c.chat_template, tok_path);
+  const std::string tmp = data_dir.string() + ".partial-" + std::to_string(::getpid());
+  std::error_code ec;
+  fs::remove_all(tmp, ec);
+  try {
+    const PrepareReport r = write_prepared(*tok, family, {c.data, c.max_length, false, tok_path}, tmp,
+                                           [&] { return stop.load() != 0; });
+    fs::remove_all(data_dir, ec);
+    fs::rename(tmp, data_dir);
+    fmt::print("train: prepared {} samples ({} tokens, {} with loss, {} records skipped, {} truncated) into {}\n",
+               r.samples, r.tokens, r.loss_tokens, r.skipped.size(), r.truncated, data_dir.string());
+  } catch (...) {
+    fs::remove_all(tmp, ec);
+    throw;
+  }
+  return data_dir.string();
+}
+
+}  // namespace dflash

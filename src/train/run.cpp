@@ -1,0 +1,333 @@
+#include "train/run.h"
+
+#include <fmt/core.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <stdexcept>
+
+#include "models/drafter_config.h"
+#include "models/target.h"
+#include "text/packed.h"
+#include "text/tokenizer.h"
+#include "train/anchors.h"
+#include "train/prepare_data.h"
+#include "train/trainer.h"
+#ifdef DFLASH_HAVE_CUDA
+#include "ops/cuda/runtime.h"
+#include "train/cuda/gpu_backend.h"
+#endif
+
+namespace dflash {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double secs_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+std::string duration_str(double s) {
+  if (!std::isfinite(s) || s < 0) return "?";
+  const int64_t t = int64_t(s);
+  return t >= 3600 ? fmt::format("{}h{:02d}m", t / 3600, int(t % 3600 / 60)) : fmt::format("{}m{:02d}s", t / 60, int(t % 60));
+}
+
+/// OUT/checkpoints/step-NNNNNNNN directories, oldest first.
+std::vector<fs::path> checkpoints(const fs::path& dir) {
+  std::vector<fs::path> r;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (e.is_directory() && n.size() == 13 && n.rfind("step-", 0) == 0 && n.find_first_not_of("0123456789", 5) == std::string::npos)
+      r.push_back(e.path());
+  }
+  std::sort(r.begin(), r.end());
+  return r;
+}
+
+void write_json_atomic(const fs::path& p, const nlohmann::json& j) {
+  const fs::path tmp = p.string() + ".tmp-" + std::to_string(::getpid());
+  {
+    std::ofstream f(tmp);
+    f << j.dump(2) << "\n";
+    if (!f.flush()) throw std::runtime_error("cannot write " + tmp.string());
+  }
+  fs::rename(tmp, p);
+}
+
+/// Expected acceptance length from per-slot top-1 accuracies, slots independent:
+/// tau = 1 + sum_k prod_{j <= k} acc_j (k = 1..B-1).
+double tau_estimate(const std::vector<int64_t>& correct, const std::vector<int64_t>& count) {
+  double tau = 1, run = 1;
+  for (size_t k = 1; k < correct.size(); ++k) {
+    if (count[k] == 0) break;
+    run *= double(correct[k]) / double(count[k]);
+    tau += run;
+  }
+  return tau;
+}
+
+std::string memory_str([[maybe_unused]] const std::string& device) {
+#ifdef DFLASH_HAVE_CUDA
+  if (device == "cuda") {
+    size_t free_b = 0, total = 0;
+    if (cudaMemGetInfo(&free_b, &total) == cudaSuccess) return fmt::format("{:.1f} GB", double(total - free_b) / 1e9);
+  }
+#endif
+  return "-";
+}
+
+struct StageWindow {
+  double target_ms = 0, drafter_ms = 0, optimizer_ms = 0, wall_s = 0;
+  int64_t steps = 0;
+};
+
+/// The stage breakdown line and the bottleneck in words.
+std::string stage_report(const StageWindow& w, const std::string& device) {
+  const double wall = std::max(w.wall_s * 1e3, 1e-9);
+  const double t = w.target_ms / wall, d = w.drafter_ms / wall, o = w.optimizer_ms / wall;
+  const double other = std::max(0.0, 1.0 - t - d - o);
+  std::string verdict;
+  if (t >= d && t >= other)
+    verdict = "the target forward is the bottleneck: the drafter waits " + fmt::format("{:.0f}%", 100 * t) +
+              " of the time on it (" + (device == "cpu" ? "use --device cuda" : "give the target more GPUs") +
+              ", or shorten --max-length)";
+  else if (d >= other)
+    verdict = "the drafter step is the bottleneck (" + fmt::format("{:.0f}%", 100 * d) +
+              "): lower --num-anchors or add drafter GPUs";
+  else
+    verdict = fmt::format("{:.0f}% of the time is outside the compute stages (data loading, logging, checkpoints)",
+                          100 * other);
+  return fmt::format("stages over the last {} steps ({}): target forward {:.0f}% | drafter forward+backward {:.0f}% | "
+                     "optimizer {:.0f}% | other {:.0f}% -> {}",
+                     w.steps, device, 100 * t, 100 * d, 100 * o, 100 * other, verdict);
+}
+
+std::unique_ptr<Tokenizer> load_tokenizer(const TrainConfig& c) {
+  const std::string path = c.tokenizer.empty() ? c.target : c.tokenizer;
+  const bool present = fs::is_regular_file(path) || fs::exists(fs::path(path) / "tokenizer.json");
+  if (!present) {
+    if (!c.tokenizer.empty()) throw std::runtime_error("--tokenizer " + path + ": no tokenizer.json there");
+    return nullptr;
+  }
+  return Tokenizer::load(path);
+}
+
+}  // namespace
+
+int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
+  TrainConfig c = cin;
+  c.validate();
+  const fs::path out(c.out), ckdir = out / "checkpoints";
+  fs::create_directories(ckdir);
+  const std::vector<fs::path> existing = checkpoints(ckdir);
+  if (!c.resume && (!existing.empty() || fs::exists(out / "final")))
+    throw std::runtime_error(c.out + " already holds a run's checkpoints: pass --resume to continue it, or choose "
+                             "another --out");
+  if (c.resume && existing.empty())
+    throw std::runtime_error("--resume: no checkpoint in " + ckdir.string() + " to continue from");
+
+  // Target, tokenizer, data.
+  fmt::print("train: loading the target {}\n", c.target);
+  const auto target = TargetModel::load(c.target);
+  const auto tok = load_tokenizer(c);
+  const std::string data_dir = prepared_data_dir(c, tok.get(), out / "data", stop);
+  const PackedDataset ds(data_dir);
+  const int64_t n = ds.num_samples();
+  bool any_anchor = false;
+  for (int64_t i = 0; i < n && !any_anchor; ++i) any_anchor = !anchor_candidates(ds.loss_mask(i)).empty();
+  if (!any_anchor)
+    throw std::runtime_error(data_dir + ": no sample has two consecutive assistant tokens: nothing to train on");
+
+  // Drafter.
+  DrafterOverrides ov;
+  ov.num_hidden_layers = c.num_draft_layers;
+  ov.block_size = c.block_size;
+  ov.num_taps = c.num_taps;
+  if (c.mask_token_id) ov.mask_token_id = *c.mask_token_id;
+  if (!c.target_layer_ids.empty()) ov.target_layer_ids = c.target_layer_ids;
+  if (!tok && !c.mask_token_id)
+    throw std::runtime_error(c.target + ": no tokenizer to choose the mask token from; pass --tokenizer or --mask-token-id");
+  const DrafterConfig dc = derive_drafter_config(target->spec(), tok.get(), ov);
+  DrafterWeights<float> w0;
+  if (!c.init_from.empty()) {
+    DrafterConfig ic;
+    w0 = load_drafter_weights<float>(c.init_from, &ic);
+    if (drafter_config_to_json(ic) != drafter_config_to_json(dc))
+      throw std::runtime_error("--init-from " + c.init_from + ": its config.json differs from the drafter this run "
+                               "derives (compare with " + (out / "train_config.json").string() + ")");
+  } else {
+    w0 = init_drafter_weights(dc, c.seed);
+  }
+
+  TrainerOptions to;
+  to.num_anchors = c.num_anchors;
+  to.grad_accum = c.grad_accum;
+  to.max_grad_norm = c.max_grad_norm;
+  to.gamma = c.gamma > 0 ? c.gamma : default_gamma(c.block_size);
+  to.seed = c.seed;
+  to.shuffle = c.shuffle;
+  to.adamw = {c.lr, c.beta1, c.beta2, c.eps, c.weight_decay};
+  const int64_t per_epoch = (n + c.grad_accum - 1) / c.grad_accum;
+  const int64_t total = c.max_steps > 0 ? c.max_steps : c.epochs * per_epoch;
+  to.schedule = {c.lr, total, c.warmup_ratio};
+
+  std::unique_ptr<DrafterBackend> backend;
+  if (c.device == "cpu") {
+    const auto K = int64_t(dc.target_layer_ids.size()), d = dc.hidden_size;
+    backend = make_cpu_backend(dc, std::move(w0), &target->embed_tokens(), &target->lm_head(), [&, K, d](const TrainSample& s) {
+      const int64_t S = int64_t(s.ids.size());
+      ForwardOptions fo;
+      fo.logits = false;
+      for (int64_t id : dc.target_layer_ids) fo.hidden_states.push_back(int(id + 1));  // tap i = hidden_states[i + 1]
+      const ForwardOutput f = target->forward(std::vector<int32_t>(s.ids.begin(), s.ids.end()), {0, S}, fo);
+      Tensor taps({S, K * d});
+      for (int64_t k = 0; k < K; ++k) {
+        const Tensor& h = f.hidden_states.at(int(dc.target_layer_ids[size_t(k)] + 1));
+        for (int64_t t = 0; t < S; ++t) std::copy_n(h.row(t), d, taps.row(t) + k * d);
+      }
+      return taps;
+    });
+  } else {
+#ifdef DFLASH_HAVE_CUDA
+    backend = make_gpu_backend(dc, w0, *target, c.gpu);
+#else
+    throw std::runtime_error("--device cuda: this build has no CUDA backend (configure with nvcc present)");
+#endif
+  }
+  DrafterTrainer tr(dc, std::move(backend), n, to);
+  if (c.resume) {
+    tr.resume(existing.back().string());
+    fmt::print("train: resumed from {} at step {} (epoch {}, sample {} of the epoch)\n", existing.back().string(),
+               tr.step_count(), tr.position().epoch, tr.position().index);
+  }
+
+  nlohmann::json resolved = to_json(c);
+  resolved["drafter"] = drafter_config_to_json(dc);
+  resolved["resolved"] = {{"total_steps", total},      {"steps_per_epoch", per_epoch}, {"num_samples", n},
+                          {"data_dir", data_dir},      {"gamma", to.gamma},             {"warmup_steps", to.schedule.warmup_steps()},
+                          {"device", tr.backend().device()}};
+  write_json_atomic(out / "train_config.json", resolved);
+  fmt::print("train: {} samples, {} steps ({} per epoch), drafter {} layers x {} (taps {}), block {}, {} anchors, "
+             "mask token {}, gamma {}, lr {} (warmup {} steps), device {}\n",
+             n, total, per_epoch, dc.num_hidden_layers, dc.hidden_size, nlohmann::json(dc.target_layer_ids).dump(),
+             dc.block_size, c.num_anchors, dc.mask_token_id, to.gamma, c.lr, to.schedule.warmup_steps(), tr.backend().device());
+
+  auto save_checkpoint = [&] {
+    const fs::path dir = ckdir / fmt::format("step-{:08d}", tr.step_count());
+    tr.save(dir.string());
+    auto all = checkpoints(ckdir);
+    while (int64_t(all.size()) > c.keep_last) {
+      fs::remove_all(all.front());
+      all.erase(all.begin());
+    }
+    return dir;
+  };
+
+  std::ofstream metrics(out / "metrics.jsonl", std::ios::app);
+  const auto t_start = Clock::now();
+  const int64_t step0 = tr.step_count();
+  int64_t nan_run = 0, skipped_total = 0, last_saved = tr.step_count();
+  int64_t win_micro = 0, win_tokens = 0;
+  std::vector<int64_t> win_correct(size_t(dc.block_size), 0), win_count(size_t(dc.block_size), 0);
+  double win_loss = 0;
+  int64_t win_loss_n = 0;
+  StageWindow stages;
+  auto t_win = Clock::now(), t_stage = Clock::now();
+  while (tr.step_count() < total) {
+    const TrainStepStats st = tr.step([&](int64_t i) {
+      TrainSample s;
+      const auto ids = ds.ids(i);
+      const auto mask = ds.loss_mask(i);
+      s.ids.assign(ids.begin(), ids.end());
+      s.loss_mask.assign(mask.begin(), mask.end());
+      return s;
+    });
+    stages.target_ms += st.target_ms, stages.drafter_ms += st.drafter_ms, stages.optimizer_ms += st.optimizer_ms;
+    win_micro += st.micro_batches, win_tokens += st.tokens;
+    if (st.skipped) {
+      ++skipped_total;
+      if (!std::isfinite(st.grad_norm)) {
+        if (++nan_run >= c.nan_abort)
+          throw std::runtime_error(fmt::format(
+              "{} steps in a row had non-finite gradients (last loss {}): stopping. Lower --lr or check the data; the "
+              "last good checkpoint is in {}",
+              nan_run, st.loss, ckdir.string()));
+        fmt::print(stderr, "train: step skipped: non-finite gradient norm ({} in a row)\n", nan_run);
+      }
+      if (stop.load() == 0) continue;
+    } else {
+      nan_run = 0;
+      win_loss += st.loss, ++win_loss_n;
+      for (size_t k = 0; k < win_correct.size(); ++k) win_correct[k] += st.slot_correct[k], win_count[k] += st.slot_count[k];
+    }
+    const int64_t s = tr.step_count();
+    if (!st.skipped && (s % c.log_every == 0 || s == total)) {
+      const double dt = secs_since(t_win), elapsed = secs_since(t_start);
+      int64_t hit = 0, cnt = 0;
+      for (size_t k = 1; k < win_correct.size(); ++k) hit += win_correct[k], cnt += win_count[k];
+      const double acc = cnt ? double(hit) / double(cnt) : 0.0;
+      const double tau = tau_estimate(win_correct, win_count);
+      const double loss = win_loss_n ? win_loss / double(win_loss_n) : 0.0;
+      const double eta = (s > step0) ? elapsed / double(s - step0) * double(total - s) : NAN;
+      const double epoch = double(tr.position().epoch) + double(tr.position().index) / double(n);
+      fmt::print("step {}/{} | epoch {:.2f} | loss {:.4f} | acc {:.3f} | tau~{:.2f} | lr {:.2e} | {:.0f} tok/s | "
+                 "{:.2f} samples/s | ETA {} | mem {}\n",
+                 s, total, epoch, loss, acc, tau, st.lr, double(win_tokens) / dt, double(win_micro) / dt,
+                 duration_str(eta), memory_str(c.device));
+      std::vector<double> slot_acc;
+      for (size_t k = 0; k < win_correct.size(); ++k)
+        slot_acc.push_back(win_count[k] ? double(win_correct[k]) / double(win_count[k]) : 0.0);
+      metrics << nlohmann::json{{"step", s},           {"epoch", epoch},       {"loss", loss},
+                                {"acc", acc},          {"slot_acc", slot_acc}, {"tau_estimate", tau},
+                                {"lr", st.lr},         {"grad_norm", st.grad_norm},
+                                {"tokens_per_s", double(win_tokens) / dt}, {"samples_per_s", double(win_micro) / dt},
+                                {"skipped_steps", skipped_total}, {"elapsed_s", elapsed}}
+                     .dump()
+              << "\n";
+      metrics.flush();
+      win_micro = win_tokens = win_loss_n = 0;
+      win_loss = 0;
+      std::fill(win_correct.begin(), win_correct.end(), 0);
+      std::fill(win_count.begin(), win_count.end(), 0);
+      t_win = Clock::now();
+    }
+    if (!st.skipped) ++stages.steps;
+    if (stages.steps >= c.stages_every) {
+      stages.wall_s = secs_since(t_stage);
+      fmt::print("{}\n", stage_report(stages, tr.backend().device()));
+      stages = {};
+      t_stage = Clock::now();
+    }
+    if (s != last_saved && s % c.save_every == 0 && s < total) {
+      fmt::print("train: checkpoint {}\n", save_checkpoint().string());
+      last_saved = s;
+    }
+    if (const int sig = stop.load()) {
+      const fs::path dir = save_checkpoint();
+      fmt::print("train: interrupted (signal {}); checkpoint {} written; continue with --resume\n", sig, dir.string());
+      return 128 + sig;
+    }
+    if (c.steps_this_run > 0 && s - step0 >= c.steps_this_run && s < total) {
+      const fs::path dir = save_checkpoint();
+      fmt::print("train: stopping after {} steps (--steps-this-run); checkpoint {}; continue with --resume\n",
+                 s - step0, dir.string());
+      return 0;
+    }
+  }
+  const fs::path final_dir = out / "final";
+  tr.save(final_dir.string());
+  fmt::print("train: done: {} steps in {}, {} skipped; the drafter is in {}\n", tr.step_count(),
+             duration_str(secs_since(t_start)), skipped_total, final_dir.string());
+  return 0;
+}
+
+}  // namespace dflash

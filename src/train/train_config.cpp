@@ -1,0 +1,112 @@
+#include "train/train_config.h"
+
+#include <cmath>
+#include <stdexcept>
+
+namespace dflash {
+
+double default_gamma(int64_t B) {
+  if (B == 16) return 7.0;
+  if (B == 10) return 5.0;
+  if (B == 8) return 4.0;
+  return 7.0 * double(B) / 16.0;
+}
+
+void TrainConfig::validate() const {
+  auto need = [](bool ok, const std::string& what) {
+    if (!ok) throw std::invalid_argument("train config: " + what);
+  };
+  need(!target.empty(), "target is required (--target)");
+  need(!data.empty(), "data is required (--data)");
+  need(!out.empty(), "out is required (--out)");
+  need(device == "cpu" || device == "cuda", "device must be cpu or cuda (got " + device + ")");
+  need(max_length >= 2, "max_length must be >= 2");
+  need(num_draft_layers >= 1, "num_draft_layers must be >= 1");
+  need(num_taps >= 1, "num_taps must be >= 1");
+  need(block_size >= 2, "block_size must be >= 2");
+  need(epochs >= 1 || max_steps > 0, "epochs must be >= 1 (or set max_steps)");
+  need(max_steps >= 0, "max_steps must be >= 0");
+  need(grad_accum >= 1, "grad_accum must be >= 1");
+  need(num_anchors >= 1, "num_anchors must be >= 1");
+  need(lr > 0 && std::isfinite(lr), "lr must be > 0");
+  need(warmup_ratio >= 0 && warmup_ratio <= 1, "warmup_ratio must be in [0, 1]");
+  need(max_grad_norm > 0, "max_grad_norm must be > 0");
+  need(gamma >= 0, "gamma must be >= 0 (0 = by block size)");
+  need(save_every >= 1 && keep_last >= 1 && log_every >= 1 && stages_every >= 1 && nan_abort >= 1,
+       "save_every, keep_last, log_every, stages_every and nan_abort must be >= 1");
+  need(steps_this_run >= 0, "steps_this_run must be >= 0");
+}
+
+nlohmann::json to_json(const TrainConfig& c) {
+  return {{"target", c.target},
+          {"data", c.data},
+          {"out", c.out},
+          {"tokenizer", c.tokenizer},
+          {"chat_template", c.chat_template},
+          {"device", c.device},
+          {"gpu", c.gpu},
+          {"init_from", c.init_from},
+          {"max_length", c.max_length},
+          {"shuffle", c.shuffle},
+          {"seed", c.seed},
+          {"num_draft_layers", c.num_draft_layers},
+          {"num_taps", c.num_taps},
+          {"block_size", c.block_size},
+          {"target_layer_ids", c.target_layer_ids},
+          {"mask_token_id", c.mask_token_id ? nlohmann::json(*c.mask_token_id) : nlohmann::json(nullptr)},
+          {"epochs", c.epochs},
+          {"max_steps", c.max_steps},
+          {"grad_accum", c.grad_accum},
+          {"num_anchors", c.num_anchors},
+          {"lr", c.lr},
+          {"warmup_ratio", c.warmup_ratio},
+          {"weight_decay", c.weight_decay},
+          {"beta1", c.beta1},
+          {"beta2", c.beta2},
+          {"eps", c.eps},
+          {"max_grad_norm", c.max_grad_norm},
+          {"gamma", c.gamma},
+          {"save_every", c.save_every},
+          {"keep_last", c.keep_last},
+          {"log_every", c.log_every},
+          {"stages_every", c.stages_every},
+          {"nan_abort", c.nan_abort},
+          {"steps_this_run", c.steps_this_run},
+          {"resume", c.resume}};
+}
+
+TrainConfig train_config_from_json(const nlohmann::json& j, const std::string& where, TrainConfig c) {
+  if (!j.is_object()) throw std::runtime_error(where + ": a training config must be a JSON object");
+  nlohmann::json all = to_json(c);
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string& k = it.key();
+    if (!all.contains(k)) throw std::runtime_error(where + ": unknown key '" + k + "'");
+    const nlohmann::json &want = all[k], &v = it.value();
+    const bool ok = k == "mask_token_id" ? (v.is_null() || v.is_number_integer())
+                    : want.is_number_float() ? v.is_number()
+                    : want.is_number_integer() ? v.is_number_integer()
+                                               : want.type() == v.type();
+    if (!ok) throw std::runtime_error(where + ": key '" + k + "' has a value of the wrong type (" + v.dump() + ")");
+  }
+  all.update(j);
+  try {
+    c.target = all["target"], c.data = all["data"].get<std::vector<std::string>>(), c.out = all["out"];
+    c.tokenizer = all["tokenizer"], c.chat_template = all["chat_template"], c.device = all["device"];
+    c.gpu = all["gpu"], c.init_from = all["init_from"], c.max_length = all["max_length"];
+    c.shuffle = all["shuffle"], c.seed = all["seed"], c.num_draft_layers = all["num_draft_layers"];
+    c.num_taps = all["num_taps"], c.block_size = all["block_size"];
+    c.target_layer_ids = all["target_layer_ids"].get<std::vector<int64_t>>();
+    c.mask_token_id = all["mask_token_id"].is_null() ? std::nullopt : std::optional<int64_t>(all["mask_token_id"].get<int64_t>());
+    c.epochs = all["epochs"], c.max_steps = all["max_steps"], c.grad_accum = all["grad_accum"];
+    c.num_anchors = all["num_anchors"], c.lr = all["lr"], c.warmup_ratio = all["warmup_ratio"];
+    c.weight_decay = all["weight_decay"], c.beta1 = all["beta1"], c.beta2 = all["beta2"], c.eps = all["eps"];
+    c.max_grad_norm = all["max_grad_norm"], c.gamma = all["gamma"], c.save_every = all["save_every"];
+    c.keep_last = all["keep_last"], c.log_every = all["log_every"], c.stages_every = all["stages_every"];
+    c.nan_abort = all["nan_abort"], c.steps_this_run = all["steps_this_run"], c.resume = all["resume"];
+  } catch (const nlohmann::json::exception& e) {  // e.g. a list of non-strings in data
+    throw std::runtime_error(where + ": " + e.what());
+  }
+  return c;
+}
+
+}  // namespace dflash

@@ -1,0 +1,54 @@
+// Everything `dflash train` takes: defaults = the published recipe (../shared/docs/dflash.md
+// "Training", step 6). Read from / written to JSON (the --config file and DIR/train_config.json).
+#pragma once
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace dflash {
+
+struct TrainConfig {
+  // what and where
+  std::string target;              // checkpoint directory or .gguf
+  std::vector<std::string> data;   // a prepared directory, or raw chat files (prepared into OUT/data)
+  std::string out;                 // output directory: checkpoints, metrics, the resolved config
+  std::string tokenizer;           // default: the target's own (directory or .gguf)
+  std::string chat_template;       // raw data only; default: detected from the tokenizer
+  std::string device = "cpu";      // "cpu" (reference) or "cuda"
+  int gpu = 0;                     // CUDA device index
+  std::string init_from;           // a DFlash checkpoint to start from (z-lab / SpecForge / ours)
+  // data
+  int64_t max_length = 3072;
+  bool shuffle = true;
+  uint64_t seed = 0;
+  // drafter
+  int64_t num_draft_layers = 5, num_taps = 5, block_size = 16;
+  std::vector<int64_t> target_layer_ids;  // empty: the doc's default for num_taps
+  std::optional<int64_t> mask_token_id;   // default: <|MASK|>, a spare row or an unused special token
+  // optimization
+  int64_t epochs = 6, max_steps = 0;      // max_steps > 0 overrides epochs
+  int64_t grad_accum = 1, num_anchors = 512;
+  double lr = 6e-4, warmup_ratio = 0.04, weight_decay = 0.0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  double max_grad_norm = 1.0;
+  double gamma = 0;                       // 0: by block size (16 -> 7, 10 -> 5, 8 -> 4)
+  // operations
+  int64_t save_every = 1000, keep_last = 3, log_every = 10, stages_every = 100, nan_abort = 10;
+  int64_t steps_this_run = 0;             // > 0: checkpoint and exit after this many steps (time-sliced jobs)
+  bool resume = false;
+
+  /// Throws std::invalid_argument naming the field for values out of range.
+  void validate() const;
+};
+
+/// gamma of the loss decay for block size B: 7 for 16, 5 for 10, 4 for 8 (dflash.md), else 7 * B / 16.
+double default_gamma(int64_t block_size);
+
+/// The configuration as JSON (every field).
+nlohmann::json to_json(const TrainConfig& c);
+/// Applies the fields present in `j` over `base`. Unknown keys and wrong types throw
+/// std::runtime_error naming `where` and the key.
+TrainConfig train_config_from_json(const nlohmann::json& j, const std::string& where, TrainConfig base = {});
+
+}  // namespace dflash

@@ -1,0 +1,180 @@
+// `dflash train` end to end on the CPU with the tiny Qwen3 fixture as the target and a prepared
+// directory of synthetic chat samples: the loss falls, a run cut in two (--steps-this-run, then
+// --resume) ends bitwise where the uninterrupted run ends, SIGTERM checkpoints and exits 143 and the
+// run resumes, a corrupted checkpoint and an occupied --out are refused, config files and flags.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <thread>
+
+#include "io/json_file.h"
+#include "text/packed.h"
+#include "test_util.h"
+
+using namespace dflash;
+namespace fs = std::filesystem;
+
+namespace {
+
+/// 12 samples over the fixture's 301-token vocabulary: an 8-token "prompt" without loss, then a
+/// "response" following a fixed rule (next = 7 * prev + 3 mod 300) that a drafter can learn.
+void write_data(const fs::path& dir) {
+  std::mt19937_64 rng(5);
+  PackedWriter w(dir.string());
+  for (int i = 0; i < 12; ++i) {
+    Sample s;
+    const int n = 20 + int(rng() % 20);
+    for (int j = 0; j < n; ++j) {
+      s.ids.push_back(j < 8 ? int32_t(rng() % 300) : int32_t((s.ids.back() * 7 + 3) % 300));
+      s.loss_mask.push_back(j >= 8);
+    }
+    w.add(s);
+  }
+  w.finish({{"note", "synthetic"}});
+}
+
+struct TinyTrain {
+  test::TempDir tmp;
+  fs::path data = tmp / "data";
+  TinyTrain() { write_data(data); }
+  std::string args(const fs::path& out, const std::string& extra = "") const {
+    return "train --target " + (test::fixtures_dir() / "qwen3").string() + " --data " + data.string() + " --out " +
+           out.string() +
+           " --mask-token-id 300 --num-taps 1 --num-draft-layers 1 --block-size 4 --num-anchors 8 --lr 3e-3 " +
+           "--log-every 5 --stages-every 20 " + extra;
+  }
+  int train(const fs::path& out, const std::string& extra, std::string* log) const {
+    return test::run_command(test::dflash_binary().string() + " " + args(out, extra), log);
+  }
+};
+
+std::string bytes(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+std::vector<nlohmann::json> metrics(const fs::path& out) {
+  std::vector<nlohmann::json> r;
+  std::ifstream f(out / "metrics.jsonl");
+  for (std::string line; std::getline(f, line);) r.push_back(nlohmann::json::parse(line));
+  return r;
+}
+
+}  // namespace
+
+TEST(TrainCli, LossFallsAndOutputsAreComplete) {
+  TinyTrain r;
+  const fs::path out = r.tmp / "out";
+  std::string log;
+  ASSERT_EQ(r.train(out, "--max-steps 60 --save-every 20 --keep-last 2", &log), 0) << log;
+  const auto m = metrics(out);
+  ASSERT_EQ(m.size(), 12u) << log;
+  const double first = m.front()["loss"], last = m.back()["loss"];
+  EXPECT_LT(last, 0.5 * first) << log;
+  EXPECT_NE(log.find("stages over the last 20 steps"), std::string::npos) << log;
+  EXPECT_NE(log.find("bottleneck"), std::string::npos) << log;
+  for (const char* f : {"config.json", "model.safetensors", "training_state.safetensors"})
+    EXPECT_TRUE(fs::exists(out / "final" / f)) << f;
+  // keep_last 2 of the checkpoints at 20 and 40
+  EXPECT_TRUE(fs::exists(out / "checkpoints" / "step-00000020"));
+  EXPECT_TRUE(fs::exists(out / "checkpoints" / "step-00000040"));
+  const nlohmann::json cfg = read_json_file((out / "train_config.json").string());
+  EXPECT_EQ(cfg["drafter"]["dflash_config"]["mask_token_id"], 300);
+  EXPECT_EQ(cfg["resolved"]["total_steps"], 60);
+  // The same --out again without --resume is refused, and says how to continue.
+  EXPECT_NE(r.train(out, "--max-steps 60", &log), 0);
+  EXPECT_NE(log.find("--resume"), std::string::npos) << log;
+}
+
+TEST(TrainCli, InterruptedAndResumedEqualsUninterrupted) {
+  TinyTrain r;
+  std::string log;
+  const fs::path whole = r.tmp / "whole", cut = r.tmp / "cut";
+  ASSERT_EQ(r.train(whole, "--max-steps 30", &log), 0) << log;
+  ASSERT_EQ(r.train(cut, "--max-steps 30 --steps-this-run 13", &log), 0) << log;
+  EXPECT_TRUE(fs::exists(cut / "checkpoints" / "step-00000013")) << log;
+  EXPECT_FALSE(fs::exists(cut / "final"));
+  ASSERT_EQ(r.train(cut, "--max-steps 30 --resume", &log), 0) << log;
+  EXPECT_NE(log.find("resumed from"), std::string::npos) << log;
+  for (const char* f : {"model.safetensors", "training_state.safetensors"})
+    EXPECT_EQ(bytes(whole / "final" / f), bytes(cut / "final" / f)) << f << " differs after interrupt + resume";
+}
+
+TEST(TrainCli, SigtermCheckpointsThenResumes) {
+  TinyTrain r;
+  const fs::path out = r.tmp / "out";
+  const std::string bin = test::dflash_binary().string();
+  const std::string cmd = bin + " " + r.args(out, "--max-steps 1000000") + " > " + (r.tmp / "log").string() + " 2>&1";
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  // Wait until it is training (a few metrics lines), then ask it to stop.
+  const auto t0 = std::chrono::steady_clock::now();
+  while (metrics(out).size() < 3 && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(120))
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_GE(metrics(out).size(), 3u) << bytes(r.tmp / "log");
+  kill(pid, SIGTERM);
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << bytes(r.tmp / "log");
+  EXPECT_EQ(WEXITSTATUS(status), 128 + SIGTERM) << bytes(r.tmp / "log");
+  const std::string log = bytes(r.tmp / "log");
+  EXPECT_NE(log.find("interrupted (signal 15)"), std::string::npos) << log;
+  int64_t last = 0;
+  for (const auto& e : fs::directory_iterator(out / "checkpoints"))
+    last = std::max<int64_t>(last, std::stoll(e.path().filename().string().substr(5)));
+  ASSERT_GT(last, 0) << log;
+  // Resume: it continues from that step (5 more steps, then a checkpoint).
+  std::string log2;
+  ASSERT_EQ(r.train(out, "--max-steps 1000000 --resume --steps-this-run 5", &log2), 0) << log2;
+  EXPECT_NE(log2.find("at step " + std::to_string(last)), std::string::npos) << log2;
+  char name[32];
+  std::snprintf(name, sizeof name, "step-%08lld", static_cast<long long>(last + 5));
+  EXPECT_TRUE(fs::exists(out / "checkpoints" / name)) << log2;
+}
+
+TEST(TrainCli, CorruptedCheckpointIsRefused) {
+  TinyTrain r;
+  const fs::path out = r.tmp / "out";
+  std::string log;
+  ASSERT_EQ(r.train(out, "--max-steps 30 --steps-this-run 10", &log), 0) << log;
+  const fs::path state = out / "checkpoints" / "step-00000010" / "training_state.safetensors";
+  ASSERT_TRUE(fs::exists(state));
+  fs::resize_file(state, fs::file_size(state) / 2);
+  EXPECT_EQ(r.train(out, "--max-steps 30 --resume", &log), 1);
+  EXPECT_NE(log.find("training_state.safetensors"), std::string::npos) << log;
+  EXPECT_FALSE(fs::exists(out / "final"));
+}
+
+TEST(TrainCli, ConfigFileFlagsAndDump) {
+  TinyTrain r;
+  test::write_file(r.tmp / "cfg.json", R"({"lr": 0.001, "num_anchors": 64, "epochs": 2})");
+  std::string out;
+  ASSERT_EQ(test::run_command(test::dflash_binary().string() + " " +
+                                  r.args(r.tmp / "o", "--config " + (r.tmp / "cfg.json").string() + " --dump-config"),
+                              &out),
+            0)
+      << out;
+  const nlohmann::json j = nlohmann::json::parse(out);
+  EXPECT_DOUBLE_EQ(j["lr"].get<double>(), 3e-3);  // the flag wins over the file
+  EXPECT_EQ(j["num_anchors"], 8);                  // the flag wins
+  EXPECT_EQ(j["epochs"], 2);                       // from the file
+  EXPECT_EQ(j["mask_token_id"], 300);
+  EXPECT_EQ(j["grad_accum"], 1);                   // the recipe's default
+  test::write_file(r.tmp / "bad.json", R"({"learning_rate": 0.001})");
+  EXPECT_NE(test::run_command(test::dflash_binary().string() + " " +
+                                  r.args(r.tmp / "o", "--config " + (r.tmp / "bad.json").string()),
+                              &out),
+            0);
+  EXPECT_NE(out.find("unknown key 'learning_rate'"), std::string::npos) << out;
+}
