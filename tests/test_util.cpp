@@ -46,7 +46,6 @@ TargetGolden load_target_golden(const std::filesystem::path& dir) {
     Tensor ids = g->load_f32(p + "input_ids");
     r.ids.emplace_back(ids.data.begin(), ids.data.end());
     r.logits.push_back(g->load_f32(p + "logits"));
-    r.last_layer_output.push_back(g->load_f32(p + "last_layer_output"));
     r.hidden.emplace_back();
     for (int j = 0; g->has(p + "hidden_states." + std::to_string(j)); ++j)
       r.hidden.back().push_back(g->load_f32(p + "hidden_states." + std::to_string(j)));

@@ -51,7 +51,6 @@ struct TargetGolden {
   std::vector<std::vector<int32_t>> ids;
   std::vector<Tensor> logits;
   std::vector<std::vector<Tensor>> hidden;  // [seq][j]
-  std::vector<Tensor> last_layer_output;    // [seq]: raw output of the last layer (before the final norm)
   int num_layers = 0;
 };
 TargetGolden load_target_golden(const std::filesystem::path& dir);

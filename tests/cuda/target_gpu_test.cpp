@@ -65,8 +65,8 @@ TEST(CudaTarget, Qwen3MatchesTransformersInBf16) {
     }
     std::printf("[gpu target] qwen3_hd64 worst logits rel L2 vs transformers (bf16 GPU path): %.2e\n", worst);
 
-    // Taps of layers {1, 0} for the 100-token sequence: layer 1 (the last) is its raw output
-    // (golden last_layer_output, before the final norm), layer 0 equals hidden_states[1] rounded to bf16.
+    // Taps of layers {1, 0} for the 100-token sequence: layer 1 (the last) is hidden_states[2], after
+    // the final norm as in transformers; layer 0 equals hidden_states[1] rounded to bf16.
     const std::vector<int32_t>& ids2 = g.ids[2];
     const int64_t T = int64_t(ids2.size()), D = model->spec().hidden_size;
     cuda::DeviceArray<cuda::bf16> taps(size_t(T * 2 * D));
@@ -80,7 +80,7 @@ TEST(CudaTarget, Qwen3MatchesTransformersInBf16) {
         tap1[size_t(t * D + c)] = bf16_to_f32(h[size_t(t * 2 * D + c)]);
         ASSERT_EQ(h[size_t(t * 2 * D + D + c)], f32_to_bf16(one.hidden_states.at(1).data[size_t(t * D + c)]));
       }
-    EXPECT_LE(test::rel_l2(tap1, g.last_layer_output[2].data), kTolBf16Target);
+    EXPECT_LE(test::rel_l2(tap1, g.hidden[2][2].data), kTolBf16Target);
     EXPECT_THROW(gpu.forward_taps(ids2, {0, T}, {2}, taps.data()), std::invalid_argument);
   }
   DFLASH_CUDA_CHECK(cudaStreamDestroy(s));

@@ -198,11 +198,20 @@ void TargetGpu::forward_taps(const std::vector<int32_t>& ids, const std::vector<
                                   std::to_string(spec_.num_hidden_layers) + " layers");
   const int64_t last = *std::max_element(layer_ids.begin(), layer_ids.end());
   StreamBuffer<bf16> xb(size_t(T * D), impl_->s);
+  const int64_t L = spec_.num_hidden_layers;
   run_layers(ids, cu, last, [&](int64_t j, const float* x) {
     bool converted = false;
     for (int64_t k = 0; k < K; ++k)
-      if (layer_ids[size_t(k)] + 1 == j) {  // tap i = raw output of layer i (hidden_states[i + 1])
-        if (!converted) cuda::f32_to_bf16(x, xb.data(), T * D, impl_->s), converted = true;
+      if (layer_ids[size_t(k)] + 1 == j) {  // tap i = hidden_states[i + 1]
+        if (!converted) {
+          // transformers' hidden_states[L] (a tap of the last layer) is after the final norm
+          if (j == L)
+            cuda::rms_norm_forward(x, impl_->norm.data(), xb.data(), nullptr, T, D, spec_.rms_norm_eps,
+                                   spec_.zero_centered_norm(), impl_->s);
+          else
+            cuda::f32_to_bf16(x, xb.data(), T * D, impl_->s);
+          converted = true;
+        }
         DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(out + k * D, size_t(K * D) * 2, xb.data(), size_t(D) * 2, size_t(D) * 2,
                                             size_t(T), cudaMemcpyDeviceToDevice, impl_->s));
       }

@@ -25,8 +25,9 @@ class TargetGpu {
   ForwardOutput forward(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu_seqlens,
                         const ForwardOptions& opt);
 
-  /// Training taps: hidden_states[i + 1] for each i in layer_ids, concatenated along features into
-  /// out [T, K*D] (device bf16). Layers past the deepest tap are not run. Throws
+  /// Training taps: hidden_states[i + 1] for each i in layer_ids (transformers numbering: for the
+  /// last layer that is after the final norm), concatenated along features into out [T, K*D] (device
+  /// bf16). Layers past the deepest tap are not run. Throws
   /// std::invalid_argument for bad ids, cu_seqlens or layer ids.
   void forward_taps(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu_seqlens,
                     const std::vector<int64_t>& layer_ids, cuda::bf16* out);
