@@ -47,6 +47,20 @@ if command -v compute-sanitizer >/dev/null; then
 fi
 inspect=$("$build/dflash" inspect tests/fixtures/qwen3_5 2>&1 | sed -n '1,20p')
 inspect_dense=$("$build/dflash" inspect tests/fixtures/qwen3_hd64 2>&1 | sed -n '/^devices/,$p')
+# dflash train on one GPU vs the CPU reference: same tiny target (qwen3_hd64), same synthetic data,
+# same seed; the loss curves should agree to bf16 noise.
+train_cmp=""
+sd=$(mktemp -d)
+if python3 scripts/make_synthetic_data.py "$sd/data" >>"$log" 2>&1; then
+  for dev in cpu cuda; do
+    "$build/dflash" train --target tests/fixtures/qwen3_hd64 --data "$sd/data" --out "$sd/$dev" --device "$dev" \
+      --mask-token-id 300 --num-taps 1 --num-draft-layers 2 --block-size 4 --num-anchors 8 --max-steps 60 \
+      --lr 3e-3 --log-every 20 --stages-every 60 >"$sd/$dev.log" 2>&1 || tests_rc=1
+    train_cmp+="--- $dev"$'\n'"$(grep -E '^(step|stages|train: done)' "$sd/$dev.log")"$'\n'
+  done
+fi
+rm -rf "$sd"
+
 # Drafter training step benchmarks (random weights, published shapes); appended to $out/drafter-step.*
 bench=""
 if [ "${GPU_CHECK_BENCH:-1}" != 0 ]; then
@@ -85,6 +99,10 @@ fi
   echo '## dflash inspect tests/fixtures/qwen3_hd64 (a model the GPU backend runs)'
   echo '```'
   echo "$inspect_dense"
+  echo '```'
+  echo '## dflash train: --device cuda vs the CPU reference (qwen3_hd64 target, synthetic data, 60 steps)'
+  echo '```'
+  echo "$train_cmp"
   echo '```'
   echo '## dflash bench drafter-step (one step = zero_grads + forward + backward + clip + AdamW)'
   echo '```'
