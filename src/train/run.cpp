@@ -18,6 +18,7 @@
 #include "text/tokenizer.h"
 #include "train/anchors.h"
 #include "train/prepare_data.h"
+#include "train/tensorboard.h"
 #include "train/trainer.h"
 #ifdef DFLASH_HAVE_CUDA
 #include "ops/cuda/runtime.h"
@@ -233,6 +234,7 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
   };
 
   std::ofstream metrics(out / "metrics.jsonl", std::ios::app);
+  TensorBoardWriter tb((out / "tensorboard").string());
   const auto t_start = Clock::now();
   const int64_t step0 = tr.step_count();
   int64_t nan_run = 0, skipped_total = 0, last_saved = tr.step_count();
@@ -294,6 +296,12 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
                      .dump()
               << "\n";
       metrics.flush();
+      std::vector<std::pair<std::string, double>> tbv = {
+          {"train/loss", loss}, {"train/acc", acc}, {"train/tau_estimate", tau}, {"train/lr", st.lr},
+          {"train/grad_norm", st.grad_norm}, {"perf/tokens_per_s", double(win_tokens) / dt},
+          {"perf/samples_per_s", double(win_micro) / dt}};
+      for (size_t k = 1; k < slot_acc.size(); ++k) tbv.emplace_back("slot_acc/" + std::to_string(k), slot_acc[k]);
+      tb.scalars(s, tbv);
       win_micro = win_tokens = win_loss_n = 0;
       win_loss = 0;
       std::fill(win_correct.begin(), win_correct.end(), 0);

@@ -10,6 +10,7 @@ namespace dflash {
 /// Runs training as `c` says. Output directory layout:
 ///   OUT/train_config.json           the resolved configuration (drafter shape included)
 ///   OUT/metrics.jsonl               one line per logged step
+///   OUT/tensorboard/                the same as TensorBoard event files (tensorboard --logdir OUT/tensorboard)
 ///   OUT/checkpoints/step-NNNNNNNN   every save_every steps, the last keep_last kept (atomic)
 ///   OUT/final                       the trained drafter (servable DFlash checkpoint + training state)
 ///   OUT/data                        raw chat files prepared for the run (when --data names files)
