@@ -112,6 +112,32 @@ std::string stage_report(const StageWindow& w, const std::string& device) {
                      w.steps, device, 100 * t, 100 * d, 100 * o, 100 * other, verdict);
 }
 
+/// Device memory the GPU run needs, estimated from the shapes (bytes), and its parts for the log.
+struct MemoryPlan {
+  double drafter_state = 0, target = 0, activations = 0, cross_entropy = 0;
+  double total() const { return drafter_state + target + activations + cross_entropy; }
+};
+
+MemoryPlan plan_memory(const DrafterConfig& dc, const ModelSpec& ts, int64_t S, int64_t anchors) {
+  MemoryPlan p;
+  double n = 0;
+  for (const auto& [name, shape] : drafter_param_shapes(dc)) n += double(BasicTensor<float>::numel_of(shape));
+  const double d = double(dc.hidden_size), V = double(ts.vocab_size);
+  p.drafter_state = n * (4 + 2 + 4 + 4 + 4) + 2 * V * d * 2;  // masters, bf16 copy, grads, m, v; embed + lm_head
+  const double tl = double(ts.hidden_size) * double(ts.num_attention_heads + 2 * ts.num_key_value_heads) *
+                        double(ts.head_dim) +
+                    double(ts.num_attention_heads * ts.head_dim * ts.hidden_size) +
+                    3.0 * double(ts.hidden_size) * double(ts.intermediate_size);
+  p.target = 2.0 * (tl * double(ts.num_hidden_layers) + 2 * V * double(ts.hidden_size));
+  const double Q = double(anchors * dc.block_size), SQ = double(S) + Q, hq = double(dc.num_attention_heads * dc.head_dim),
+               hk = double(dc.num_key_value_heads * dc.head_dim), I = double(dc.intermediate_size);
+  const double per_layer = 2.0 * (Q * (3 * d + 3 * hq + 3 * I) + SQ * (d + 3 * hk));  // saved bf16 activations
+  p.activations = per_layer * double(dc.num_hidden_layers) + 2.0 * 2.0 * Q * I +  // + backward temporaries
+                  double(S) * double(dc.target_layer_ids.size()) * d * 2;        // taps
+  p.cross_entropy = 1.5 * double(int64_t(1) << 30) + Q * d * 2;
+  return p;
+}
+
 std::unique_ptr<Tokenizer> load_tokenizer(const TrainConfig& c) {
   const std::string path = c.tokenizer.empty() ? c.target : c.tokenizer;
   const bool present = fs::is_regular_file(path) || fs::exists(fs::path(path) / "tokenizer.json");
@@ -180,6 +206,30 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
   const int64_t per_epoch = (n + c.grad_accum - 1) / c.grad_accum;
   const int64_t total = c.max_steps > 0 ? c.max_steps : c.epochs * per_epoch;
   to.schedule = {c.lr, total, c.warmup_ratio};
+
+  if (c.device == "cuda") {
+    int64_t longest = 0;
+    for (int64_t i = 0; i < n; ++i) longest = std::max<int64_t>(longest, int64_t(ds.ids(i).size()));
+    const MemoryPlan mp = plan_memory(dc, target->spec(), longest, c.num_anchors);
+    std::string have = "?";
+    double free_b = 0;
+#ifdef DFLASH_HAVE_CUDA
+    size_t fb = 0, tb = 0;
+    DFLASH_CUDA_CHECK(cudaSetDevice(c.gpu));
+    DFLASH_CUDA_CHECK(cudaMemGetInfo(&fb, &tb));
+    free_b = double(fb);
+    have = fmt::format("{:.1f} GB free of {:.1f} GB", double(fb) / 1e9, double(tb) / 1e9);
+#endif
+    fmt::print("train: memory plan (cuda:{}, {}): drafter state {:.1f} GB | target {:.1f} GB | activations {:.1f} GB "
+               "(longest sample {}, {} anchors x {}) | cross entropy {:.1f} GB | total ~{:.1f} GB\n",
+               c.gpu, have, mp.drafter_state / 1e9, mp.target / 1e9, mp.activations / 1e9, longest, c.num_anchors,
+               dc.block_size, mp.cross_entropy / 1e9, mp.total() / 1e9);
+    if (free_b > 0 && mp.total() > 0.95 * free_b)
+      throw std::runtime_error(fmt::format(
+          "this run needs about {:.1f} GB on cuda:{} but {:.1f} GB are free: lower --num-anchors (the activations scale "
+          "with it) or --max-length, or use a GPU with more memory",
+          mp.total() / 1e9, c.gpu, free_b / 1e9));
+  }
 
   std::unique_ptr<DrafterBackend> backend;
   if (c.device == "cpu") {
