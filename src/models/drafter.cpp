@@ -183,6 +183,34 @@ DrafterWeights<T> load_drafter_weights(const std::string& dir, DrafterConfig* cf
   return w;
 }
 
+BlockLayout block_layout(const std::vector<int64_t>& ids, const std::vector<int64_t>& loss_mask,
+                         const std::vector<int64_t>& anchors, int64_t N, int64_t B, int64_t mask_token_id, double gamma) {
+  const int64_t S = int64_t(ids.size()), Q = N * B, na = int64_t(anchors.size());
+  BlockLayout l;
+  l.block_ids.assign(size_t(Q), 0);
+  l.pos_q.assign(size_t(Q), 0);
+  l.labels.assign(size_t(Q), 0);
+  l.weights.assign(size_t(Q), 0.0);
+  for (int64_t b = 0; b < N; ++b) {
+    const bool valid = b < na;
+    const int64_t a = valid ? anchors[size_t(b)] : 0;
+    for (int64_t k = 0; k < B; ++k) {
+      const size_t r = size_t(b * B + k);
+      l.pos_q[r] = a + k;
+      l.block_ids[r] = int32_t((valid && k == 0) ? ids[size_t(a)] : mask_token_id);
+      if (valid && k >= 1 && a + k < S) {
+        l.labels[r] = int32_t(ids[size_t(a + k)]);
+        l.weights[r] = std::exp(-double(k - 1) / gamma) * double(loss_mask[size_t(a + k)]);
+        l.weight_sum += l.weights[r];
+      }
+    }
+  }
+  l.pos_kv.resize(size_t(S + Q));
+  for (int64_t j = 0; j < S; ++j) l.pos_kv[size_t(j)] = j;
+  std::copy(l.pos_q.begin(), l.pos_q.end(), l.pos_kv.begin() + S);
+  return l;
+}
+
 template <typename T>
 DrafterStepResult<T> drafter_step(const DrafterConfig& cfg, const DrafterWeights<T>& w, const DrafterSequence<T>& seq,
                                   const DrafterStepOptions& opt) {
@@ -207,29 +235,14 @@ DrafterStepResult<T> drafter_step(const DrafterConfig& cfg, const DrafterWeights
   for (int64_t t : seq.ids)
     if (t < 0 || t >= V) throw std::invalid_argument("drafter_step: token id " + std::to_string(t) + " outside vocab");
   if (cfg.mask_token_id < 0 || cfg.mask_token_id >= V) throw std::invalid_argument("drafter_step: bad mask_token_id");
-  const int64_t nanchors = int64_t(seq.anchors.size());
 
   // Block inputs, positions, labels and weights.
-  std::vector<int64_t> pos_q(static_cast<size_t>(Q)), pos_kv(static_cast<size_t>(S + Q));
-  std::vector<int32_t> labels(size_t(Q), 0);
-  std::vector<T> wts(size_t(Q), T(0));
+  const BlockLayout lay = block_layout(seq.ids, seq.loss_mask, seq.anchors, N, B, cfg.mask_token_id, seq.gamma);
+  const std::vector<int64_t>&pos_q = lay.pos_q, &pos_kv = lay.pos_kv;
+  const std::vector<int32_t>& labels = lay.labels;
+  std::vector<T> wts(lay.weights.begin(), lay.weights.end());
   BasicTensor<T> x({Q, d});
-  for (int64_t b = 0; b < N; ++b) {
-    const bool valid = b < nanchors;
-    const int64_t a = valid ? seq.anchors[size_t(b)] : 0;
-    for (int64_t k = 0; k < B; ++k) {
-      const int64_t r = b * B + k;
-      pos_q[size_t(r)] = a + k;
-      const int64_t tok = (valid && k == 0) ? seq.ids[size_t(a)] : cfg.mask_token_id;
-      std::copy(seq.embed->row(tok), seq.embed->row(tok) + d, x.row(r));
-      if (valid && k >= 1 && a + k < S) {
-        labels[size_t(r)] = int32_t(seq.ids[size_t(a + k)]);
-        wts[size_t(r)] = T(std::exp(-double(k - 1) / seq.gamma) * double(seq.loss_mask[size_t(a + k)]));
-      }
-    }
-  }
-  for (int64_t j = 0; j < S; ++j) pos_kv[size_t(j)] = j;
-  for (int64_t r = 0; r < Q; ++r) pos_kv[size_t(S + r)] = pos_q[size_t(r)];
+  for (int64_t r = 0; r < Q; ++r) std::copy(seq.embed->row(lay.block_ids[size_t(r)]), seq.embed->row(lay.block_ids[size_t(r)]) + d, x.row(r));
   const Rope<T> rope_q(pos_q, hd, cfg.rope_theta), rope_kv(pos_kv, hd, cfg.rope_theta);
   const double scale = 1.0 / std::sqrt(double(hd));
   std::vector<std::vector<KvRanges>> ranges(static_cast<size_t>(L));

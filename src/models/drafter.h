@@ -83,6 +83,22 @@ struct DrafterStepResult {
   BasicTensor<T> logits;             // [num_blocks * B, V] (if options.keep_logits)
 };
 
+/// The host-side layout of one sequence's blocks (shared by the CPU and GPU steps), rows r = b * B + k:
+/// block b = [ids[a_b], MASK x (B-1)] for valid blocks, all MASK at positions 0..B-1 for padding
+/// blocks; label of slot k >= 1 = ids[a + k] with weight exp(-(k-1)/gamma) * loss_mask[a + k] when
+/// a + k < S (else 0, as slot 0 and padding).
+struct BlockLayout {
+  std::vector<int32_t> block_ids;  // [Q] input token of each row
+  std::vector<int64_t> pos_q;      // [Q] RoPE position of each row (a + k)
+  std::vector<int64_t> pos_kv;     // [S + Q] context positions 0..S-1, then pos_q
+  std::vector<int32_t> labels;     // [Q] (0 where the weight is 0)
+  std::vector<double> weights;     // [Q]
+  double weight_sum = 0;
+};
+BlockLayout block_layout(const std::vector<int64_t>& ids, const std::vector<int64_t>& loss_mask,
+                         const std::vector<int64_t>& anchors, int64_t num_blocks, int64_t block_size,
+                         int64_t mask_token_id, double gamma);
+
 /// Forward (and backward) of the drafter over one sequence, exactly as scripts/dflash_reference.py:
 /// ctx = hidden_norm(fc(taps)); block b = [ids[a_b], MASK x (B-1)] embedded; per layer
 /// h = input_layernorm(x) (block tokens only), Q from h, K/V from [ctx ; h] (k_norm on all keys),

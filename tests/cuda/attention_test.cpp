@@ -13,6 +13,7 @@
 #include "ops/cuda/runtime.h"
 #include "ops/dflash_attention.h"
 #include "tensor/dtype.h"
+#include "cuda_test_util.h"
 #include "test_util.h"
 
 using namespace dflash;
@@ -33,41 +34,10 @@ struct Case {
   bool backward = true;
 };
 
-std::vector<float> rand_bf16(size_t n, std::mt19937_64& rng) {
-  std::normal_distribution<float> nd;
-  std::vector<float> v(n);
-  for (float& x : v) x = bf16_to_f32(f32_to_bf16(nd(rng)));
-  return v;
-}
-
-DeviceArray<bf16> up(const std::vector<float>& v, cudaStream_t s) {
-  std::vector<uint16_t> h(v.size());
-  for (size_t i = 0; i < v.size(); ++i) h[i] = f32_to_bf16(v[i]);
-  DeviceArray<bf16> d(v.size());
-  DFLASH_CUDA_CHECK(cudaMemcpyAsync(d.data(), h.data(), h.size() * 2, cudaMemcpyHostToDevice, s));
-  DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));
-  return d;
-}
-
-std::vector<double> down(const DeviceArray<bf16>& d, cudaStream_t s) {
-  std::vector<uint16_t> h(d.size());
-  DFLASH_CUDA_CHECK(cudaMemcpyAsync(h.data(), d.data(), h.size() * 2, cudaMemcpyDeviceToHost, s));
-  DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));
-  std::vector<double> r(h.size());
-  for (size_t i = 0; i < h.size(); ++i) r[i] = bf16_to_f32(h[i]);
-  return r;
-}
-
 BasicTensor<double> host(const std::vector<float>& v, std::vector<int64_t> shape) {
   BasicTensor<double> t(std::move(shape));
   for (size_t i = 0; i < v.size(); ++i) t.data[i] = v[i];
   return t;
-}
-
-bool finite(const std::vector<double>& v) {
-  for (double x : v)
-    if (std::isnan(x)) return false;
-  return true;
 }
 
 void run_case(const Case& c, uint64_t seed) {
@@ -75,15 +45,15 @@ void run_case(const Case& c, uint64_t seed) {
   cudaStream_t s;
   DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
   std::mt19937_64 rng(seed);
-  const auto q = rand_bf16(size_t(c.Nq * c.H * c.D), rng), k = rand_bf16(size_t(c.Nk * c.Hkv * c.D), rng),
-             v = rand_bf16(size_t(c.Nk * c.Hkv * c.D), rng), dout = rand_bf16(size_t(c.Nq * c.H * c.D), rng);
+  const auto q = test::rand_bf16_values(size_t(c.Nq * c.H * c.D), rng), k = test::rand_bf16_values(size_t(c.Nk * c.Hkv * c.D), rng),
+             v = test::rand_bf16_values(size_t(c.Nk * c.Hkv * c.D), rng), dout = test::rand_bf16_values(size_t(c.Nq * c.H * c.D), rng);
   const double scale = 1.0 / std::sqrt(double(c.D));
   const auto Q = host(q, {c.Nq, c.H, c.D}), K = host(k, {c.Nk, c.Hkv, c.D}), V = host(v, {c.Nk, c.Hkv, c.D}),
              DO = host(dout, {c.Nq, c.H, c.D});
   BasicTensor<double> lse_ref;
   const auto o_ref = cpu::masked_attention_forward(Q, K, V, c.ranges, scale, &lse_ref);
 
-  auto dq_ = up(q, s), dk_ = up(k, s), dv_ = up(v, s), ddo = up(dout, s);
+  auto dq_ = test::to_device_bf16(q, s), dk_ = test::to_device_bf16(k, s), dv_ = test::to_device_bf16(v, s), ddo = test::to_device_bf16(dout, s);
   DeviceArray<cuda::KvRange32> dr(cuda::to_kv_range32(c.ranges), s);
   DeviceArray<bf16> o(q.size());
   DeviceArray<float> lse(size_t(c.Nq * c.H));
@@ -91,9 +61,9 @@ void run_case(const Case& c, uint64_t seed) {
   lse.fill_bytes(0xFF, s);
   cuda::masked_attention_forward(dq_.data(), dk_.data(), dv_.data(), dr.data(), c.Nq, c.Nk, c.H, c.Hkv, c.D,
                                  float(scale), o.data(), lse.data(), s);
-  const auto o_gpu = down(o, s);
+  const auto o_gpu = test::to_host_f32(o, s);
   const auto lse_gpu = lse.to_host(s);
-  ASSERT_TRUE(finite(o_gpu));
+  ASSERT_TRUE(test::all_finite(o_gpu));
   const double eo = test::rel_l2(o_gpu, o_ref.data);
   EXPECT_LE(eo, kTolBf16Attention);
   std::vector<double> lf_gpu, lf_ref;
@@ -119,8 +89,8 @@ void run_case(const Case& c, uint64_t seed) {
     cuda::masked_attention_backward(dq_.data(), dk_.data(), dv_.data(), o.data(), lse.data(), ddo.data(), dr.data(),
                                     c.Nq, c.Nk, c.H, c.Hkv, c.D, float(scale), gq.data(), gk.data(), gv.data(),
                                     ws.data(), s);
-    const auto a = down(gq, s), b = down(gk, s), d = down(gv, s);
-    ASSERT_TRUE(finite(a) && finite(b) && finite(d));
+    const auto a = test::to_host_f32(gq, s), b = test::to_host_f32(gk, s), d = test::to_host_f32(gv, s);
+    ASSERT_TRUE(test::all_finite(a) && test::all_finite(b) && test::all_finite(d));
     const double e1 = test::rel_l2(a, dq_ref.data), e2 = test::rel_l2(b, dk_ref.data), e3 = test::rel_l2(d, dv_ref.data);
     EXPECT_LE(e1, kTolBf16Attention);
     EXPECT_LE(e2, kTolBf16Attention);

@@ -19,12 +19,17 @@
 #include "ops/norm.h"
 #include "ops/rope.h"
 #include "tensor/dtype.h"
+#include "cuda_test_util.h"
 #include "test_util.h"
 #include "train/optimizer.h"
 
 using namespace dflash;
 using cuda::bf16;
 using cuda::DeviceArray;
+using test::all_finite;
+using test::rand_bf16_values;
+using test::to_device_bf16;
+using test::to_host_f32;
 
 namespace {
 
@@ -36,39 +41,6 @@ constexpr double kTolF32Out = 1e-5;
 
 #define REQUIRE_GPU() \
   if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)"
-
-/// Random values already representable in bf16 (so CPU and GPU see the same inputs).
-std::vector<float> rand_bf16_values(size_t n, std::mt19937_64& rng, float scale = 1.f) {
-  std::normal_distribution<float> nd(0.f, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = bf16_to_f32(f32_to_bf16(nd(rng)));
-  return v;
-}
-
-DeviceArray<bf16> to_device_bf16(const std::vector<float>& v, cudaStream_t s) {
-  std::vector<uint16_t> h(v.size());
-  for (size_t i = 0; i < v.size(); ++i) h[i] = f32_to_bf16(v[i]);
-  DeviceArray<bf16> d(v.size());
-  DFLASH_CUDA_CHECK(cudaMemcpyAsync(d.data(), h.data(), h.size() * 2, cudaMemcpyHostToDevice, s));
-  DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));
-  return d;
-}
-
-std::vector<float> to_host_f32(const DeviceArray<bf16>& d, cudaStream_t s) {
-  std::vector<uint16_t> h(d.size());
-  DFLASH_CUDA_CHECK(cudaMemcpyAsync(h.data(), d.data(), h.size() * 2, cudaMemcpyDeviceToHost, s));
-  DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));
-  std::vector<float> r(h.size());
-  for (size_t i = 0; i < h.size(); ++i) r[i] = bf16_to_f32(h[i]);
-  return r;
-}
-
-template <typename T>
-bool all_finite(const std::vector<T>& v) {
-  for (T x : v)
-    if (!std::isfinite(double(x))) return false;
-  return true;
-}
 
 struct Stream {
   cudaStream_t s{};

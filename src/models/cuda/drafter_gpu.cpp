@@ -287,35 +287,18 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
     if (t < 0 || t >= I.V) throw std::invalid_argument("DrafterGpu::step: token id " + std::to_string(t) + " outside vocab");
 
   // ---- host-side block layout (as drafter_step) ----
-  const int64_t na = int64_t(seq.anchors.size());
-  std::vector<int32_t> block_ids(static_cast<size_t>(Q)), labels(static_cast<size_t>(Q), 0);
-  std::vector<int64_t> pos_q(static_cast<size_t>(Q)), pos_kv(static_cast<size_t>(SQ));
-  std::vector<double> wts(static_cast<size_t>(Q), 0.0);
-  double wsum = 0;
-  for (int64_t b = 0; b < N; ++b) {
-    const bool valid = b < na;
-    const int64_t a = valid ? seq.anchors[size_t(b)] : 0;
-    for (int64_t k = 0; k < B; ++k) {
-      const int64_t r = b * B + k;
-      pos_q[size_t(r)] = a + k;
-      block_ids[size_t(r)] = int32_t((valid && k == 0) ? seq.ids[size_t(a)] : c.mask_token_id);
-      if (valid && k >= 1 && a + k < S) {
-        labels[size_t(r)] = int32_t(seq.ids[size_t(a + k)]);
-        wts[size_t(r)] = std::exp(-double(k - 1) / seq.gamma) * double(seq.loss_mask[size_t(a + k)]);
-        wsum += wts[size_t(r)];
-      }
-    }
-  }
-  for (int64_t j = 0; j < S; ++j) pos_kv[size_t(j)] = j;
-  for (int64_t r = 0; r < Q; ++r) pos_kv[size_t(S + r)] = pos_q[size_t(r)];
+  const BlockLayout lay = block_layout(seq.ids, seq.loss_mask, seq.anchors, N, B, c.mask_token_id, seq.gamma);
+  const std::vector<int32_t>& labels = lay.labels;
+  const std::vector<double>& wts = lay.weights;
+  const double wsum = lay.weight_sum;
   std::vector<double> inv_freq(static_cast<size_t>(hd / 2));
   for (int64_t i = 0; i < hd / 2; ++i) inv_freq[size_t(i)] = 1.0 / std::pow(c.rope_theta, double(2 * i) / double(hd));
   const auto full = cuda::to_kv_range32(cpu::dflash_kv_ranges(seq.anchors, N, B, S, 0));
   const auto slide = cuda::to_kv_range32(cpu::dflash_kv_ranges(seq.anchors, N, B, S, c.sliding_window));
 
-  auto d_ids = upload(block_ids, s);
+  auto d_ids = upload(lay.block_ids, s);
   auto d_labels = upload(labels, s);
-  auto d_pq = upload(pos_q, s), d_pkv = upload(pos_kv, s);
+  auto d_pq = upload(lay.pos_q, s), d_pkv = upload(lay.pos_kv, s);
   auto d_inv = upload(inv_freq, s);
   auto d_full = upload(full, s), d_slide = upload(slide, s);
   StreamBuffer<float> cq(size_t(Q * hd / 2), s), sq(size_t(Q * hd / 2), s), ckv(size_t(SQ * hd / 2), s),

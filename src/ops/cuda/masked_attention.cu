@@ -135,6 +135,33 @@ struct KeyTiles {
   __device__ int seg(int j) const { return j < n0 ? 0 : 1; }
 };
 
+/// The key / value tiles of a query tile, double-buffered in shared memory (Kb, Vb: 2 x [BN][D + 8]):
+/// tile j lives in buffer j & 1; fetch(j + 1) is queued before tile j is waited for.
+template <int D>
+struct KvPipeline {
+  KeyTiles tiles;
+  bf16 *Kb, *Vb;
+  const bf16 *k, *v;
+  int Nk, Hkv, kvh;
+  static constexpr int LD = D + 8;
+  __device__ bf16* K(int j) const { return Kb + (j & 1) * BN * LD; }
+  __device__ bf16* V(int j) const { return Vb + (j & 1) * BN * LD; }
+  /// Queues tile j (nothing past the last) and commits the group.
+  __device__ void fetch(int j) const {
+    if (j < tiles.n) {
+      load_rows_async<D>(K(j), LD, k, Nk, Hkv, kvh, tiles.start(j), BN);
+      load_rows_async<D>(V(j), LD, v, Nk, Hkv, kvh, tiles.start(j), BN);
+    }
+    cp_async_commit();
+  }
+  /// Queues tile j + 1, then waits until tile j has landed and every thread sees it.
+  __device__ void wait(int j) const {
+    fetch(j + 1);
+    cp_async_wait_prev();
+    __syncthreads();
+  }
+};
+
 /// Every row of the query tile sees all BN keys from k0 through range `seg` (see tile_union).
 __device__ __forceinline__ bool tile_full(const int* lohi, int seg, int k0, int width, int Nk) {
   return k0 >= lohi[4 + 2 * seg] && k0 + width <= lohi[5 + 2 * seg] && k0 + width <= Nk;
@@ -196,23 +223,13 @@ __global__ void __launch_bounds__(32 * W) fwd_kernel(const bf16* __restrict__ q,
   for (int i = 0; i < D / 8; ++i) oacc[i][0] = oacc[i][1] = oacc[i][2] = oacc[i][3] = 0.f;
   float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;
 
-  const KeyTiles kt(lohi);
-  if (kt.n > 0) {
-    load_rows_async<D>(Kb, LD, k, Nk, Hkv, kvh, kt.start(0), BN);
-    load_rows_async<D>(Vb, LD, v, Nk, Hkv, kvh, kt.start(0), BN);
-  }
-  cp_async_commit();
-  for (int j = 0; j < kt.n; ++j) {
-    const int seg = kt.seg(j), k0 = kt.start(j);
-    const bf16* Ks = Kb + (j & 1) * BN * LD;
-    const bf16* Vs = Vb + (j & 1) * BN * LD;
-    if (j + 1 < kt.n) {
-      load_rows_async<D>(Kb + ((j + 1) & 1) * BN * LD, LD, k, Nk, Hkv, kvh, kt.start(j + 1), BN);
-      load_rows_async<D>(Vb + ((j + 1) & 1) * BN * LD, LD, v, Nk, Hkv, kvh, kt.start(j + 1), BN);
-    }
-    cp_async_commit();
-    cp_async_wait_prev();
-    __syncthreads();
+  const KvPipeline<D> kv{KeyTiles(lohi), Kb, Vb, k, v, Nk, Hkv, kvh};
+  kv.fetch(0);
+  for (int j = 0; j < kv.tiles.n; ++j) {
+    const int seg = kv.tiles.seg(j), k0 = kv.tiles.start(j);
+    const bf16* Ks = kv.K(j);
+    const bf16* Vs = kv.V(j);
+    kv.wait(j);
     {
       float s[BN / 8][4];
 #pragma unroll
@@ -352,23 +369,13 @@ __global__ void __launch_bounds__(32 * W) dq_kernel(const bf16* __restrict__ q, 
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
-  const KeyTiles kt(lohi);
-  if (kt.n > 0) {
-    load_rows_async<D>(Kb, LD, k, Nk, Hkv, kvh, kt.start(0), BN);
-    load_rows_async<D>(Vb, LD, v, Nk, Hkv, kvh, kt.start(0), BN);
-  }
-  cp_async_commit();
-  for (int j = 0; j < kt.n; ++j) {
-    const int seg = kt.seg(j), k0 = kt.start(j);
-    const bf16* Ks = Kb + (j & 1) * BN * LD;
-    const bf16* Vs = Vb + (j & 1) * BN * LD;
-    if (j + 1 < kt.n) {
-      load_rows_async<D>(Kb + ((j + 1) & 1) * BN * LD, LD, k, Nk, Hkv, kvh, kt.start(j + 1), BN);
-      load_rows_async<D>(Vb + ((j + 1) & 1) * BN * LD, LD, v, Nk, Hkv, kvh, kt.start(j + 1), BN);
-    }
-    cp_async_commit();
-    cp_async_wait_prev();
-    __syncthreads();
+  const KvPipeline<D> kv{KeyTiles(lohi), Kb, Vb, k, v, Nk, Hkv, kvh};
+  kv.fetch(0);
+  for (int j = 0; j < kv.tiles.n; ++j) {
+    const int seg = kv.tiles.seg(j), k0 = kv.tiles.start(j);
+    const bf16* Ks = kv.K(j);
+    const bf16* Vs = kv.V(j);
+    kv.wait(j);
     {
       float s[BN / 8][4], dp[BN / 8][4];
 #pragma unroll
