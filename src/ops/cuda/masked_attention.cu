@@ -73,6 +73,42 @@ __device__ __forceinline__ void acc_to_a(uint32_t a[4], const float (*c)[4], int
   a[3] = pack(c[2 * kk + 1][2], c[2 * kk + 1][3]);
 }
 
+/// acc [16 x D] (D/8 accumulator tiles) += A @ M: A [16 x K] in accumulator layout (c, K/8 tiles,
+/// rounded to bf16), M [K][D] row-major in shared memory (leading dimension ld). The P.V, dS.K,
+/// P^T.dO and dS^T.Q products of the kernels.
+template <int D, int K>
+__device__ __forceinline__ void acc_times_smem(float (*acc)[4], const float (*c)[4], const bf16* m, int ld, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk) {
+    uint32_t a[4];
+    acc_to_a(a, c, kk);
+#pragma unroll
+    for (int dt = 0; dt < D / 8; dt += 2) {
+      uint32_t b[4];
+      load_b_trans_x4(b, m, ld, kk * 16, dt * 8, lane);
+      mma16816(acc[dt], a, b[0], b[1]);
+      mma16816(acc[dt + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+/// c [16 x BN] (BN/8 accumulator tiles) = A @ M^T: A [16 x D] as D/16 register fragments, M [BN][D]
+/// row-major in shared memory. The Q.K^T and dO.V^T products of the query-tile kernels.
+template <int D>
+__device__ __forceinline__ void frag_times_smem_t(float (*c)[4], const uint32_t (*a)[4], const bf16* m, int ld, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < BN / 8; ++nt) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; nt += 2) {
+      uint32_t b[4];
+      load_b_x4(b, m, ld, nt * 8, kk * 16, lane);
+      mma16816(c[nt], a[kk], b[0], b[1]);
+      mma16816(c[nt + 1], a[kk], b[2], b[3]);
+    }
+}
+
 __device__ __forceinline__ bool visible(const KvRange32& r, int key) {
   return (key >= r.ctx_begin && key < r.ctx_end) || (key >= r.blk_begin && key < r.blk_end);
 }
@@ -232,17 +268,7 @@ __global__ void __launch_bounds__(32 * W) fwd_kernel(const bf16* __restrict__ q,
     kv.wait(j);
     {
       float s[BN / 8][4];
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk)
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; nt += 2) {
-          uint32_t b[4];
-          load_b_x4(b, Ks, LD, nt * 8, kk * 16, lane);
-          mma16816(s[nt], qa[kk], b[0], b[1]);
-          mma16816(s[nt + 1], qa[kk], b[2], b[3]);
-        }
+      frag_times_smem_t<D>(s, qa, Ks, LD, lane);  // S = Q K^T
       float mx_a = -INFINITY, mx_b = -INFINITY;
       if (tile_full(lohi, seg, k0, BN, Nk)) {
 #pragma unroll
@@ -280,18 +306,7 @@ __global__ void __launch_bounds__(32 * W) fwd_kernel(const bf16* __restrict__ q,
       m_a = mn_a, m_b = mn_b;
 #pragma unroll
       for (int i = 0; i < D / 8; ++i) oacc[i][0] *= al_a, oacc[i][1] *= al_a, oacc[i][2] *= al_b, oacc[i][3] *= al_b;
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        uint32_t a[4];
-        acc_to_a(a, s, kk);
-#pragma unroll
-        for (int dt = 0; dt < D / 8; dt += 2) {
-          uint32_t b[4];
-          load_b_trans_x4(b, Vs, LD, kk * 16, dt * 8, lane);
-          mma16816(oacc[dt], a, b[0], b[1]);
-          mma16816(oacc[dt + 1], a, b[2], b[3]);
-        }
-      }
+      acc_times_smem<D, BN>(oacc, s, Vs, LD, lane);
     }
     __syncthreads();  // every warp is done with this buffer before it is refilled
   }
@@ -378,22 +393,8 @@ __global__ void __launch_bounds__(32 * W) dq_kernel(const bf16* __restrict__ q, 
     kv.wait(j);
     {
       float s[BN / 8][4], dp[BN / 8][4];
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk)
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; nt += 2) {
-          uint32_t b[4];
-          load_b_x4(b, Ks, LD, nt * 8, kk * 16, lane);
-          mma16816(s[nt], qa[kk], b[0], b[1]);
-          mma16816(s[nt + 1], qa[kk], b[2], b[3]);
-          load_b_x4(b, Vs, LD, nt * 8, kk * 16, lane);
-          mma16816(dp[nt], da[kk], b[0], b[1]);
-          mma16816(dp[nt + 1], da[kk], b[2], b[3]);
-        }
+      frag_times_smem_t<D>(s, qa, Ks, LD, lane);   // S = Q K^T
+      frag_times_smem_t<D>(dp, da, Vs, LD, lane);  // dP = dO V^T
       const bool full = tile_full(lohi, seg, k0, BN, Nk);
 #pragma unroll
       for (int nt = 0; nt < BN / 8; ++nt)
@@ -404,18 +405,7 @@ __global__ void __launch_bounds__(32 * W) dq_kernel(const bf16* __restrict__ q, 
           const float p = ok ? exp2f(s[nt][e] * scale_log2 - (e < 2 ? lse_a : lse_b)) : 0.f;
           s[nt][e] = p * (dp[nt][e] - (e < 2 ? dl_a : dl_b));  // dS
         }
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        uint32_t a[4];
-        acc_to_a(a, s, kk);
-#pragma unroll
-        for (int dt = 0; dt < D / 8; dt += 2) {
-          uint32_t b[4];
-          load_b_trans_x4(b, Ks, LD, kk * 16, dt * 8, lane);
-          mma16816(acc[dt], a, b[0], b[1]);
-          mma16816(acc[dt + 1], a, b[2], b[3]);
-        }
-      }
+      acc_times_smem<D, BN>(acc, s, Ks, LD, lane);
     }
     __syncthreads();
   }
@@ -531,22 +521,8 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
           st[nt][e] = p;
           dpt[nt][e] = p * (dpt[nt][e] - s_delta[ql]);  // dS^T
         }
-#pragma unroll
-      for (int kk = 0; kk < BM / 16; ++kk) {
-        uint32_t pa[4], sa[4];
-        acc_to_a(pa, st, kk);
-        acc_to_a(sa, dpt, kk);
-#pragma unroll
-        for (int dt = 0; dt < D / 8; dt += 2) {
-          uint32_t b[4];
-          load_b_trans_x4(b, Os, LD, kk * 16, dt * 8, lane);
-          mma16816(dva[dt], pa, b[0], b[1]);
-          mma16816(dva[dt + 1], pa, b[2], b[3]);
-          load_b_trans_x4(b, Qs, LD, kk * 16, dt * 8, lane);
-          mma16816(dka[dt], sa, b[0], b[1]);
-          mma16816(dka[dt + 1], sa, b[2], b[3]);
-        }
-      }
+      acc_times_smem<D, BM>(dva, st, Os, LD, lane);   // dV += P^T dO
+      acc_times_smem<D, BM>(dka, dpt, Qs, LD, lane);  // dK += dS^T Q (scaled at the end)
     }
     __syncthreads();
     it = nx;
