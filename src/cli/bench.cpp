@@ -24,7 +24,7 @@ void add_bench_drafter_step(CLI::App& bench, Runner& run) {
   static std::string preset, results = "bench/results";
   static int64_t seq = 0, anchors = 512;
   static int steps = 10, warmup = 3;
-  static bool no_record = false;
+  static bool no_record = false, recompute = false;
   cmd->add_option("--preset", preset, "qwen3-8b | qwen3.6-27b | tiny")->required();
   cmd->add_option("--seq", seq, "Context length S (default: the preset's, 3072 / 4096)");
   cmd->add_option("--anchors", anchors, "Anchors per sequence")->capture_default_str()->check(CLI::Range(int64_t(1), int64_t(1) << 16));
@@ -32,10 +32,11 @@ void add_bench_drafter_step(CLI::App& bench, Runner& run) {
   cmd->add_option("--warmup", warmup, "Untimed steps first")->capture_default_str()->check(CLI::Range(0, 1000));
   cmd->add_option("--results", results, "Directory of the JSONL records")->capture_default_str();
   cmd->add_flag("--no-record", no_record, "Print only; append nothing to the results");
+  cmd->add_flag("--recompute", recompute, "Activation recomputation per drafter layer");
   cmd->callback([&run] {
     run = [] {
 #ifdef DFLASH_HAVE_CUDA
-      return run_drafter_step_bench({preset, seq, anchors, steps, warmup, results, !no_record});
+      return run_drafter_step_bench({preset, seq, anchors, steps, warmup, results, !no_record, recompute});
 #else
       fmt::print(stderr, "dflash bench drafter-step: this build has no CUDA backend (configure with nvcc present)\n");
       return 2;

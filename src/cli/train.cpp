@@ -48,6 +48,7 @@ void add_train(CLI::App& app, Runner& run) {
   cmd->add_option("--max-steps", c.max_steps, "Optimizer steps (overrides --epochs)");
   cmd->add_option("--grad-accum", c.grad_accum, "Sequences per optimizer step");
   cmd->add_option("--num-anchors", c.num_anchors, "Anchors (blocks) per sequence");
+  cmd->add_flag("--recompute", c.recompute, "GPU: recompute drafter layers in the backward (less memory, ~1 more forward)");
   cmd->add_option("--lr", c.lr, "Peak learning rate");
   cmd->add_option("--warmup-ratio", c.warmup_ratio, "Fraction of the steps spent warming up");
   cmd->add_option("--weight-decay", c.weight_decay, "AdamW weight decay");

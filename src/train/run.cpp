@@ -118,7 +118,7 @@ struct MemoryPlan {
   double total() const { return drafter_state + target + activations + cross_entropy; }
 };
 
-MemoryPlan plan_memory(const DrafterConfig& dc, const ModelSpec& ts, int64_t S, int64_t anchors) {
+MemoryPlan plan_memory(const DrafterConfig& dc, const ModelSpec& ts, int64_t S, int64_t anchors, bool recompute) {
   MemoryPlan p;
   double n = 0;
   for (const auto& [name, shape] : drafter_param_shapes(dc)) n += double(BasicTensor<float>::numel_of(shape));
@@ -132,7 +132,10 @@ MemoryPlan plan_memory(const DrafterConfig& dc, const ModelSpec& ts, int64_t S, 
   const double Q = double(anchors * dc.block_size), SQ = double(S) + Q, hq = double(dc.num_attention_heads * dc.head_dim),
                hk = double(dc.num_key_value_heads * dc.head_dim), I = double(dc.intermediate_size);
   const double per_layer = 2.0 * (Q * (3 * d + 3 * hq + 3 * I) + SQ * (d + 3 * hk));  // saved bf16 activations
-  p.activations = per_layer * double(dc.num_hidden_layers) + 2.0 * 2.0 * Q * I +  // + backward temporaries
+  // with recompute: the layer inputs of all layers plus one layer's activations at a time
+  p.activations = (recompute ? 2.0 * Q * d * double(dc.num_hidden_layers) + per_layer
+                             : per_layer * double(dc.num_hidden_layers)) +
+                  2.0 * 2.0 * Q * I +                                             // + backward temporaries
                   double(S) * double(dc.target_layer_ids.size()) * d * 2;        // taps
   p.cross_entropy = 1.5 * double(int64_t(1) << 30) + Q * d * 2;
   return p;
@@ -210,7 +213,7 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
   if (c.device == "cuda") {
     int64_t longest = 0;
     for (int64_t i = 0; i < n; ++i) longest = std::max<int64_t>(longest, int64_t(ds.ids(i).size()));
-    const MemoryPlan mp = plan_memory(dc, target->spec(), longest, c.num_anchors);
+    const MemoryPlan mp = plan_memory(dc, target->spec(), longest, c.num_anchors, c.recompute);
     std::string have = "?";
     double free_b = 0;
 #ifdef DFLASH_HAVE_CUDA
@@ -249,7 +252,7 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
     });
   } else {
 #ifdef DFLASH_HAVE_CUDA
-    backend = make_gpu_backend(dc, w0, *target, c.gpu);
+    backend = make_gpu_backend(dc, w0, *target, c.gpu, c.recompute);
 #else
     throw std::runtime_error("--device cuda: this build has no CUDA backend (configure with nvcc present)");
 #endif

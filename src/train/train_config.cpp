@@ -58,6 +58,7 @@ nlohmann::json to_json(const TrainConfig& c) {
           {"max_steps", c.max_steps},
           {"grad_accum", c.grad_accum},
           {"num_anchors", c.num_anchors},
+          {"recompute", c.recompute},
           {"lr", c.lr},
           {"warmup_ratio", c.warmup_ratio},
           {"weight_decay", c.weight_decay},
@@ -99,6 +100,7 @@ TrainConfig train_config_from_json(const nlohmann::json& j, const std::string& w
     c.mask_token_id = all["mask_token_id"].is_null() ? std::nullopt : std::optional<int64_t>(all["mask_token_id"].get<int64_t>());
     c.epochs = all["epochs"], c.max_steps = all["max_steps"], c.grad_accum = all["grad_accum"];
     c.num_anchors = all["num_anchors"], c.lr = all["lr"], c.warmup_ratio = all["warmup_ratio"];
+    c.recompute = all["recompute"];
     c.weight_decay = all["weight_decay"], c.beta1 = all["beta1"], c.beta2 = all["beta2"], c.eps = all["eps"];
     c.max_grad_norm = all["max_grad_norm"], c.gamma = all["gamma"], c.save_every = all["save_every"];
     c.keep_last = all["keep_last"], c.log_every = all["log_every"], c.stages_every = all["stages_every"];

@@ -30,6 +30,7 @@ struct TrainConfig {
   // optimization
   int64_t epochs = 6, max_steps = 0;      // max_steps > 0 overrides epochs
   int64_t grad_accum = 1, num_anchors = 512;
+  bool recompute = false;                 // GPU: recompute each drafter layer in the backward (less memory)
   double lr = 6e-4, warmup_ratio = 0.04, weight_decay = 0.0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
   double max_grad_norm = 1.0;
   double gamma = 0;                       // 0: by block size (16 -> 7, 10 -> 5, 8 -> 4)

@@ -98,6 +98,18 @@ TEST(CudaDrafter, StepMatchesTheCpuReference) {
     }
     std::printf("[gpu drafter] worst gradient rel L2 vs CPU fp32: %.2e\n", worst);
 
+    // Activation recomputation runs the same kernels on the same inputs: bitwise the same gradients.
+    {
+      DrafterGpu again(t.cfg, t.w, t.embed, t.lm_head, s);
+      DrafterGpuStepOptions ro = opt;
+      ro.recompute = true;
+      const DrafterGpuStepResult rr = again.step(gs, ro);
+      EXPECT_EQ(rr.loss, r.loss);
+      const auto rg = again.grads();
+      const auto rgn = rg.named();
+      for (size_t i = 0; i < gn.size(); ++i) EXPECT_EQ(rgn[i].second->data, gn[i].second->data) << rgn[i].first;
+    }
+
     // Accumulation: a second identical micro-batch doubles the gradient; scaling by 1/2 restores it.
     gpu.step(gs, opt);
     gpu.scale_grads(0.5f);

@@ -140,7 +140,9 @@ int run_drafter_step_bench(const DrafterStepBenchOptions& o) {
   for (int i = 0; i < o.warmup + o.steps; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     gpu.zero_grads();
-    loss = gpu.step(seq).loss;
+    DrafterGpuStepOptions so;
+    so.recompute = o.recompute;
+    loss = gpu.step(seq, so).loss;
     gpu.optimizer_step(ao, 6e-4, 1.0, i + 1);  // synchronizes
     const double dt = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (i >= o.warmup) ms.push_back(dt);
@@ -149,6 +151,7 @@ int run_drafter_step_bench(const DrafterStepBenchOptions& o) {
   gpu.zero_grads();
   DrafterGpuStepOptions timed;
   timed.time_stages = true;
+  timed.recompute = o.recompute;
   const DrafterGpuStepResult tr = gpu.step(seq, timed);
   const auto t0 = std::chrono::steady_clock::now();
   gpu.optimizer_step(ao, 6e-4, 1.0, o.warmup + o.steps + 1);
@@ -167,14 +170,14 @@ int run_drafter_step_bench(const DrafterStepBenchOptions& o) {
                                 {"min_ms", *std::min_element(ms.begin(), ms.end())},
                                 {"max_ms", *std::max_element(ms.begin(), ms.end())}, {"loss", loss},
                                 {"model_tflop_per_step", flops / 1e12}, {"achieved_tflops", tflops},
-                                {"gemm_peak_tflops_8192", gemm_peak}, {"recompute", false},
+                                {"gemm_peak_tflops_8192", gemm_peak}, {"recompute", o.recompute},
                                 {"params", gpu.num_params()}, {"stage_ms", stages},
                                 {"what", "zero_grads + forward + backward + clip + AdamW"}};
   for (const auto& [metric, value, unit] : {std::tuple<const char*, double, const char*>{"step_ms", step_ms, "ms"},
                                             {"peak_gb", peak_gb, "GB"}}) {
     BenchRecord r;
     r.bench = "drafter-step";
-    r.preset = o.preset;
+    r.preset = o.recompute ? o.preset + "+recompute" : o.preset;
     r.metric = metric;
     r.value = value;
     r.unit = unit;

@@ -14,6 +14,7 @@ struct DrafterStepBenchOptions {
   int steps = 10, warmup = 3;          // timed steps (median recorded) after warm-up steps
   std::string results = "bench/results";
   bool record = true;                  // append to results/drafter-step.jsonl
+  bool recompute = false;              // activation recomputation (DrafterGpuStepOptions::recompute)
 };
 
 /// Runs the benchmark on GPU 0; prints one JSON line per metric. Returns the exit code.

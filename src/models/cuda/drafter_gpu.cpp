@@ -327,10 +327,8 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   StreamBuffer<int> bad(1, s);
   DFLASH_CUDA_CHECK(cudaMemsetAsync(bad.data(), 0, sizeof(int), s));
   cuda::embedding_gather(I.embed.data(), I.V, d, d_ids.data(), Q, x.data(), bad.data(), s);
-  std::vector<Saved> sv(static_cast<size_t>(L));
-  for (int64_t i = 0; i < L; ++i) {
-    Saved& a = sv[size_t(i)];
-    a.x_in = std::move(x);
+  // One draft layer's forward from a.x_in: fills every saved activation of `a`, returns the output.
+  auto forward_layer = [&](int64_t i, Saved& a) {
     a.kv_in = StreamBuffer<bf16>(size_t(SQ * d), s);  // [ctx ; input_layernorm(x)]
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(a.kv_in.data(), ctx.data(), size_t(S * d) * 2, cudaMemcpyDeviceToDevice, s));
     bf16* hn = a.kv_in.data() + S * d;
@@ -372,9 +370,21 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
     linear(a.hp.data(), Q, d, Im, lname(i, "mlp.gate_proj.weight"), a.g.data(), 0.f);
     linear(a.hp.data(), Q, d, Im, lname(i, "mlp.up_proj.weight"), a.u.data(), 0.f);
     cuda::swiglu_forward(a.g.data(), a.u.data(), a.act.data(), Q * Im, s);
-    x = StreamBuffer<bf16>(size_t(Q * d), s);  // x_mid + down_proj(act)
-    DFLASH_CUDA_CHECK(cudaMemcpyAsync(x.data(), a.x_mid.data(), size_t(Q * d) * 2, cudaMemcpyDeviceToDevice, s));
-    linear(a.act.data(), Q, Im, d, lname(i, "mlp.down_proj.weight"), x.data(), 1.f);
+    StreamBuffer<bf16> out(size_t(Q * d), s);  // x_mid + down_proj(act)
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(out.data(), a.x_mid.data(), size_t(Q * d) * 2, cudaMemcpyDeviceToDevice, s));
+    linear(a.act.data(), Q, Im, d, lname(i, "mlp.down_proj.weight"), out.data(), 1.f);
+    return out;
+  };
+  std::vector<Saved> sv(static_cast<size_t>(L));
+  for (int64_t i = 0; i < L; ++i) {
+    Saved& a = sv[size_t(i)];
+    a.x_in = std::move(x);
+    x = forward_layer(i, a);
+    if (opt.recompute) {  // keep only the layer input; the backward runs the layer again
+      StreamBuffer<bf16> keep = std::move(a.x_in);
+      a = Saved();
+      a.x_in = std::move(keep);
+    }
   }
   StreamBuffer<bf16> hf(size_t(Q * d), s);
   StreamBuffer<float> inv_final(size_t(Q), s);
@@ -443,6 +453,7 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   StreamBuffer<char> aws(size_t(cuda::masked_attention_backward_workspace_bytes(Q, int(H))), s);
   for (int64_t i = L - 1; i >= 0; --i) {
     Saved& a = sv[size_t(i)];
+    if (opt.recompute) forward_layer(i, a);  // the same kernels on the same input: bitwise the same activations
     const bf16* hn = a.kv_in.data() + S * d;
     // MLP: x_out = x_mid + down(silu(gate(hp)) * up(hp))
     dgrad(dx.data(), Q, d, Im, lname(i, "mlp.down_proj.weight"), dact.data(), 0.f);

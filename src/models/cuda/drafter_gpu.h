@@ -29,6 +29,9 @@ struct DrafterGpuStepOptions {
   bool backward = true;
   int64_t ce_chunk_bytes = int64_t(1) << 30;  // fp32 logits held at once by the cross entropy (rows x V x 4)
   bool time_stages = false;  // fill DrafterGpuStepResult::stage_ms (CUDA events around each stage)
+  /// Activation recomputation: keep only each layer's input through the forward and run the layer
+  /// again in the backward (about one more forward of the layers; saves their activations).
+  bool recompute = false;
 };
 
 struct DrafterGpuStepResult {

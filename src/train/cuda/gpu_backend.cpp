@@ -25,8 +25,9 @@ struct Stream {
 
 class GpuBackend final : public DrafterBackend {
  public:
-  GpuBackend(const DrafterConfig& cfg, const DrafterWeights<float>& w, const TargetModel& target, int device)
-      : cfg_(cfg), device_(device), stream_(device), target_(target, stream_.s),
+  GpuBackend(const DrafterConfig& cfg, const DrafterWeights<float>& w, const TargetModel& target, int device,
+             bool recompute)
+      : cfg_(cfg), device_(device), recompute_(recompute), stream_(device), target_(target, stream_.s),
         drafter_(cfg, w, target.embed_tokens(), target.lm_head(), stream_.s) {
     // Keep freed stream-ordered memory in the pool between steps (no OS round trips per step).
     cudaMemPool_t pool;
@@ -51,7 +52,9 @@ class GpuBackend final : public DrafterBackend {
     DrafterGpuSequence seq{taps.data(), s.ids, std::vector<int64_t>(s.loss_mask.begin(), s.loss_mask.end()), anchors,
                            int64_t(anchors.size()), gamma};
     if (!anchors.empty()) {
-      const DrafterGpuStepResult d2 = drafter_.step(seq);
+      DrafterGpuStepOptions so;
+      so.recompute = recompute_;
+      const DrafterGpuStepResult d2 = drafter_.step(seq, so);
       r.loss = d2.loss, r.weight_sum = d2.weight_sum;
       r.slot_correct = d2.slot_correct, r.slot_count = d2.slot_count;
     } else {
@@ -82,6 +85,7 @@ class GpuBackend final : public DrafterBackend {
  private:
   DrafterConfig cfg_;
   int device_;
+  bool recompute_;
   Stream stream_;
   TargetGpu target_;
   DrafterGpu drafter_;
@@ -90,8 +94,8 @@ class GpuBackend final : public DrafterBackend {
 }  // namespace
 
 std::unique_ptr<DrafterBackend> make_gpu_backend(const DrafterConfig& cfg, const DrafterWeights<float>& weights,
-                                                 const TargetModel& target, int device) {
-  return std::make_unique<GpuBackend>(cfg, weights, target, device);
+                                                 const TargetModel& target, int device, bool recompute) {
+  return std::make_unique<GpuBackend>(cfg, weights, target, device, recompute);
 }
 
 }  // namespace dflash

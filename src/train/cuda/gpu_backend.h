@@ -13,7 +13,8 @@ class TargetModel;
 /// and lm_head frozen) on GPU `device`. `target` is only read during construction. Throws
 /// std::invalid_argument when the target cannot run on the GPU (the reason is in the message) or
 /// the drafter's head_dim is not 64 / 128; std::runtime_error on CUDA errors.
+/// `recompute`: activation recomputation in the drafter step (DrafterGpuStepOptions::recompute).
 std::unique_ptr<DrafterBackend> make_gpu_backend(const DrafterConfig& cfg, const DrafterWeights<float>& weights,
-                                                 const TargetModel& target, int device);
+                                                 const TargetModel& target, int device, bool recompute = false);
 
 }  // namespace dflash
