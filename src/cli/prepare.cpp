@@ -10,6 +10,7 @@
 
 #include "cli/commands.h"
 #include "io/json_file.h"
+#include "io/temp_files.h"
 #include "text/chat_template.h"
 #include "text/dataset.h"
 #include "text/packed.h"
@@ -22,33 +23,6 @@ namespace {
 
 std::atomic<bool> g_interrupted{false};
 void on_signal(int) { g_interrupted = true; }
-
-/// Removes `<out>.partial-<pid>` directories of earlier runs whose process is gone (killed hard).
-void remove_stale_partials(const std::filesystem::path& out) {
-  namespace fs = std::filesystem;
-  const fs::path parent = out.parent_path().empty() ? fs::path(".") : out.parent_path();
-  const std::string prefix = out.filename().string() + ".partial-";
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(parent, ec)) {
-    const std::string name = e.path().filename().string();
-    if (name.rfind(prefix, 0) != 0) continue;
-    const std::string pid = name.substr(prefix.size());
-    if (pid.empty() || pid.find_first_not_of("0123456789") != std::string::npos) continue;
-    if (::kill(pid_t(std::stol(pid)), 0) != 0 && errno == ESRCH) {
-      fmt::print(stderr, "prepare: removing {} left by an interrupted run\n", e.path().string());
-      fs::remove_all(e.path(), ec);
-    }
-  }
-}
-
-/// True when `dir` is the output of an earlier prepare (safe to replace with --overwrite).
-bool is_packed_dir(const std::filesystem::path& dir) {
-  try {
-    return read_json_file((dir / "manifest.json").string()).value("format", "") == kPackedFormat;
-  } catch (const std::exception&) {
-    return false;
-  }
-}
 
 }  // namespace
 
@@ -77,7 +51,7 @@ void add_prepare(CLI::App& app, Runner& run) {
       for (const auto& d : data)
         if (!fs::is_regular_file(d)) throw std::runtime_error(d + ": no such data file");
 
-      remove_stale_partials(out);
+      remove_stale_temp(fs::path(out).parent_path(), ".partial-", "prepare", fs::path(out).filename().string());
       const std::string tmp = out + ".partial-" + std::to_string(::getpid());
       for (int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, on_signal);
       PrepareReport rep;

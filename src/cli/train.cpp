@@ -16,7 +16,14 @@ namespace dflash::cli {
 namespace {
 
 std::atomic<int> g_stop{0};
-void on_signal(int sig) { g_stop = sig; }
+/// First SIGINT / SIGTERM: finish the step, write a checkpoint, exit 128 + signal. A second one
+/// quits at once (the default action).
+void on_signal(int sig) {
+  if (g_stop.exchange(sig) != 0) {
+    std::signal(sig, SIG_DFL);
+    std::raise(sig);
+  }
+}
 
 }  // namespace
 
@@ -43,7 +50,8 @@ void add_train(CLI::App& app, Runner& run) {
   cmd->add_option("--num-taps", c.num_taps, "Target layers tapped (default formula of dflash.md)");
   cmd->add_option("--target-layer-ids", c.target_layer_ids, "Explicit tapped target layers")->delimiter(',');
   cmd->add_option("--block-size", c.block_size, "Tokens drafted per block");
-  cmd->add_option("--mask-token-id", mask_id, "Mask token id (default: <|MASK|>, a spare row or an unused special token)");
+  cmd->add_option("--mask-token-id", mask_id, "Mask token id (default: <|MASK|>, a spare row or an unused special token)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--epochs", c.epochs, "Epochs over the data");
   cmd->add_option("--max-steps", c.max_steps, "Optimizer steps (overrides --epochs)");
   cmd->add_option("--grad-accum", c.grad_accum, "Sequences per optimizer step");
@@ -73,15 +81,15 @@ void add_train(CLI::App& app, Runner& run) {
       nlohmann::json merged = to_json(cfg);
       for (auto* opt : cmd->get_options()) {
         if (opt->count() == 0) continue;
-        std::string key = opt->get_name(false, true);
-        while (!key.empty() && key[0] == '-') key.erase(0, 1);
+        if (opt->get_lnames().empty()) continue;
+        std::string key = opt->get_lnames().front();  // --shuffle,!--no-shuffle -> "shuffle"
         std::replace(key.begin(), key.end(), '-', '_');
-        if (key == "no_shuffle") key = "shuffle";
         if (flags.contains(key)) merged[key] = flags[key];
       }
       if (mask_id >= 0) merged["mask_token_id"] = mask_id;
       cfg = train_config_from_json(merged, "command line");
       if (dump) {
+        cfg.validate_values();
         fmt::print("{}\n", to_json(cfg).dump(2));
         return 0;
       }

@@ -88,8 +88,20 @@ DrafterConfig derive_drafter_config(const ModelSpec& t, const Tokenizer* tok, co
   c.max_position_embeddings = t.max_position_embeddings;
   c.block_size = o.block_size.value_or(16);
   c.num_target_layers = t.num_hidden_layers;
-  c.target_layer_ids = o.target_layer_ids ? *o.target_layer_ids
-                                          : default_target_layer_ids(t.num_hidden_layers, o.num_taps.value_or(5));
+  if (o.target_layer_ids) {
+    c.target_layer_ids = *o.target_layer_ids;
+    for (size_t i = 1; i < c.target_layer_ids.size(); ++i)
+      if (c.target_layer_ids[i] <= c.target_layer_ids[i - 1])
+        throw std::invalid_argument("target layer ids must be strictly increasing (got " +
+                                    std::to_string(c.target_layer_ids[i - 1]) + " then " +
+                                    std::to_string(c.target_layer_ids[i]) + ")");
+  } else {
+    const int64_t n = o.num_taps.value_or(5);
+    if (n > 1 && t.num_hidden_layers < 4)
+      throw std::invalid_argument(std::to_string(n) + " taps need a target of at least 4 layers (this one has " +
+                                  std::to_string(t.num_hidden_layers) + "): use --num-taps 1 or --target-layer-ids");
+    c.target_layer_ids = default_target_layer_ids(t.num_hidden_layers, n);
+  }
   if (o.mask_token_id) c.mask_token_id = *o.mask_token_id;
   else if (tok) c.mask_token_id = default_mask_token_id(t, *tok);
   else throw std::invalid_argument("derive_drafter_config: a tokenizer or an explicit mask token id is needed");

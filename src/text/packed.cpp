@@ -56,6 +56,14 @@ void PackedWriter::add(const Sample& s) {
   for (uint8_t m : s.loss_mask) loss_tokens_ += m;
 }
 
+bool is_packed_dir(const std::string& dir) {
+  try {
+    return read_json_file(dir + "/manifest.json").value("format", "") == kPackedFormat;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 void PackedWriter::finish(nlohmann::json manifest) {
   close_synced(tokens_, dir_ + "/tokens.i32");
   close_synced(mask_, dir_ + "/loss_mask.u8");

@@ -17,6 +17,9 @@ namespace dflash {
 
 inline constexpr const char* kPackedFormat = "dflash-packed-v1";
 
+/// True when `dir` holds a dflash-packed-v1 manifest.json (the output of dflash prepare). Never throws.
+bool is_packed_dir(const std::string& dir);
+
 /// Streams samples into a fresh directory `dir` (which must not exist; the caller renames it into
 /// place when done, so that an interrupted run leaves no half-written output). Throws
 /// std::runtime_error naming the file on any I/O error.

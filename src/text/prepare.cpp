@@ -59,7 +59,8 @@ PrepareReport write_prepared(const Tokenizer& tok, ChatFamily family, const Prep
     }, rep.skipped, stop);
     const int64_t skipped = int64_t(rep.skipped.size() - skipped_before);
     rep.truncated += truncated_here;
-    sources.push_back({{"file", fs::absolute(file).string()}, {"records", samples + skipped}, {"samples", samples},
+    sources.push_back({{"file", fs::absolute(file).string()}, {"bytes", int64_t(fs::file_size(file))},
+                       {"records", samples + skipped}, {"samples", samples},
                        {"skipped", skipped}, {"tokens", tokens}, {"truncated", truncated_here}});
   }
   if (w.num_samples() == 0)

@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "io/json_file.h"
+#include "text/chat_template.h"
 #include "text/packed.h"
 #include "text/prepare.h"
 #include "text/tokenizer.h"
@@ -27,32 +28,46 @@ nlohmann::json read_manifest(const fs::path& dir) {
 std::string prepared_data_dir(const TrainConfig& c, const Tokenizer* tok, const fs::path& data_dir,
                               const std::atomic<int>& stop) {
   if (c.data.size() == 1 && fs::is_directory(c.data[0])) {
-    const nlohmann::json m = read_manifest(c.data[0]);
-    if (!m.is_object() || m.value("format", "") != kPackedFormat)
+    if (!is_packed_dir(c.data[0]))
       throw std::runtime_error(c.data[0] + ": a directory that is not the output of dflash prepare (no " +
                                std::string(kPackedFormat) + " manifest.json)");
     return c.data[0];
   }
   std::vector<std::string> abs;
   for (const auto& f : c.data) {
+    if (fs::is_directory(f))
+      throw std::runtime_error(f + ": a directory among chat files; give either one prepared directory or chat files");
     if (!fs::is_regular_file(f)) throw std::runtime_error(f + ": no such data file");
     abs.push_back(fs::absolute(f).string());
+    const std::string canon = fs::weakly_canonical(f).string(), inside = fs::weakly_canonical(data_dir).string() + "/";
+    if (canon.rfind(inside, 0) == 0)
+      throw std::runtime_error(f + " lies inside " + data_dir.string() + ", where this run writes its prepared data; "
+                               "move it or choose another --out");
   }
   if (!tok) throw std::runtime_error("raw chat files need a tokenizer: the target has none; pass --tokenizer");
-  // Reuse an earlier preparation of the same files (a resumed run must see the same samples).
-  if (const nlohmann::json m = read_manifest(data_dir); m.is_object() && m.value("max_length", int64_t(-1)) == c.max_length) {
-    std::vector<std::string> files;
-    for (const auto& s : m.value("sources", nlohmann::json::array())) files.push_back(s.value("file", ""));
-    if (files == abs) {
+  if (fs::exists(data_dir) && !is_packed_dir(data_dir.string()))
+    throw std::runtime_error(data_dir.string() + " exists and is not data prepared by dflash; move it or choose "
+                             "another --out (nothing was changed)");
+  const std::string tok_path = c.tokenizer.empty() ? c.target : c.tokenizer;
+  const ChatFamily family = chat_family_for(*tok, c.chat_template, tok_path);
+  // Reuse an earlier preparation of the same files (same sizes), tokenizer, template and max_length:
+  // a resumed run must see the same samples.
+  if (const nlohmann::json m = read_manifest(data_dir); m.is_object()) {
+    std::vector<std::pair<std::string, int64_t>> had, now;
+    for (const auto& s : m.value("sources", nlohmann::json::array()))
+      had.emplace_back(s.value("file", ""), s.value("bytes", int64_t(-1)));
+    for (const auto& f : abs) now.emplace_back(f, int64_t(fs::file_size(f)));
+    const bool same = had == now && m.value("max_length", int64_t(-1)) == c.max_length &&
+                      m.value("chat_template", "") == chat_family_name(family) &&
+                      m.value("tokenizer", "") == fs::absolute(tok_path).string();
+    if (same) {
       fmt::print("train: using the data prepared earlier in {}\n", data_dir.string());
       return data_dir.string();
     }
     if (c.resume)
-      throw std::runtime_error(data_dir.string() + " was prepared from other files or another --max-length than this "
-                               "run's: a resumed run must train on the same data");
+      throw std::runtime_error(data_dir.string() + " was prepared from other files, another tokenizer, chat template or "
+                               "--max-length than this run's: a resumed run must train on the same data");
   }
-  const std::string tok_path = c.tokenizer.empty() ? c.target : c.tokenizer;
-  const ChatFamily family = chat_family_for(*tok, c.chat_template, tok_path);
   const std::string tmp = data_dir.string() + ".partial-" + std::to_string(::getpid());
   std::error_code ec;
   fs::remove_all(tmp, ec);

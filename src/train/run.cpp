@@ -12,6 +12,7 @@
 #include <optional>
 #include <stdexcept>
 
+#include "io/temp_files.h"
 #include "models/drafter_config.h"
 #include "models/target.h"
 #include "text/packed.h"
@@ -154,28 +155,59 @@ std::unique_ptr<Tokenizer> load_tokenizer(const TrainConfig& c) {
 }  // namespace
 
 int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress lines reach a redirected log as they happen
   TrainConfig c = cin;
   c.validate();
+  if (!c.target_layer_ids.empty()) c.num_taps = int64_t(c.target_layer_ids.size());
   const fs::path out(c.out), ckdir = out / "checkpoints";
-  fs::create_directories(ckdir);
+  fs::create_directories(out);
+  const DirLock lock(out, "dflash train");
+  remove_stale_temp(out, ".partial-", "train");
+  remove_stale_temp(out, ".tmp-", "train");
+  remove_stale_temp(ckdir, ".tmp-", "train");
+  remove_stale_temp(ckdir, ".old-", "train");
   const std::vector<fs::path> existing = checkpoints(ckdir);
   if (!c.resume && (!existing.empty() || fs::exists(out / "final")))
     throw std::runtime_error(c.out + " already holds a run's checkpoints: pass --resume to continue it, or choose "
                              "another --out");
+  if (c.resume && fs::exists(out / "final")) {
+    fmt::print("train: the run in {} has finished; its drafter is in {}\n", c.out, (out / "final").string());
+    return 0;
+  }
   if (c.resume && existing.empty())
     throw std::runtime_error("--resume: no checkpoint in " + ckdir.string() + " to continue from");
 
-  // Target, tokenizer, data.
-  fmt::print("train: loading the target {}\n", c.target);
-  const auto target = TargetModel::load(c.target);
+  // Tokenizer and data first (quick to check), then the target.
+  const ModelSpec spec = open_model(c.target).spec;
   const auto tok = load_tokenizer(c);
-  const std::string data_dir = prepared_data_dir(c, tok.get(), out / "data", stop);
+  std::string data_dir;
+  try {
+    data_dir = prepared_data_dir(c, tok.get(), out / "data", stop);
+  } catch (const std::exception&) {
+    if (const int sig = stop.load()) {
+      fmt::print("train: interrupted (signal {}) while preparing the data; nothing was written\n", sig);
+      return 128 + sig;
+    }
+    throw;
+  }
   const PackedDataset ds(data_dir);
   const int64_t n = ds.num_samples();
   bool any_anchor = false;
-  for (int64_t i = 0; i < n && !any_anchor; ++i) any_anchor = !anchor_candidates(ds.loss_mask(i)).empty();
+  int32_t max_id = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    any_anchor = any_anchor || !anchor_candidates(ds.loss_mask(i)).empty();
+    for (int32_t t : ds.ids(i)) max_id = std::max(max_id, t);
+  }
   if (!any_anchor)
     throw std::runtime_error(data_dir + ": no sample has two consecutive assistant tokens: nothing to train on");
+  if (max_id >= spec.vocab_size)
+    throw std::runtime_error(fmt::format("{}: token id {} is outside the target's vocabulary of {}: the data was "
+                                         "tokenized with another tokenizer than the target's",
+                                         data_dir, max_id, spec.vocab_size));
+  if (c.grad_accum > n)
+    throw std::runtime_error(fmt::format("--grad-accum {} is larger than the {} samples of the data", c.grad_accum, n));
+  fmt::print("train: loading the target {}\n", c.target);
+  const auto target = TargetModel::load(c.target);
 
   // Drafter.
   DrafterOverrides ov;
@@ -191,9 +223,15 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
   if (!c.init_from.empty()) {
     DrafterConfig ic;
     w0 = load_drafter_weights<float>(c.init_from, &ic);
-    if (drafter_config_to_json(ic) != drafter_config_to_json(dc))
-      throw std::runtime_error("--init-from " + c.init_from + ": its config.json differs from the drafter this run "
-                               "derives (compare with " + (out / "train_config.json").string() + ")");
+    const nlohmann::json a = drafter_config_to_json(ic), b = drafter_config_to_json(dc);
+    std::string diff;
+    for (auto it = b.begin(); it != b.end(); ++it)
+      if (!a.contains(it.key()) || a[it.key()] != it.value())
+        diff += (diff.empty() ? "" : ", ") + it.key() + " " + (a.contains(it.key()) ? a[it.key()].dump() : "?") +
+                " (this run: " + it.value().dump() + ")";
+    if (!diff.empty())
+      throw std::runtime_error("--init-from " + c.init_from + ": its drafter differs from the one this run derives: " +
+                               diff + "; set the run's flags to match");
   } else {
     w0 = init_drafter_weights(dc, c.seed);
   }
@@ -276,6 +314,7 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
              dc.block_size, c.num_anchors, dc.mask_token_id, to.gamma, c.lr, to.schedule.warmup_steps(), tr.backend().device());
 
   auto save_checkpoint = [&] {
+    fs::create_directories(ckdir);
     const fs::path dir = ckdir / fmt::format("step-{:08d}", tr.step_count());
     tr.save(dir.string());
     auto all = checkpoints(ckdir);
@@ -286,8 +325,24 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
     return dir;
   };
 
-  std::ofstream metrics(out / "metrics.jsonl", std::ios::app);
+  // metrics.jsonl: a fresh run starts it anew; a resumed run keeps the lines up to its step.
+  std::vector<std::string> kept;
+  if (c.resume) {
+    std::ifstream old(out / "metrics.jsonl");
+    for (std::string line; std::getline(old, line);) {
+      try {
+        if (nlohmann::json::parse(line).value("step", int64_t(-1)) <= tr.step_count()) kept.push_back(line);
+      } catch (const nlohmann::json::exception&) {  // a line cut by a hard kill
+      }
+    }
+  }
+  std::ofstream metrics(out / "metrics.jsonl", std::ios::trunc);
+  for (const auto& line : kept) metrics << line << "\n";
   TensorBoardWriter tb((out / "tensorboard").string());
+  if (const int sig = stop.load()) {
+    fmt::print("train: interrupted (signal {}) before the first step; nothing to save\n", sig);
+    return 128 + sig;
+  }
   const auto t_start = Clock::now();
   const int64_t step0 = tr.step_count();
   int64_t nan_run = 0, skipped_total = 0, last_saved = tr.step_count();
@@ -311,11 +366,14 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
     if (st.skipped) {
       ++skipped_total;
       if (!std::isfinite(st.grad_norm)) {
-        if (++nan_run >= c.nan_abort)
+        if (++nan_run >= c.nan_abort) {
+          const auto cks = checkpoints(ckdir);
           throw std::runtime_error(fmt::format(
-              "{} steps in a row had non-finite gradients (last loss {}): stopping. Lower --lr or check the data; the "
-              "last good checkpoint is in {}",
-              nan_run, st.loss, ckdir.string()));
+              "{} steps in a row had non-finite gradients (last loss {}): stopping. Lower --lr or check the data; {}",
+              nan_run, st.loss,
+              cks.empty() ? std::string("no checkpoint was written yet")
+                          : "the last good checkpoint is " + cks.back().string()));
+        }
         fmt::print(stderr, "train: step skipped: non-finite gradient norm ({} in a row)\n", nan_run);
       }
       if (stop.load() == 0) continue;

@@ -1,5 +1,6 @@
 #include "train/train_config.h"
 
+#include <climits>
 #include <cmath>
 #include <stdexcept>
 
@@ -19,16 +20,29 @@ void TrainConfig::validate() const {
   need(!target.empty(), "target is required (--target)");
   need(!data.empty(), "data is required (--data)");
   need(!out.empty(), "out is required (--out)");
+  validate_values();
+}
+
+void TrainConfig::validate_values() const {
+  auto need = [](bool ok, const std::string& what) {
+    if (!ok) throw std::invalid_argument("train config: " + what);
+  };
   need(device == "cpu" || device == "cuda", "device must be cpu or cuda (got " + device + ")");
+  need(gpu >= 0, "gpu must be >= 0");
+  need(!mask_token_id || *mask_token_id >= 0, "mask_token_id must be >= 0");
   need(max_length >= 2, "max_length must be >= 2");
   need(num_draft_layers >= 1, "num_draft_layers must be >= 1");
   need(num_taps >= 1, "num_taps must be >= 1");
-  need(block_size >= 2, "block_size must be >= 2");
-  need(epochs >= 1 || max_steps > 0, "epochs must be >= 1 (or set max_steps)");
+  need(block_size >= 2 && block_size <= 64, "block_size must be in [2, 64] (published drafters: 16)");
+  need((epochs >= 1 && epochs <= 100000) || max_steps > 0, "epochs must be in [1, 100000] (or set max_steps)");
+  for (int64_t id : target_layer_ids) need(id >= 0, "target_layer_ids must be >= 0");
   need(max_steps >= 0, "max_steps must be >= 0");
   need(grad_accum >= 1, "grad_accum must be >= 1");
   need(num_anchors >= 1, "num_anchors must be >= 1");
   need(lr > 0 && std::isfinite(lr), "lr must be > 0");
+  need(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1, "beta1 and beta2 must be in [0, 1)");
+  need(eps > 0 && std::isfinite(eps), "eps must be > 0");
+  need(weight_decay >= 0 && std::isfinite(weight_decay), "weight_decay must be >= 0");
   need(warmup_ratio >= 0 && warmup_ratio <= 1, "warmup_ratio must be in [0, 1]");
   need(max_grad_norm > 0, "max_grad_norm must be > 0");
   need(gamma >= 0, "gamma must be >= 0 (0 = by block size)");
@@ -83,9 +97,23 @@ TrainConfig train_config_from_json(const nlohmann::json& j, const std::string& w
     const std::string& k = it.key();
     if (!all.contains(k)) throw std::runtime_error(where + ": unknown key '" + k + "'");
     const nlohmann::json &want = all[k], &v = it.value();
+    auto all_ints = [](const nlohmann::json& a) {
+      for (const auto& x : a)
+        if (!x.is_number_integer()) return false;
+      return true;
+    };
+    auto all_strings = [](const nlohmann::json& a) {
+      for (const auto& x : a)
+        if (!x.is_string()) return false;
+      return true;
+    };
     const bool ok = k == "mask_token_id" ? (v.is_null() || v.is_number_integer())
-                    : want.is_number_float() ? v.is_number()
-                    : want.is_number_integer() ? v.is_number_integer()
+                    : k == "seed"        ? v.is_number_unsigned()
+                    : k == "target_layer_ids" ? (v.is_array() && all_ints(v))
+                    : k == "data"             ? (v.is_array() && all_strings(v))
+                    : want.is_number_float()  ? v.is_number()
+                    : want.is_number_integer() ? v.is_number_integer() && v.get<int64_t>() >= INT32_MIN &&
+                                                     (k != "gpu" || v.get<int64_t>() <= INT32_MAX)
                                                : want.type() == v.type();
     if (!ok) throw std::runtime_error(where + ": key '" + k + "' has a value of the wrong type (" + v.dump() + ")");
   }

@@ -39,8 +39,10 @@ struct TrainConfig {
   int64_t steps_this_run = 0;             // > 0: checkpoint and exit after this many steps (time-sliced jobs)
   bool resume = false;
 
-  /// Throws std::invalid_argument naming the field for values out of range.
+  /// Throws std::invalid_argument naming the field for values out of range or missing required ones.
   void validate() const;
+  /// The range checks alone (what --dump-config checks).
+  void validate_values() const;
 };
 
 /// gamma of the loss decay for block size B: 7 for 16, 5 for 10, 4 for 8 (dflash.md), else 7 * B / 16.

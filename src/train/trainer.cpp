@@ -177,6 +177,21 @@ void DrafterTrainer::resume(const std::string& dir) {
          " (the data order would differ)");
   if (get("seed") != std::to_string(opt_.seed)) fail("saved with seed " + get("seed") + ", this run uses " + std::to_string(opt_.seed));
   if (index > num_examples_) fail("data index " + std::to_string(index) + " is past the data");
+  // The schedule, anchors and accumulation must be those of the saved run, or the resumed run is
+  // not the run that was interrupted.
+  nlohmann::json saved_opt;
+  try {
+    saved_opt = nlohmann::json::parse(get("options"));
+  } catch (const nlohmann::json::exception&) {
+    fail("metadata field 'options' is not JSON");
+  }
+  const nlohmann::json now = options_json(opt_);
+  std::string diff;
+  for (auto it = now.begin(); it != now.end(); ++it)
+    if (!saved_opt.contains(it.key()) || saved_opt[it.key()] != it.value())
+      diff += (diff.empty() ? "" : ", ") + it.key() + " " + (saved_opt.contains(it.key()) ? saved_opt[it.key()].dump() : "?") +
+              " -> " + it.value().dump();
+  if (!diff.empty()) fail("saved with other training settings (" + diff + "): resume with the settings of the saved run");
   std::mt19937_64 rng;
   std::istringstream rs(get("rng_anchors"));
   rs >> rng;
@@ -200,6 +215,9 @@ void DrafterTrainer::resume(const std::string& dir) {
     read("exp_avg_sq." + name, v.back(), t->shape);
   }
   if (f.tensors().size() != 3 * w.named().size()) fail("holds tensors that are not part of this drafter's state");
+  for (const auto& [name, t] : w.named())
+    for (float x : t->data)
+      if (!std::isfinite(x)) fail("master weights of '" + name + "' hold a non-finite value");
   backend_->set_state({step, std::move(w), std::move(m), std::move(v)});
   step_ = step;
   rng_ = rng;

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <cstdlib>
 #include <thread>
 
 #include "io/json_file.h"
@@ -177,4 +178,56 @@ TEST(TrainCli, ConfigFileFlagsAndDump) {
                               &out),
             0);
   EXPECT_NE(out.find("unknown key 'learning_rate'"), std::string::npos) << out;
+}
+
+// Mistakes users make: none may lose data or silently change the run.
+TEST(TrainCli, GuardsAgainstUserMistakes) {
+  TinyTrain r;
+  std::string log;
+  // Chat files inside OUT/data (where the run writes its prepared data) are refused; nothing deleted.
+  const fs::path proj = r.tmp / "proj";
+  fs::create_directories(proj / "data");
+  test::write_file(proj / "data" / "train.jsonl", R"({"question": "q", "answer": "a"})" "\n");
+  const std::string smol = (test::source_dir() / ".cache" / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf").string();
+  const char* env = std::getenv("DFLASH_SMOLLM2_GGUF");
+  const std::string model = env ? env : smol;
+  if (fs::exists(model)) {  // a target with a tokenizer, so that the chat file would be prepared
+    EXPECT_NE(test::run_command(test::dflash_binary().string() + " train --target " + model + " --data " +
+                                    (proj / "data" / "train.jsonl").string() + " --out " + proj.string() +
+                                    " --max-steps 1 --num-draft-layers 1 --block-size 4 --num-anchors 4",
+                                &log),
+              0);
+    EXPECT_NE(log.find("lies inside"), std::string::npos) << log;
+    EXPECT_TRUE(fs::exists(proj / "data" / "train.jsonl")) << log;
+  }
+  // --no-shuffle reaches the config; --shuffle overrides a config file's false.
+  test::write_file(r.tmp / "noshuf.json", R"({"shuffle": false})");
+  ASSERT_EQ(test::run_command(test::dflash_binary().string() + " " + r.args(r.tmp / "o", "--no-shuffle --dump-config"), &log), 0);
+  EXPECT_FALSE(nlohmann::json::parse(log)["shuffle"].get<bool>());
+  ASSERT_EQ(test::run_command(test::dflash_binary().string() + " " +
+                                  r.args(r.tmp / "o", "--config " + (r.tmp / "noshuf.json").string() + " --shuffle --dump-config"),
+                              &log),
+            0);
+  EXPECT_TRUE(nlohmann::json::parse(log)["shuffle"].get<bool>());
+  // Resuming with other training settings is refused, naming the setting.
+  const fs::path out = r.tmp / "out";
+  ASSERT_EQ(r.train(out, "--max-steps 20 --steps-this-run 10", &log), 0) << log;
+  EXPECT_NE(r.train(out, "--max-steps 20 --resume --grad-accum 2", &log), 0);
+  EXPECT_NE(log.find("grad_accum 1 -> 2"), std::string::npos) << log;
+  // metrics.jsonl of a resumed run has each step once.
+  ASSERT_EQ(r.train(out, "--max-steps 20 --resume", &log), 0) << log;
+  int64_t prev = 0;
+  for (const auto& m : metrics(out)) {
+    EXPECT_GT(m["step"].get<int64_t>(), prev);
+    prev = m["step"];
+  }
+  EXPECT_EQ(prev, 20);
+  // Resuming a finished run says so and changes nothing.
+  const std::string before = bytes(out / "final" / "model.safetensors");
+  ASSERT_EQ(r.train(out, "--max-steps 20 --resume", &log), 0) << log;
+  EXPECT_NE(log.find("has finished"), std::string::npos) << log;
+  EXPECT_EQ(bytes(out / "final" / "model.safetensors"), before);
+  // More micro-batches per step than samples is refused.
+  EXPECT_NE(r.train(r.tmp / "ga", "--max-steps 2 --grad-accum 50", &log), 0);
+  EXPECT_NE(log.find("--grad-accum 50"), std::string::npos) << log;
 }
