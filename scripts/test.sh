@@ -8,12 +8,14 @@ cd "$root"
 jobs=${JOBS:-$(nproc)}
 [ -z "${CUDACXX:-}" ] && [ -x /usr/local/cuda/bin/nvcc ] && ! command -v nvcc >/dev/null && export CUDACXX=/usr/local/cuda/bin/nvcc
 
-if gguf=$(scripts/fetch_smollm2.sh 2>/tmp/dflash_fetch.log); then
+fetch_log=$(mktemp)
+if gguf=$(scripts/fetch_smollm2.sh 2>"$fetch_log"); then
   export DFLASH_SMOLLM2_GGUF="$gguf"
 else
-  export DFLASH_SMOLLM2_SKIP_REASON="$(tail -n 1 /tmp/dflash_fetch.log)"
+  export DFLASH_SMOLLM2_SKIP_REASON="$(tail -n 1 "$fetch_log")"
   echo "test: SmolLM2 tests will be SKIPPED: $DFLASH_SMOLLM2_SKIP_REASON"
 fi
+rm -f "$fetch_log"
 
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build build -j "$jobs"

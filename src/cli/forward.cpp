@@ -78,6 +78,7 @@ void add_forward(CLI::App& app, Runner& run) {
       ForwardOutput r;
 #ifdef DFLASH_HAVE_CUDA
       if (device == "cuda") {
+        cuda::require_device("forward --device cuda");
         cudaStream_t stream;
         DFLASH_CUDA_CHECK(cudaStreamCreate(&stream));
         {

@@ -149,7 +149,8 @@ ForwardOutput TargetModel::forward(const std::vector<int32_t>& ids, const std::v
 std::string gpu_unsupported_reason(const ModelSpec& s) {
   for (LayerKind k : s.layer_types)
     if (k != LayerKind::Attention)
-      return "GatedDeltaNet layers have no GPU kernel yet (Qwen3.5 / 3.6 hybrids run on the CPU reference only)";
+      return "the model has GatedDeltaNet layers, which have no GPU kernel yet (Qwen3.5 / 3.6 hybrids run on the "
+             "CPU reference only)";
   if (s.attn_output_gate()) return "attention output gates have no GPU kernel yet";
   if (s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256)
     return "head_dim " + std::to_string(s.head_dim) + " (the GPU attention kernels take 64, 128 or 256)";

@@ -158,6 +158,11 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress lines reach a redirected log as they happen
   TrainConfig c = cin;
   c.validate();
+#ifdef DFLASH_HAVE_CUDA
+  if (c.device == "cuda") cuda::require_device("train --device cuda", c.gpu);
+#else
+  if (c.device == "cuda") throw std::runtime_error("--device cuda: this build has no CUDA backend (configure with nvcc present)");
+#endif
   if (!c.target_layer_ids.empty()) c.num_taps = int64_t(c.target_layer_ids.size());
   const fs::path out(c.out), ckdir = out / "checkpoints";
   fs::create_directories(out);

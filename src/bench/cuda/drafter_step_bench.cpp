@@ -97,6 +97,7 @@ int run_drafter_step_bench(const DrafterStepBenchOptions& o) {
   if (o.seq > 0) p.S = o.seq;
   const DrafterConfig& c = p.cfg;
   const int64_t S = p.S, B = c.block_size;
+  cuda::require_device("bench drafter-step");
   cudaStream_t s;
   DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
   // Keep freed stream-ordered memory in the pool between steps (no OS round trips).

@@ -20,6 +20,18 @@ bool has_device() {
   return n > 0;
 }
 
+void require_device(const std::string& what, int index) {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    throw std::runtime_error(what + ": no usable CUDA device (" + cudaGetErrorString(e) + ")");
+  }
+  if (index < 0 || index >= n)
+    throw std::runtime_error(what + ": no CUDA device " + std::to_string(index) + " (" + std::to_string(n) +
+                             " visible)");
+}
+
 namespace {
 __global__ void f32_to_bf16_kernel(const float* in, bf16* out, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)

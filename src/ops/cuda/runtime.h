@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace dflash::cuda {
@@ -26,6 +27,8 @@ void check(cudaError_t e, const char* expr, const char* file, int line);
 
 /// True when a CUDA device is usable by this process (never throws).
 bool has_device();
+/// Throws std::runtime_error "<what>: no usable CUDA device (<reason>)" unless device `index` is usable.
+void require_device(const std::string& what, int index = 0);
 
 /// Owning device allocation of n elements of T (cudaMalloc / cudaFree). Move-only. Contents are
 /// uninitialized unless built from host data.
