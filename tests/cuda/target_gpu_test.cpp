@@ -88,11 +88,11 @@ TEST(CudaTarget, Qwen3MatchesTransformersInBf16) {
 
 TEST(CudaTarget, RefusesWhatItCannotRunAndSaysWhy) {
   const auto hybrid = TargetModel::load((test::fixtures_dir() / "qwen3_5_text").string());
-  EXPECT_NE(TargetGpu::unsupported_reason(hybrid->spec()).find("GatedDeltaNet"), std::string::npos);
+  EXPECT_NE(gpu_unsupported_reason(hybrid->spec()).find("GatedDeltaNet"), std::string::npos);
   const auto small_heads = TargetModel::load((test::fixtures_dir() / "qwen3").string());
-  EXPECT_NE(TargetGpu::unsupported_reason(small_heads->spec()).find("head_dim 16"), std::string::npos);
+  EXPECT_NE(gpu_unsupported_reason(small_heads->spec()).find("head_dim 16"), std::string::npos);
   const auto ok = TargetModel::load((test::fixtures_dir() / "qwen3_hd64").string());
-  EXPECT_EQ(TargetGpu::unsupported_reason(ok->spec()), "");
+  EXPECT_EQ(gpu_unsupported_reason(ok->spec()), "");
 }
 
 #endif

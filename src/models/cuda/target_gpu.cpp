@@ -59,10 +59,8 @@ struct TargetGpu::Impl {
   explicit Impl(cudaStream_t st) : s(st), gemm(st) {}
 };
 
-std::string TargetGpu::unsupported_reason(const ModelSpec& s) { return gpu_unsupported_reason(s); }
-
 TargetGpu::TargetGpu(const TargetModel& m, cudaStream_t stream) : impl_(new Impl(stream)), spec_(m.spec()) {
-  const std::string why = unsupported_reason(spec_);
+  const std::string why = gpu_unsupported_reason(spec_);
   if (!why.empty()) throw std::invalid_argument("this model cannot run with --device cuda: " + why);
   Impl& I = *impl_;
   for (const LayerWeights& l : m.layers()) {

@@ -34,9 +34,6 @@ class TargetGpu {
 
   const ModelSpec& spec() const { return spec_; }
 
-  /// Why this model cannot run on the GPU backend, or "" when it can (for `dflash inspect`).
-  static std::string unsupported_reason(const ModelSpec& s);
-
   struct Impl;
 
  private:
