@@ -12,6 +12,7 @@
 #include "ops/cuda/masked_attention.h"
 #include "ops/cuda/norm.h"
 #include "ops/cuda/rope.h"
+#include "ops/rope.h"
 #include "tensor/dtype.h"
 
 namespace dflash {
@@ -59,9 +60,15 @@ struct TargetGpu::Impl {
   explicit Impl(cudaStream_t st) : s(st), gemm(st) {}
 };
 
-TargetGpu::TargetGpu(const TargetModel& m, cudaStream_t stream) : impl_(new Impl(stream)), spec_(m.spec()) {
-  const std::string why = gpu_unsupported_reason(spec_);
+namespace {
+void require_gpu_support(const ModelSpec& s) {
+  const std::string why = gpu_unsupported_reason(s);
   if (!why.empty()) throw std::invalid_argument("this model cannot run with --device cuda: " + why);
+}
+}  // namespace
+
+TargetGpu::TargetGpu(const TargetModel& m, cudaStream_t stream) : impl_(new Impl(stream)), spec_(m.spec()) {
+  require_gpu_support(spec_);
   Impl& I = *impl_;
   for (const LayerWeights& l : m.layers()) {
     LayerGpu g;
@@ -81,6 +88,43 @@ TargetGpu::TargetGpu(const TargetModel& m, cudaStream_t stream) : impl_(new Impl
   I.lm_head = to_bf16(m.lm_head(), stream);
   I.norm = DeviceArray<float>(m.final_norm().data, stream);
   I.inv_freq = DeviceArray<double>(std::vector<double>(m.inv_freq().begin(), m.inv_freq().end()), stream);
+}
+
+TargetGpu::TargetGpu(const ModelSpec& spec, uint64_t seed, cudaStream_t stream) : impl_(new Impl(stream)), spec_(spec) {
+  spec_.validate("TargetGpu");
+  require_gpu_support(spec_);
+  Impl& I = *impl_;
+  const int64_t D = spec_.hidden_size, H = spec_.num_attention_heads, Hkv = spec_.num_key_value_heads;
+  const int64_t Dh = spec_.head_dim, Im = spec_.intermediate_size, V = spec_.vocab_size;
+  uint64_t k = 0;
+  auto matrix = [&](int64_t rows, int64_t cols) {
+    DeviceArray<bf16> w(size_t(rows * cols));
+    cuda::fill_normal(w.data(), rows * cols, seed * 1000003 + ++k, 0.f, 0.02f, stream);
+    return w;
+  };
+  auto ones = [&](int64_t n) {
+    DeviceArray<float> w(static_cast<size_t>(n));
+    cuda::fill_normal(w.data(), n, 0, 1.f, 0.f, stream);
+    return w;
+  };
+  for (int64_t i = 0; i < spec_.num_hidden_layers; ++i) {
+    LayerGpu g;
+    g.q = matrix(H * Dh, D), g.k = matrix(Hkv * Dh, D), g.v = matrix(Hkv * Dh, D), g.o = matrix(D, H * Dh);
+    g.gate = matrix(Im, D), g.up = matrix(Im, D), g.down = matrix(D, Im);
+    if (spec_.has_qk_norm()) g.q_norm = ones(Dh), g.k_norm = ones(Dh);
+    g.in_ln = ones(D), g.post_ln = ones(D);
+    I.layers.push_back(std::move(g));
+  }
+  I.embed = matrix(V, D);
+  if (spec_.tie_word_embeddings) {
+    I.lm_head = DeviceArray<bf16>(I.embed.size());
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(I.lm_head.data(), I.embed.data(), I.embed.size() * 2, cudaMemcpyDeviceToDevice, stream));
+  } else {
+    I.lm_head = matrix(V, D);
+  }
+  I.norm = ones(D);
+  const std::vector<float> inv_freq = cpu::rope_inv_freq(spec_.rope, spec_.rotary_dim());
+  I.inv_freq = DeviceArray<double>(std::vector<double>(inv_freq.begin(), inv_freq.end()), stream);  // synchronizes
 }
 
 TargetGpu::~TargetGpu() = default;

@@ -3,6 +3,7 @@
 // of `dflash forward --device cuda` and the taps of GPU training. Same math as TargetModel::forward
 // (src/models/target.h), built from the kernels in src/ops/cuda.
 #pragma once
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -19,6 +20,13 @@ class TargetGpu {
   /// the reason for a model the GPU backend does not run yet: GatedDeltaNet layers (Qwen3.5 hybrids,
   /// no GPU kernel yet), attention output gates, head_dim outside {64, 128, 256}.
   TargetGpu(const TargetModel& m, cudaStream_t stream);
+  /// Random weights made on the device, from `seed` (benchmarks: no host copy of the model). Shapes
+  /// of `spec` as TargetModel::load gives them, stored as the constructor above stores them:
+  /// embed_tokens / lm_head [V, D] and every projection bf16 ~ N(0, 0.02^2) (lm_head a copy of
+  /// embed_tokens when spec.tie_word_embeddings), norm weights fp32 1. Throws std::runtime_error
+  /// for an inconsistent spec (ModelSpec::validate) or on CUDA errors (out of memory), and
+  /// std::invalid_argument, as above, for a model the GPU backend does not run.
+  TargetGpu(const ModelSpec& spec, uint64_t seed, cudaStream_t stream);
   ~TargetGpu();
 
   /// As TargetModel::forward (packed batch, cu_seqlens); results copied to the host as float32.
