@@ -1,0 +1,48 @@
+// Pieces shared by the GPU benchmarks (drafter-step, pipeline): the training sample, the drafter's
+// training step as they time it, and the peak-memory measurement.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "models/cuda/drafter_gpu.h"
+
+namespace dflash {
+
+/// The upper median of v (v not empty).
+double median(std::vector<double> v);
+
+/// A chat-like training sequence of S tokens: the first 10 % is prompt (no loss), the rest response;
+/// ids uniform in [0, c.mask_token_id), `anchors` anchors sampled from the response (fixed seed).
+/// `taps` is stored as is (device [S, K*d]). Throws std::invalid_argument when S leaves no anchor.
+DrafterGpuSequence bench_sequence(const DrafterConfig& c, int64_t S, int64_t anchors, const cuda::bf16* taps);
+
+/// One training step as the benchmarks time it: zero_grads, forward + backward of `seq`, clip 1.0
+/// and AdamW step t (1-based) at lr 6e-4. Synchronizes. Returns the loss.
+double bench_train_step(DrafterGpu& d, const DrafterGpuSequence& seq, bool recompute, int64_t t);
+
+/// The same step with per-stage GPU timers: DrafterGpuStepResult::stage_ms (forward, attention_fwd,
+/// cross_entropy, backward, attention_bwd) and "optimizer" (wall time of optimizer_step), in ms.
+nlohmann::json timed_train_step(DrafterGpu& d, const DrafterGpuSequence& seq, bool recompute, int64_t t);
+
+/// Peak memory of a benchmark on device 0: what its static allocations (weights, fixed buffers) took
+/// from cudaMemGetInfo's free memory, plus the high-water mark of the stream-ordered pool (the
+/// per-step temporaries) after them. Create it before the static allocations.
+class PeakMemory {
+ public:
+  /// Sets the device's default pool to keep freed memory between steps (no OS round trips per
+  /// step) and records the free memory. Throws std::runtime_error on CUDA errors.
+  PeakMemory();
+  /// After the static allocations: synchronizes `s`, records the free memory, resets the pool's
+  /// high-water mark.
+  void static_done(cudaStream_t s);
+  /// Static bytes + the pool's high-water mark since static_done, in GB (1e9 bytes).
+  double peak_gb() const;
+
+ private:
+  cudaMemPool_t pool_{};
+  size_t free0_ = 0, free1_ = 0;
+};
+
+}  // namespace dflash
