@@ -69,6 +69,15 @@ if [ "${GPU_CHECK_BENCH:-1}" != 0 ]; then
   done
   bench=$(tail -n 4 "$out/drafter-step.md" 2>/dev/null)
 fi
+# The training pipeline of one sample (target taps + drafter step, colocated on one GPU): the tiny
+# smoke run always (printed, not recorded); qwen3-8b with the benchmarks (appended to $out/pipeline.*).
+pipeline="--- tiny (not recorded)"$'\n'
+pipeline+=$(DFLASH_COMMIT="$commit" "$build/dflash" bench pipeline --preset tiny --steps 3 --warmup 1 --no-record 2>&1) || tests_rc=1
+if [ "${GPU_CHECK_BENCH:-1}" != 0 ]; then
+  p8=$(DFLASH_COMMIT="$commit" "$build/dflash" bench pipeline --preset qwen3-8b --results "$out" 2>&1) || tests_rc=1
+  echo "$p8" >>"$log"
+  pipeline+=$'\n'"--- qwen3-8b"$'\n'"$p8"
+fi
 smol="not run (DFLASH_SMOLLM2_GGUF unset)"
 if [ -n "${DFLASH_SMOLLM2_GGUF:-}" ]; then
   smol=$("$build/dflash" inspect "$DFLASH_SMOLLM2_GGUF" 2>&1 | sed -n '1,14p')
@@ -107,6 +116,10 @@ fi
   echo '## dflash bench drafter-step (one step = zero_grads + forward + backward + clip + AdamW)'
   echo '```'
   echo "$bench"
+  echo '```'
+  echo '## dflash bench pipeline (one sample = target forward_taps + drafter training step, one GPU)'
+  echo '```'
+  echo "$pipeline"
   echo '```'
   echo '## dflash inspect SmolLM2-135M-Instruct (Q4_1 GGUF)'
   echo '```'

@@ -7,11 +7,13 @@
 #include <filesystem>
 #include <random>
 
+#include "bench/presets.h"
 #include "bench/record.h"
 #include "cli/commands.h"
 #include "models/target.h"
 #ifdef DFLASH_HAVE_CUDA
 #include "bench/cuda/drafter_step_bench.h"
+#include "bench/cuda/pipeline_bench.h"
 #endif
 
 namespace dflash::cli {
@@ -45,6 +47,37 @@ void add_bench_drafter_step(CLI::App& bench, Runner& run) {
   });
 }
 
+void add_bench_pipeline(CLI::App& bench, Runner& run) {
+  auto* cmd = bench.add_subcommand("pipeline",
+                                   "Time one sample of the training pipeline on GPU 0: target taps + drafter step "
+                                   "(random weights, real shapes)");
+  static std::string preset, results = "bench/results";
+  static int64_t seq = 0, anchors = 512;
+  static int steps = 10, warmup = 3;
+  static bool no_record = false;
+  cmd->add_option("--preset", preset, "qwen3-8b | tiny (qwen3.6-27b is refused: no GatedDeltaNet GPU kernel yet)")
+      ->required();
+  cmd->add_option("--seq", seq, "Context length S (default: the preset's, 3072 for qwen3-8b)")
+      ->check(CLI::Range(int64_t(0), int64_t(1) << 20));
+  cmd->add_option("--anchors", anchors, "Anchors per sequence")->capture_default_str()->check(CLI::Range(int64_t(1), int64_t(1) << 16));
+  cmd->add_option("--steps", steps, "Timed samples (the median is recorded)")->capture_default_str()->check(CLI::Range(1, 10000));
+  cmd->add_option("--warmup", warmup, "Untimed samples first")->capture_default_str()->check(CLI::Range(0, 1000));
+  cmd->add_option("--results", results, "Directory of the JSONL records")->capture_default_str();
+  cmd->add_flag("--no-record", no_record, "Print only; append nothing to the results");
+  cmd->callback([&run] {
+    run = [] {
+      // Unknown presets and targets the GPU cannot run are refused with the reason in every build.
+      pipeline_bench_preset(preset);
+#ifdef DFLASH_HAVE_CUDA
+      return run_pipeline_bench({preset, seq, anchors, steps, warmup, results, !no_record});
+#else
+      fmt::print(stderr, "dflash bench pipeline: this build has no CUDA backend (configure with nvcc present)\n");
+      return 2;
+#endif
+    };
+  });
+}
+
 }  // namespace
 
 void add_bench(CLI::App& app, Runner& run) {
@@ -53,6 +86,7 @@ void add_bench(CLI::App& app, Runner& run) {
   auto* tf = bench->add_subcommand("target-forward", "Time a target's forward pass (random token ids)");
   add_bench_tokenize(*bench, run);
   add_bench_drafter_step(*bench, run);
+  add_bench_pipeline(*bench, run);
   static std::string model, preset, results = "bench/results", device = "cpu";
   static int64_t tokens = 256;
   static int repeat = 3;

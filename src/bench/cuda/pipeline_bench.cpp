@@ -1,0 +1,107 @@
+#include "bench/cuda/pipeline_bench.h"
+
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <chrono>
+#include <tuple>
+
+#include "bench/cuda/bench_util.h"
+#include "bench/presets.h"
+#include "bench/record.h"
+#include "models/cuda/drafter_gpu.h"
+#include "models/cuda/target_gpu.h"
+
+namespace dflash {
+
+namespace {
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
+int run_pipeline_bench(const PipelineBenchOptions& o) {
+  const PipelineBenchPreset p = pipeline_bench_preset(o.preset);
+  const DrafterConfig& c = p.drafter.cfg;
+  const int64_t S = o.seq > 0 ? o.seq : p.drafter.S, K = int64_t(c.target_layer_ids.size());
+  cuda::require_device("bench pipeline");
+  cudaStream_t s;
+  DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
+
+  PeakMemory mem;
+  TargetGpu target(p.target, 4321, s);
+  // The drafter's embed_tokens / lm_head are its own random ones, not the target's: DrafterGpu owns
+  // its copy (sharing would need a DrafterGpu constructor over the target's device arrays). Same
+  // shapes, so the same work; and dflash train's GPU backend holds two copies as well, so the peak
+  // memory is that run's (2 x V x d bf16 more than one shared copy).
+  DrafterGpu drafter(c, p.drafter.V, 1234, s);
+  cuda::DeviceArray<cuda::bf16> taps(size_t(S * K * c.hidden_size));
+  mem.static_done(s);
+
+  const DrafterGpuSequence seq = bench_sequence(c, S, o.anchors, taps.data());
+  const std::vector<int32_t> ids(seq.ids.begin(), seq.ids.end());
+  auto run_target = [&] { target.forward_taps(ids, {0, S}, c.target_layer_ids, taps.data()); };
+
+  std::vector<double> target_ms, drafter_ms, sample_ms;
+  double loss = 0;
+  for (int i = 0; i < o.warmup + o.steps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    run_target();
+    DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));
+    const double tm = ms_since(t0);
+    const auto t1 = std::chrono::steady_clock::now();
+    loss = bench_train_step(drafter, seq, false, i + 1);
+    const double dm = ms_since(t1);
+    if (i < o.warmup) continue;
+    target_ms.push_back(tm), drafter_ms.push_back(dm), sample_ms.push_back(tm + dm);
+  }
+  // One more sample with GPU timers per stage: the target's forward (CUDA events) and the drafter's
+  // stage timers.
+  cudaEvent_t e0, e1;
+  DFLASH_CUDA_CHECK(cudaEventCreate(&e0));
+  DFLASH_CUDA_CHECK(cudaEventCreate(&e1));
+  DFLASH_CUDA_CHECK(cudaEventRecord(e0, s));
+  run_target();
+  DFLASH_CUDA_CHECK(cudaEventRecord(e1, s));
+  DFLASH_CUDA_CHECK(cudaEventSynchronize(e1));
+  float target_gpu_ms = 0;
+  DFLASH_CUDA_CHECK(cudaEventElapsedTime(&target_gpu_ms, e0, e1));
+  DFLASH_CUDA_CHECK(cudaEventDestroy(e0));
+  DFLASH_CUDA_CHECK(cudaEventDestroy(e1));
+  nlohmann::json stages = {{"target_forward", target_gpu_ms}};
+  const nlohmann::json drafter_stages = timed_train_step(drafter, seq, false, o.warmup + o.steps + 1);
+  for (const auto& st : drafter_stages.items()) stages["drafter_" + st.key()] = st.value();
+  const double peak_gb = mem.peak_gb();
+
+  const double per_sample_ms = median(sample_ms);
+  const double samples_per_s = 1e3 / per_sample_ms;
+  const nlohmann::json extra = {
+      {"S", S}, {"anchors", seq.num_blocks}, {"block_size", c.block_size}, {"target_layers", p.target.num_hidden_layers},
+      {"target_layers_run", *std::max_element(c.target_layer_ids.begin(), c.target_layer_ids.end()) + 1},
+      {"target_layer_ids", c.target_layer_ids}, {"hidden", c.hidden_size}, {"vocab", p.drafter.V},
+      {"drafter_layers", c.num_hidden_layers}, {"drafter_params", drafter.num_params()}, {"steps", o.steps},
+      {"warmup", o.warmup}, {"sample_ms", per_sample_ms},
+      {"min_sample_ms", *std::min_element(sample_ms.begin(), sample_ms.end())},
+      {"max_sample_ms", *std::max_element(sample_ms.begin(), sample_ms.end())}, {"target_ms", median(target_ms)},
+      {"drafter_ms", median(drafter_ms)}, {"loss", loss}, {"stage_ms", stages},
+      {"what", "one sample: target forward_taps + drafter zero_grads + forward + backward + clip + AdamW, "
+               "colocated on one GPU (wall time; stage_ms: GPU time of one more sample)"}};
+  for (const auto& [metric, value, unit] :
+       {std::tuple<const char*, double, const char*>{"samples_per_s", samples_per_s, "samples/s"},
+        {"tokens_per_s", samples_per_s * double(S), "tokens/s"},
+        {"peak_gb", peak_gb, "GB"}}) {
+    BenchRecord r;
+    r.bench = "pipeline";
+    r.preset = o.preset;
+    r.metric = metric;
+    r.value = value;
+    r.unit = unit;
+    r.extra = extra;
+    if (o.record) r = append_bench_record(o.results, r, true);
+    fmt::print("{}\n", to_json(r).dump());
+  }
+  DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
+  return 0;
+}
+
+}  // namespace dflash
