@@ -85,7 +85,7 @@ void run_case(const Case& c, uint64_t seed) {
     gq.fill_bytes(0xFF, s);
     gk.fill_bytes(0xFF, s);
     gv.fill_bytes(0xFF, s);
-    DeviceArray<char> ws{size_t(cuda::masked_attention_backward_workspace_bytes(c.Nq, c.H))};
+    DeviceArray<char> ws{size_t(cuda::masked_attention_backward_workspace_bytes(c.Nq, c.Nk, c.H, c.Hkv, c.D))};
     cuda::masked_attention_backward(dq_.data(), dk_.data(), dv_.data(), o.data(), lse.data(), ddo.data(), dr.data(),
                                     c.Nq, c.Nk, c.H, c.Hkv, c.D, float(scale), gq.data(), gk.data(), gv.data(),
                                     ws.data(), s);
@@ -129,6 +129,10 @@ TEST(CudaMaskedAttention, DflashMasksFullSlidingAndPadding) {
   for (int64_t a = 5; a < 300 && anchors.size() < 38; a += 1 + int64_t(rng() % 12)) anchors.push_back(a);
   run_case(dflash_case("dflash full S300 B16", 300, anchors, 40, 16, 0, 8, 2, 128), 30);
   run_case(dflash_case("dflash sliding S300 W64", 300, anchors, 40, 16, 64, 8, 2, 128), 31);
+  // 70 blocks of 16 = 18 query tiles: the dK / dV launch splits into parts (fp32 partials + reduce).
+  anchors.clear();
+  for (int64_t a = 3; a < 600 && anchors.size() < 70; a += 1 + int64_t(rng() % 14)) anchors.push_back(a);
+  for (int D : {64, 128}) run_case(dflash_case("dflash full S600 split dkv", 600, anchors, 70, 16, 0, 4, 2, D), 40 + D);
 }
 
 TEST(CudaMaskedAttention, CausalVarlenAndOverlappingRows) {

@@ -199,13 +199,23 @@ TEST(CudaElementwise, SwigluGatherAdd) {
   cpu::swiglu_backward(G, U, DY, &dg_ref, &du_ref);
   cpu::swiglu(A, U);
   auto dG = to_device_bf16(g, st.s), dU = to_device_bf16(u, st.s), dDY = to_device_bf16(dy, st.s);
-  DeviceArray<bf16> act{size_t(n)}, dg{size_t(n)}, du{size_t(n)};
-  act.fill_bytes(0xFF, st.s);
-  cuda::swiglu_forward(dG.data(), dU.data(), act.data(), n, st.s);
-  cuda::swiglu_backward(dG.data(), dU.data(), dDY.data(), dg.data(), du.data(), n, st.s);
-  EXPECT_LE(test::rel_l2(to_host_f32(act, st.s), A.data), kTolBf16Out);
-  EXPECT_LE(test::rel_l2(to_host_f32(dg, st.s), dg_ref.data), kTolBf16Out);
-  EXPECT_LE(test::rel_l2(to_host_f32(du, st.s), du_ref.data), kTolBf16Out);
+  // off 0: 16-byte aligned (8-element packs, then a 1-element tail); off 1: unaligned, element-wise.
+  for (const int64_t off : {0, 1}) {
+    const int64_t m = n - off;
+    DeviceArray<bf16> act{size_t(n)}, dg{size_t(n)}, du{size_t(n)};
+    act.fill_bytes(0xFF, st.s);
+    cuda::swiglu_forward(dG.data() + off, dU.data() + off, act.data() + off, m, st.s);
+    cuda::swiglu_backward(dG.data() + off, dU.data() + off, dDY.data() + off, dg.data() + off, du.data() + off, m,
+                          st.s);
+    auto tail = [&](const std::vector<double>& v) { return std::vector<double>(v.begin() + off, v.end()); };
+    auto tailf = [&](const DeviceArray<bf16>& a) {
+      const auto h = to_host_f32(a, st.s);
+      return std::vector<float>(h.begin() + off, h.end());
+    };
+    EXPECT_LE(test::rel_l2(tailf(act), tail(A.data)), kTolBf16Out) << off;
+    EXPECT_LE(test::rel_l2(tailf(dg), tail(dg_ref.data)), kTolBf16Out) << off;
+    EXPECT_LE(test::rel_l2(tailf(du), tail(du_ref.data)), kTolBf16Out) << off;
+  }
 
   const int64_t V = 97, d = 72;
   const auto table = rand_bf16_values(size_t(V * d), rng);
@@ -223,6 +233,23 @@ TEST(CudaElementwise, SwigluGatherAdd) {
   DeviceArray<int32_t> dbad(ids, st.s);
   cuda::embedding_gather(dT.data(), V, d, dbad.data(), int64_t(ids.size()), out.data(), bad.data(), st.s);
   EXPECT_EQ(bad.to_host(st.s)[0], 1);
+
+  // scatter_rows puts gathered rows back where they came from; the other rows stay 0.
+  const std::vector<int32_t> dst = {96, 5, 0};
+  DeviceArray<int32_t> ddst(dst, st.s);
+  DeviceArray<bf16> back{size_t(V * d)};
+  back.fill_bytes(0, st.s);
+  const std::vector<int32_t> src_rows = {1, 3, 0};  // out rows holding table rows 96, 5, 0
+  DeviceArray<bf16> picked{size_t(3 * d)};
+  DeviceArray<int32_t> dsrc(src_rows, st.s);
+  cuda::embedding_gather(out.data(), int64_t(ids.size()), d, dsrc.data(), 3, picked.data(), nullptr, st.s);
+  cuda::scatter_rows(picked.data(), 3, d, ddst.data(), back.data(), st.s);
+  const auto b = to_host_f32(back, st.s);
+  for (int64_t r = 0; r < V; ++r)
+    for (int64_t c = 0; c < d; ++c) {
+      const double want = (r == 96 || r == 5 || r == 0) ? table[size_t(r * d + c)] : 0.0;
+      ASSERT_EQ(b[size_t(r * d + c)], want) << r << " " << c;
+    }
 
   auto y = to_device_bf16(g, st.s);
   cuda::add_inplace(y.data(), dU.data(), n, st.s);

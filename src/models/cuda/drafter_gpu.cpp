@@ -297,7 +297,6 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   const auto slide = cuda::to_kv_range32(cpu::dflash_kv_ranges(seq.anchors, N, B, S, c.sliding_window));
 
   auto d_ids = upload(lay.block_ids, s);
-  auto d_labels = upload(labels, s);
   auto d_pq = upload(lay.pos_q, s), d_pkv = upload(lay.pos_kv, s);
   auto d_inv = upload(inv_freq, s);
   auto d_full = upload(full, s), d_slide = upload(slide, s);
@@ -390,28 +389,46 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   StreamBuffer<float> inv_final(size_t(Q), s);
   cuda::rms_norm_forward(x.data(), I.F("norm.weight"), hf.data(), inv_final.data(), Q, d, c.rms_norm_eps, false, s);
 
-  // Cross entropy, fused with its backward when one is wanted (coef = w / sum(w) is known up front).
-  std::vector<float> coef(static_cast<size_t>(Q));
-  for (int64_t r = 0; r < Q; ++r) coef[size_t(r)] = wsum > 0 ? float(wts[size_t(r)] / wsum) : 0.f;
-  auto d_coef = upload(coef, s);
-  const bool backward = opt.backward && wsum > 0;
+  // Cross entropy, fused with its backward when one is wanted (coef = w / sum(w) is known up front),
+  // over the rows with a loss weight only (block position 0, padding and prompt labels have none):
+  // those rows are gathered, and their gradient scattered back into a zeroed dhf.
+  std::vector<int32_t> used, used_labels;
+  std::vector<float> coef;
+  for (int64_t r = 0; r < Q; ++r)
+    if (wts[size_t(r)] > 0) {
+      used.push_back(int32_t(r));
+      used_labels.push_back(labels[size_t(r)]);
+      coef.push_back(float(wts[size_t(r)] / wsum));
+    }
+  const int64_t Qc = int64_t(used.size());
+  const bool backward = opt.backward && Qc > 0;
   timer.end("forward");
   timer.begin("cross_entropy");
-  const int64_t rc = std::min(Q, cuda::cross_entropy_row_chunk(I.V, opt.ce_chunk_bytes));
-  StreamBuffer<char> ce_ws(size_t(cuda::cross_entropy_workspace_bytes(rc, I.V)), s);
-  StreamBuffer<float> lse(size_t(Q), s), tl(size_t(Q), s);
-  StreamBuffer<int32_t> amax(size_t(Q), s);
   StreamBuffer<bf16> dhf(backward ? size_t(Q * d) : 0, s);
-  cuda::cross_entropy(I.gemm, hf.data(), I.lm_head.data(), Q, d, I.V, d_labels.data(), d_coef.data(), rc, ce_ws.data(),
-                      {lse.data(), tl.data(), amax.data()}, backward ? dhf.data() : nullptr);
-  ce_ws = StreamBuffer<char>();
+  std::vector<float> h_lse(static_cast<size_t>(Qc)), h_tl(static_cast<size_t>(Qc));
+  std::vector<int32_t> h_amax(static_cast<size_t>(Qc));
+  if (Qc > 0) {
+    auto d_used = upload(used, s), d_ul = upload(used_labels, s);
+    auto d_coef = upload(coef, s);
+    StreamBuffer<bf16> hc(size_t(Qc * d), s);  // hf rows with a loss weight [Qc, d]
+    cuda::embedding_gather(hf.data(), Q, d, d_used.data(), Qc, hc.data(), nullptr, s);
+    const int64_t rc = std::min(Qc, cuda::cross_entropy_row_chunk(I.V, opt.ce_chunk_bytes));
+    StreamBuffer<char> ce_ws(size_t(cuda::cross_entropy_workspace_bytes(rc, I.V)), s);
+    StreamBuffer<float> lse(size_t(Qc), s), tl(size_t(Qc), s);
+    StreamBuffer<int32_t> amax(size_t(Qc), s);
+    StreamBuffer<bf16> dhc(backward ? size_t(Qc * d) : 0, s);
+    cuda::cross_entropy(I.gemm, hc.data(), I.lm_head.data(), Qc, d, I.V, d_ul.data(), d_coef.data(), rc,
+                        ce_ws.data(), {lse.data(), tl.data(), amax.data()}, backward ? dhc.data() : nullptr);
+    if (backward) {
+      DFLASH_CUDA_CHECK(cudaMemsetAsync(dhf.data(), 0, size_t(Q * d) * 2, s));
+      cuda::scatter_rows(dhc.data(), Qc, d, d_used.data(), dhf.data(), s);
+    }
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(h_lse.data(), lse.data(), size_t(Qc) * 4, cudaMemcpyDeviceToHost, s));
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(h_tl.data(), tl.data(), size_t(Qc) * 4, cudaMemcpyDeviceToHost, s));
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(h_amax.data(), amax.data(), size_t(Qc) * 4, cudaMemcpyDeviceToHost, s));
+  }
   timer.end("cross_entropy");
-  std::vector<float> h_lse(static_cast<size_t>(Q)), h_tl(static_cast<size_t>(Q));
-  std::vector<int32_t> h_amax(static_cast<size_t>(Q));
   int h_bad = 0;
-  DFLASH_CUDA_CHECK(cudaMemcpyAsync(h_lse.data(), lse.data(), size_t(Q) * 4, cudaMemcpyDeviceToHost, s));
-  DFLASH_CUDA_CHECK(cudaMemcpyAsync(h_tl.data(), tl.data(), size_t(Q) * 4, cudaMemcpyDeviceToHost, s));
-  DFLASH_CUDA_CHECK(cudaMemcpyAsync(h_amax.data(), amax.data(), size_t(Q) * 4, cudaMemcpyDeviceToHost, s));
   DFLASH_CUDA_CHECK(cudaMemcpyAsync(&h_bad, bad.data(), sizeof(int), cudaMemcpyDeviceToHost, s));
   DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));
   if (h_bad) throw std::invalid_argument("DrafterGpu::step: mask_token_id outside the embedding");
@@ -420,12 +437,12 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   res.slot_correct.assign(size_t(B), 0);
   res.slot_count.assign(size_t(B), 0);
   double lsum = 0;
-  for (int64_t r = 0; r < Q; ++r)
-    if (wts[size_t(r)] > 0) {
-      lsum += wts[size_t(r)] * (double(h_lse[size_t(r)]) - double(h_tl[size_t(r)]));
-      res.slot_count[size_t(r % B)] += 1;
-      res.slot_correct[size_t(r % B)] += h_amax[size_t(r)] == labels[size_t(r)];
-    }
+  for (int64_t i = 0; i < Qc; ++i) {
+    const size_t r = size_t(used[size_t(i)]);
+    lsum += wts[r] * (double(h_lse[size_t(i)]) - double(h_tl[size_t(i)]));
+    res.slot_count[r % size_t(B)] += 1;
+    res.slot_correct[r % size_t(B)] += h_amax[size_t(i)] == labels[r];
+  }
   res.loss = wsum > 0 ? lsum / wsum : 0.0;
   if (!backward) {
     res.stage_ms = timer.totals();
@@ -450,7 +467,7 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   };
   StreamBuffer<bf16> dact(size_t(Q * Im), s), dhp(size_t(Q * d), s), dof(size_t(Q * H * hd), s), dq(size_t(Q * H * hd), s),
       dk(size_t(SQ * Hkv * hd), s), dv(size_t(SQ * Hkv * hd), s), dhn(size_t(Q * d), s);
-  StreamBuffer<char> aws(size_t(cuda::masked_attention_backward_workspace_bytes(Q, int(H))), s);
+  StreamBuffer<char> aws(size_t(cuda::masked_attention_backward_workspace_bytes(Q, SQ, int(H), int(Hkv), int(hd))), s);
   for (int64_t i = L - 1; i >= 0; --i) {
     Saved& a = sv[size_t(i)];
     if (opt.recompute) forward_layer(i, a);  // the same kernels on the same input: bitwise the same activations

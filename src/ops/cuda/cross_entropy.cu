@@ -28,8 +28,34 @@ __device__ Stat combine(Stat a, Stat b) {
   return r;
 }
 
+/// Folds logit x (column c) into the running statistics.
+__device__ __forceinline__ void push(Stat& st, float x, int c) {
+  if (x > st.m) {
+    st.s = st.s * __expf(st.m - x) + 1.f;
+    st.m = x;
+  } else {
+    st.s += __expf(x - st.m);
+  }
+  if (x > st.bv) st.bv = x, st.bi = c;  // strictly greater: the first index wins per thread
+}
+
+/// Folds four consecutive logits (columns c..c+3): one rescale at most, then four exponentials.
+__device__ __forceinline__ void push4(Stat& st, float4 x, int c) {
+  const float m4 = fmaxf(fmaxf(x.x, x.y), fmaxf(x.z, x.w));
+  if (m4 > st.m) {
+    st.s = st.m == -INFINITY ? 0.f : st.s * __expf(st.m - m4);
+    st.m = m4;
+  }
+  st.s += __expf(x.x - st.m) + __expf(x.y - st.m) + __expf(x.z - st.m) + __expf(x.w - st.m);
+  if (m4 > st.bv) {
+    st.bv = m4;
+    st.bi = x.x == m4 ? c : x.y == m4 ? c + 1 : x.z == m4 ? c + 2 : c + 3;
+  }
+}
+
 // One block per row of the chunk: online softmax statistics, target logit, argmax, and (if g) the
-// logit gradient coef * (softmax - onehot) in bf16.
+// logit gradient coef * (softmax - onehot) in bf16. Rows are read as float4 when V % 4 == 0 (rows
+// then start 16-byte aligned), two loads in flight per thread.
 __global__ void __launch_bounds__(kThreads) ce_row_kernel(const float* logits, int64_t V, const int32_t* targets,
                                                           const float* coef, float* lse, float* tl, int32_t* amax,
                                                           bf16* g) {
@@ -37,16 +63,20 @@ __global__ void __launch_bounds__(kThreads) ce_row_kernel(const float* logits, i
   __shared__ float s_lse;
   const int64_t r = blockIdx.x;
   const float* L = logits + r * V;
+  const bool vec = V % 4 == 0;
   Stat st{-INFINITY, 0.f, -INFINITY, INT_MAX};
-  for (int64_t c = threadIdx.x; c < V; c += blockDim.x) {
-    const float x = L[c];
-    if (x > st.m) {
-      st.s = st.s * __expf(st.m - x) + 1.f;
-      st.m = x;
-    } else {
-      st.s += __expf(x - st.m);
+  if (vec) {
+    const float4* L4 = reinterpret_cast<const float4*>(L);
+    const int n4 = int(V / 4);
+    int c = threadIdx.x;
+    for (; c + int(blockDim.x) < n4; c += 2 * blockDim.x) {
+      const float4 a = L4[c], b = L4[c + blockDim.x];
+      push4(st, a, 4 * c);
+      push4(st, b, 4 * (c + blockDim.x));
     }
-    if (x > st.bv) st.bv = x, st.bi = int(c);  // strictly greater: the first index wins per thread
+    if (c < n4) push4(st, L4[c], 4 * c);
+  } else {
+    for (int64_t c = threadIdx.x; c < V; c += blockDim.x) push(st, L[c], int(c));
   }
   for (int o = 16; o > 0; o >>= 1) {
     Stat other{__shfl_xor_sync(0xffffffffu, st.m, o), __shfl_xor_sync(0xffffffffu, st.s, o),
@@ -69,9 +99,20 @@ __global__ void __launch_bounds__(kThreads) ce_row_kernel(const float* logits, i
   const float cr = coef[r], l = s_lse;
   const int32_t tgt = targets[r];
   bf16* gr = g + r * V;
-  for (int64_t c = threadIdx.x; c < V; c += blockDim.x) {
-    const float v = cr == 0.f ? 0.f : cr * (__expf(L[c] - l) - (c == tgt ? 1.f : 0.f));
-    gr[c] = __float2bfloat16_rn(v);
+  auto grad = [&](float x, int64_t c) { return cr == 0.f ? 0.f : cr * (__expf(x - l) - (c == tgt ? 1.f : 0.f)); };
+  if (vec) {
+    const float4* L4 = reinterpret_cast<const float4*>(L);
+    for (int64_t c = threadIdx.x; c < V / 4; c += blockDim.x) {
+      const float4 x = L4[c];
+      __nv_bfloat162 lo = __floats2bfloat162_rn(grad(x.x, 4 * c), grad(x.y, 4 * c + 1));
+      __nv_bfloat162 hi = __floats2bfloat162_rn(grad(x.z, 4 * c + 2), grad(x.w, 4 * c + 3));
+      uint2 packed;
+      packed.x = *reinterpret_cast<uint32_t*>(&lo);
+      packed.y = *reinterpret_cast<uint32_t*>(&hi);
+      reinterpret_cast<uint2*>(gr)[c] = packed;
+    }
+  } else {
+    for (int64_t c = threadIdx.x; c < V; c += blockDim.x) gr[c] = __float2bfloat16_rn(grad(L[c], c));
   }
 }
 

@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <cstdint>
 #include <stdexcept>
 
 #include "ops/cuda/elementwise.h"
@@ -7,24 +8,71 @@ namespace dflash::cuda {
 
 namespace {
 
+/// Packs of 8 when every pointer is 16-byte aligned, else 0 (all elements take the scalar tail).
+template <typename... P>
+int64_t packs_of(int64_t n, const P*... p) {
+  return ((reinterpret_cast<uintptr_t>(p) % 16 == 0) && ...) ? n / 8 : 0;
+}
+
 int grid_for(int64_t n) { return int(std::max<int64_t>(1, std::min<int64_t>((n + 255) / 256, 65535 * 4))); }
 
 #define DFLASH_GRID_STRIDE(i, n) \
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < (n); i += int64_t(gridDim.x) * blockDim.x)
 
-__global__ void swiglu_fwd_kernel(const bf16* g, const bf16* u, bf16* a, int64_t n) {
-  DFLASH_GRID_STRIDE(i, n) {
-    const float gv = __bfloat162float(g[i]);
-    a[i] = __float2bfloat16_rn(gv / (1.f + __expf(-gv)) * __bfloat162float(u[i]));
+// The bf16 maps below read and write 8 elements (16 bytes) per thread and step when every pointer is
+// 16-byte aligned ("packs" of 8), then finish the tail (or everything, when unaligned) one by one.
+__device__ __forceinline__ void load8(const bf16* p, float (&f)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float2 t = __bfloat1622float2(h[k]);
+    f[2 * k] = t.x, f[2 * k + 1] = t.y;
   }
 }
+__device__ __forceinline__ void store8(bf16* p, const float (&f)[8]) {
+  uint4 u;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) h[k] = __floats2bfloat162_rn(f[2 * k], f[2 * k + 1]);
+  *reinterpret_cast<uint4*>(p) = u;
+}
+#define DFLASH_TAIL_STRIDE(i, from, n)                                                                  \
+  for (int64_t i = (from) + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < (n); \
+       i += int64_t(gridDim.x) * blockDim.x)
 
-__global__ void swiglu_bwd_kernel(const bf16* g, const bf16* u, const bf16* da, bf16* dg, bf16* du, int64_t n) {
-  DFLASH_GRID_STRIDE(i, n) {
-    const float gv = __bfloat162float(g[i]), uv = __bfloat162float(u[i]), d = __bfloat162float(da[i]);
-    const float s = 1.f / (1.f + __expf(-gv));
-    dg[i] = __float2bfloat16_rn(d * uv * s * (1.f + gv * (1.f - s)));
-    du[i] = __float2bfloat16_rn(d * gv * s);
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + __expf(-g)) * u; }
+__device__ __forceinline__ void silu_mul_grad(float g, float u, float d, float& dg, float& du) {
+  const float s = 1.f / (1.f + __expf(-g));
+  dg = d * u * s * (1.f + g * (1.f - s));
+  du = d * g * s;
+}
+
+__global__ void swiglu_fwd_kernel(const bf16* g, const bf16* u, bf16* a, int64_t n, int64_t packs) {
+  DFLASH_GRID_STRIDE(p, packs) {
+    float G[8], U[8], A[8];
+    load8(g + 8 * p, G), load8(u + 8 * p, U);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) A[k] = silu_mul(G[k], U[k]);
+    store8(a + 8 * p, A);
+  }
+  DFLASH_TAIL_STRIDE(i, 8 * packs, n) a[i] = __float2bfloat16_rn(silu_mul(__bfloat162float(g[i]), __bfloat162float(u[i])));
+}
+
+__global__ void swiglu_bwd_kernel(const bf16* g, const bf16* u, const bf16* da, bf16* dg, bf16* du, int64_t n,
+                                  int64_t packs) {
+  DFLASH_GRID_STRIDE(p, packs) {
+    float G[8], U[8], D[8], DG[8], DU[8];
+    load8(g + 8 * p, G), load8(u + 8 * p, U), load8(da + 8 * p, D);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) silu_mul_grad(G[k], U[k], D[k], DG[k], DU[k]);
+    store8(dg + 8 * p, DG), store8(du + 8 * p, DU);
+  }
+  DFLASH_TAIL_STRIDE(i, 8 * packs, n) {
+    float a, b;
+    silu_mul_grad(__bfloat162float(g[i]), __bfloat162float(u[i]), __bfloat162float(da[i]), a, b);
+    dg[i] = __float2bfloat16_rn(a);
+    du[i] = __float2bfloat16_rn(b);
   }
 }
 
@@ -42,8 +90,19 @@ __global__ void gather_kernel(const bf16* table, int64_t V, int64_t d, const int
   }
 }
 
-__global__ void add_kernel(bf16* y, const bf16* x, int64_t n) {
-  DFLASH_GRID_STRIDE(i, n) y[i] = __float2bfloat16_rn(__bfloat162float(y[i]) + __bfloat162float(x[i]));
+__global__ void add_kernel(bf16* y, const bf16* x, int64_t n, int64_t packs) {
+  DFLASH_GRID_STRIDE(p, packs) {
+    float Y[8], X[8];
+    load8(y + 8 * p, Y), load8(x + 8 * p, X);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) Y[k] += X[k];
+    store8(y + 8 * p, Y);
+  }
+  DFLASH_TAIL_STRIDE(i, 8 * packs, n) y[i] = __float2bfloat16_rn(__bfloat162float(y[i]) + __bfloat162float(x[i]));
+}
+
+__global__ void scatter_kernel(const bf16* rows, int64_t n, int64_t d, const int32_t* ids, bf16* out) {
+  DFLASH_GRID_STRIDE(i, n * d) out[int64_t(ids[i / d]) * d + i % d] = rows[i];
 }
 
 __device__ __forceinline__ uint64_t splitmix64(uint64_t z) {
@@ -79,7 +138,8 @@ void fill_normal(bf16* x, int64_t n, uint64_t seed, float mean, float sd, cudaSt
 void swiglu_forward(const bf16* gate, const bf16* up, bf16* act, int64_t n, cudaStream_t stream) {
   if (n < 0) throw std::invalid_argument("swiglu_forward: negative size");
   if (n == 0) return;
-  swiglu_fwd_kernel<<<grid_for(n), 256, 0, stream>>>(gate, up, act, n);
+  const int64_t packs = packs_of(n, gate, up, act);
+  swiglu_fwd_kernel<<<grid_for(std::max(packs, n - 8 * packs)), 256, 0, stream>>>(gate, up, act, n, packs);
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
@@ -87,7 +147,8 @@ void swiglu_backward(const bf16* gate, const bf16* up, const bf16* dact, bf16* d
                      cudaStream_t stream) {
   if (n < 0) throw std::invalid_argument("swiglu_backward: negative size");
   if (n == 0) return;
-  swiglu_bwd_kernel<<<grid_for(n), 256, 0, stream>>>(gate, up, dact, dgate, dup, n);
+  const int64_t packs = packs_of(n, gate, up, dact, dgate, dup);
+  swiglu_bwd_kernel<<<grid_for(std::max(packs, n - 8 * packs)), 256, 0, stream>>>(gate, up, dact, dgate, dup, n, packs);
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
@@ -99,10 +160,18 @@ void embedding_gather(const bf16* table, int64_t V, int64_t d, const int32_t* id
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
+void scatter_rows(const bf16* rows, int64_t n, int64_t d, const int32_t* ids, bf16* out, cudaStream_t stream) {
+  if (n < 0 || d <= 0) throw std::invalid_argument("scatter_rows: bad sizes");
+  if (n == 0) return;
+  scatter_kernel<<<grid_for(n * d), 256, 0, stream>>>(rows, n, d, ids, out);
+  DFLASH_CUDA_CHECK_LAUNCH();
+}
+
 void add_inplace(bf16* y, const bf16* x, int64_t n, cudaStream_t stream) {
   if (n < 0) throw std::invalid_argument("add_inplace: negative size");
   if (n == 0) return;
-  add_kernel<<<grid_for(n), 256, 0, stream>>>(y, x, n);
+  const int64_t packs = packs_of(n, y, x);
+  add_kernel<<<grid_for(std::max(packs, n - 8 * packs)), 256, 0, stream>>>(y, x, n, packs);
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 

@@ -21,6 +21,10 @@ void swiglu_backward(const bf16* gate, const bf16* up, const bf16* dact, bf16* d
 void embedding_gather(const bf16* table, int64_t V, int64_t d, const int32_t* ids, int64_t rows, bf16* out,
                       int* bad_id, cudaStream_t stream);
 
+/// out[ids[r], :] = rows[r, :] for r < n (rows [n, d] bf16, out [N, d]; ids distinct, in [0, N): checked
+/// by the caller). Other rows of out are left as they are. The inverse of embedding_gather.
+void scatter_rows(const bf16* rows, int64_t n, int64_t d, const int32_t* ids, bf16* out, cudaStream_t stream);
+
 /// y [n] += x [n] (bf16, fp32 add, rounded once).
 void add_inplace(bf16* y, const bf16* x, int64_t n, cudaStream_t stream);
 

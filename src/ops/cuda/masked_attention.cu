@@ -144,6 +144,11 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
   const unsigned d = unsigned(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
 }
+/// 4-byte cp.async (through L1); zero-fills when !valid.
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
+  const unsigned d = unsigned(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 4 : 0));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 /// Waits until at most one committed group (the newest) is still in flight.
 __device__ __forceinline__ void cp_async_wait_prev() { asm volatile("cp.async.wait_group 1;\n" ::); }
@@ -234,18 +239,21 @@ __device__ void tile_union(const KvRange32* ranges, int Nq, int row0, int rows, 
 // ---------------------------------------------------------------------------------------------
 // Forward: one CTA per (query tile, head); warp w owns rows 16w..16w+15 of the tile.
 template <int D, int W>
-__global__ void __launch_bounds__(32 * W) fwd_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
+__global__ void __launch_bounds__(32 * W, D <= 128 ? 3 : 1) fwd_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                        const bf16* __restrict__ v, const KvRange32* __restrict__ ranges,
                                                        int Nq, int Nk, int H, int Hkv, float scale_log2, bf16* o,
                                                        float* lse) {
   constexpr int LD = D + 8;
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int QR = 16 * W;
-  bf16* Qs = reinterpret_cast<bf16*>(smem);  // [QR][LD]
-  bf16* Kb = Qs + QR * LD;                   // 2 x [BN][LD]
+  static_assert(QR <= BN, "the query tile is staged in the second key buffer");
+  bf16* Kb = reinterpret_cast<bf16*>(smem);  // 2 x [BN][LD]
   bf16* Vb = Kb + 2 * BN * LD;               // 2 x [BN][LD]
+  bf16* Qs = Kb + BN * LD;                   // [QR][LD], in key buffer 1 until key tile 1 is fetched
   __shared__ int lohi[8];
-  const int h = blockIdx.y, kvh = h / (H / Hkv), row0 = blockIdx.x * QR;
+  // Query tiles in reverse: later rows see more keys (causal, and DFlash anchors are sorted), so
+  // the longest tiles start first and the short ones fill the end of the launch.
+  const int h = blockIdx.y, kvh = h / (H / Hkv), row0 = (gridDim.x - 1 - blockIdx.x) * QR;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   load_rows<D>(Qs, LD, q, Nq, H, h, row0, QR);
   tile_union(ranges, Nq, row0, QR, lohi);  // (synchronizes)
@@ -254,6 +262,7 @@ __global__ void __launch_bounds__(32 * W) fwd_kernel(const bf16* __restrict__ q,
   uint32_t qa[D / 16][4];
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) load_a(qa[kk], Qs, LD, warp * 16, kk * 16, g, t);
+  __syncthreads();  // every warp holds its Q fragments before key buffer 1 is refilled
   float oacc[D / 8][4];
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) oacc[i][0] = oacc[i][1] = oacc[i][2] = oacc[i][3] = 0.f;
@@ -363,7 +372,9 @@ __global__ void __launch_bounds__(32 * W) dq_kernel(const bf16* __restrict__ q, 
   bf16* Kb = Qs + QR * LD;                   // 2 x [BN][LD]
   bf16* Vb = Kb + 2 * BN * LD;               // 2 x [BN][LD]
   __shared__ int lohi[8];
-  const int h = blockIdx.y, kvh = h / (H / Hkv), row0 = blockIdx.x * QR;
+  // Query tiles in reverse: later rows see more keys (causal, and DFlash anchors are sorted), so
+  // the longest tiles start first and the short ones fill the end of the launch.
+  const int h = blockIdx.y, kvh = h / (H / Hkv), row0 = (gridDim.x - 1 - blockIdx.x) * QR;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const float scale_log2 = scale * kLog2e;
   load_rows<D>(Qs, LD, q, Nq, H, h, row0, QR);
@@ -419,15 +430,21 @@ __global__ void __launch_bounds__(32 * W) dq_kernel(const bf16* __restrict__ q, 
   }
 }
 
-// dK, dV: one CTA per (key tile, kv head); warp w owns keys 16w..16w+15; loops over the query heads
-// of the kv head and the query tiles whose ranges reach the key tile.
+// dK, dV: one CTA per (key tile, kv head, part); warp w owns keys 16w..16w+15; loops over the query
+// heads of the kv head and the query tiles of its part (query tiles [part * qpp, (part + 1) * qpp))
+// whose ranges reach the key tile. The linear block index runs key tiles slowest, so the early key
+// tiles, which most queries see, start first. With one part dK / dV are written as bf16; with
+// several, each part writes fp32 partial sums [part][Nk][Hkv][D] that dkv_reduce_kernel adds up in
+// part order (deterministic) - the split keeps a heavily seen key tile from being one long serial
+// chain at the end of the launch.
 template <int D, int W>
 __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                        const bf16* __restrict__ v, const bf16* __restrict__ dout,
                                                        const float* __restrict__ lse, const float* __restrict__ delta,
                                                        const KvRange32* __restrict__ ranges,
                                                        const int4* __restrict__ tiles, int Nq, int Nk, int H, int Hkv,
-                                                       float scale, bf16* dk, bf16* dv) {
+                                                       float scale, int qpp, bf16* dk, bf16* dv, float* part_dk,
+                                                       float* part_dv) {
   constexpr int LD = D + 8;
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int KR = 16 * W;  // keys per CTA
@@ -435,9 +452,9 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
   bf16* Vs = Ks + KR * LD;                   // [KR][LD]
   bf16* Qb = Vs + KR * LD;                   // 2 x [BM][LD]
   bf16* Ob = Qb + 2 * BM * LD;               // dO, 2 x [BM][LD]
-  __shared__ float s_lse_b[2][BM], s_delta_b[2][BM];
-  __shared__ KvRange32 s_rg_b[2][BM];
-  const int kvh = blockIdx.y, k0 = blockIdx.x * KR, G = H / Hkv;
+  __shared__ float s_lse_b[2][BM], s_delta_b[2][BM];  // lse (natural log), delta of the item's rows
+  __shared__ __align__(16) KvRange32 s_rg_b[2][BM];
+  const int kvh = blockIdx.x % Hkv, k0 = (blockIdx.x / Hkv) * KR, G = H / Hkv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const float scale_log2 = scale * kLog2e;
   load_rows<D>(Ks, LD, k, Nk, Hkv, kvh, k0, KR);
@@ -448,7 +465,7 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
   for (int i = 0; i < D / 8; ++i)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dka[i][e] = dva[i][e] = 0.f;
-  const int qtiles = (Nq + BM - 1) / BM;
+  const int qt_begin = blockIdx.y * qpp, qt_end = min((Nq + BM - 1) / BM, qt_begin + qpp);
   auto hits = [&](int qt) {
     const int4 u = tiles[2 * qt];
     return (u.x < u.y && u.x < k0 + KR && k0 < u.y) || (u.z < u.w && u.z < k0 + KR && k0 < u.w);
@@ -457,7 +474,7 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
   // this key tile. next(-1) is the first.
   auto next = [&](int it) {
     if (it >= 0 && it % G + 1 < G) return it + 1;
-    for (int qt = it < 0 ? 0 : it / G + 1; qt < qtiles; ++qt)
+    for (int qt = it < 0 ? qt_begin : it / G + 1; qt < qt_end; ++qt)
       if (hits(qt)) return qt * G;
     return -1;
   };
@@ -465,11 +482,14 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
     const int row0 = (it / G) * BM, h = kvh * G + it % G;
     load_rows_async<D>(Qb + buf * BM * LD, LD, q, Nq, H, h, row0, BM);
     load_rows_async<D>(Ob + buf * BM * LD, LD, dout, Nq, H, h, row0, BM);
+    // The rows' statistics too go through cp.async (rows past Nq: zeros, an empty range), so no
+    // thread waits on a global load before the current item's math.
     for (int i = threadIdx.x; i < BM; i += blockDim.x) {
       const int r = row0 + i;
-      s_lse_b[buf][i] = r < Nq ? lse[int64_t(r) * H + h] * kLog2e : 0.f;
-      s_delta_b[buf][i] = r < Nq ? delta[int64_t(r) * H + h] : 0.f;
-      s_rg_b[buf][i] = r < Nq ? ranges[r] : KvRange32{};
+      const bool ok = r < Nq;
+      cp_async4(&s_lse_b[buf][i], ok ? lse + int64_t(r) * H + h : lse, ok);
+      cp_async4(&s_delta_b[buf][i], ok ? delta + int64_t(r) * H + h : delta, ok);
+      cp_async16(&s_rg_b[buf][i], ok ? ranges + r : ranges, ok);
     }
   };
   int it = next(-1), buf = 0;
@@ -517,7 +537,7 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
         for (int e = 0; e < 4; ++e) {
           const int ql = nt * 8 + 2 * t + (e & 1), key = e < 2 ? key_a : key_b;
           const bool ok = full || (row0 + ql < Nq && key < Nk && visible(s_rg[ql], key));
-          const float p = ok ? exp2f(st[nt][e] * scale_log2 - s_lse[ql]) : 0.f;
+          const float p = ok ? exp2f(fmaf(st[nt][e], scale_log2, -s_lse[ql] * kLog2e)) : 0.f;
           st[nt][e] = p;
           dpt[nt][e] = p * (dpt[nt][e] - s_delta[ql]);  // dS^T
         }
@@ -531,6 +551,18 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
 #pragma unroll
   for (int dt = 0; dt < D / 8; ++dt) {
     const int c = dt * 8 + 2 * t;
+    if (part_dk) {  // fp32 partial sums of this part
+      const int64_t off = int64_t(blockIdx.y) * Nk * Hkv * D;
+      if (key_a < Nk) {
+        *reinterpret_cast<float2*>(part_dk + off + (int64_t(key_a) * Hkv + kvh) * D + c) = make_float2(dka[dt][0] * scale, dka[dt][1] * scale);
+        *reinterpret_cast<float2*>(part_dv + off + (int64_t(key_a) * Hkv + kvh) * D + c) = make_float2(dva[dt][0], dva[dt][1]);
+      }
+      if (key_b < Nk) {
+        *reinterpret_cast<float2*>(part_dk + off + (int64_t(key_b) * Hkv + kvh) * D + c) = make_float2(dka[dt][2] * scale, dka[dt][3] * scale);
+        *reinterpret_cast<float2*>(part_dv + off + (int64_t(key_b) * Hkv + kvh) * D + c) = make_float2(dva[dt][2], dva[dt][3]);
+      }
+      continue;
+    }
     if (key_a < Nk) {
       *reinterpret_cast<uint32_t*>(dk + (int64_t(key_a) * Hkv + kvh) * D + c) = pack(dka[dt][0] * scale, dka[dt][1] * scale);
       *reinterpret_cast<uint32_t*>(dv + (int64_t(key_a) * Hkv + kvh) * D + c) = pack(dva[dt][0], dva[dt][1]);
@@ -541,6 +573,20 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
     }
   }
 }
+
+/// dk[i] = sum over parts of part_dk[p][i] (p in order), the same for dv; n = Nk * Hkv * D.
+__global__ void dkv_reduce_kernel(const float* part_dk, const float* part_dv, int parts, int64_t n, bf16* dk, bf16* dv) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    float a = 0.f, b = 0.f;
+    for (int p = 0; p < parts; ++p) a += part_dk[p * n + i], b += part_dv[p * n + i];
+    dk[i] = __float2bfloat16_rn(a);
+    dv[i] = __float2bfloat16_rn(b);
+  }
+}
+
+/// Parts of the dK / dV launch: 2 once there are kSplitQueryTiles query tiles or more, else 1.
+constexpr int kSplitQueryTiles = 16;
+int dkv_parts(int64_t Nq) { return (Nq + BM - 1) / BM >= kSplitQueryTiles ? 2 : 1; }
 
 void check_args(int64_t Nq, int64_t Nk, int H, int Hkv, const char* what) {
   if (Nq < 0 || Nk < 0 || Nq > INT_MAX / 2 || Nk > INT_MAX / 2 || H <= 0 || Hkv <= 0 || H % Hkv)
@@ -556,7 +602,7 @@ void set_smem(K kernel, size_t bytes) {
 template <int D, int W>
 void launch_fwd(const bf16* q, const bf16* k, const bf16* v, const KvRange32* r, int Nq, int Nk, int H, int Hkv,
                 float scale, bf16* o, float* lse, cudaStream_t s) {
-  const size_t smem = size_t((16 * W + 4 * BN) * (D + 8)) * sizeof(bf16);
+  const size_t smem = size_t(4 * BN * (D + 8)) * sizeof(bf16);
   set_smem(fwd_kernel<D, W>, smem);
   fwd_kernel<D, W><<<dim3((Nq + 16 * W - 1) / (16 * W), H), 32 * W, smem, s>>>(q, k, v, r, Nq, Nk, H, Hkv,
                                                                                  scale * kLog2e, o, lse);
@@ -566,7 +612,7 @@ void launch_fwd(const bf16* q, const bf16* k, const bf16* v, const KvRange32* r,
 template <int D>
 void launch_bwd(const bf16* q, const bf16* k, const bf16* v, const bf16* o, const float* lse, const bf16* dout,
                 const KvRange32* r, int Nq, int Nk, int H, int Hkv, float scale, bf16* dq, bf16* dk, bf16* dv,
-                float* delta, int4* tiles, cudaStream_t s) {
+                float* delta, int4* tiles, float* partials, cudaStream_t s) {
   constexpr int W = kWarps;
   const int64_t rh = int64_t(Nq) * H;
   delta_kernel<D><<<int((rh * 32 + 255) / 256), 256, 0, s>>>(o, dout, rh, delta);
@@ -580,9 +626,17 @@ void launch_bwd(const bf16* q, const bf16* k, const bf16* v, const bf16* o, cons
   DFLASH_CUDA_CHECK_LAUNCH();
   const size_t smem_kv = size_t((2 * 16 * W + 4 * BM) * (D + 8)) * sizeof(bf16);
   set_smem(dkv_kernel<D, W>, smem_kv);
-  dkv_kernel<D, W><<<dim3((Nk + 16 * W - 1) / (16 * W), Hkv), 32 * W, smem_kv, s>>>(q, k, v, dout, lse, delta, r, tiles,
-                                                                                     Nq, Nk, H, Hkv, scale, dk, dv);
+  const int parts = dkv_parts(Nq), qtiles = (Nq + BM - 1) / BM, qpp = (qtiles + parts - 1) / parts;
+  float* pdk = parts > 1 ? partials : nullptr;
+  float* pdv = parts > 1 ? partials + int64_t(parts) * Nk * Hkv * D : nullptr;
+  dkv_kernel<D, W><<<dim3(((Nk + 16 * W - 1) / (16 * W)) * Hkv, parts), 32 * W, smem_kv, s>>>(
+      q, k, v, dout, lse, delta, r, tiles, Nq, Nk, H, Hkv, scale, qpp, dk, dv, pdk, pdv);
   DFLASH_CUDA_CHECK_LAUNCH();
+  if (parts > 1) {
+    const int64_t n = int64_t(Nk) * Hkv * D;
+    dkv_reduce_kernel<<<int(std::min<int64_t>((n + 255) / 256, 65535 * 4)), 256, 0, s>>>(pdk, pdv, parts, n, dk, dv);
+    DFLASH_CUDA_CHECK_LAUNCH();
+  }
 }
 
 }  // namespace
@@ -600,9 +654,14 @@ void masked_attention_forward(const bf16* q, const bf16* k, const bf16* v, const
   }
 }
 
-int64_t masked_attention_backward_workspace_bytes(int64_t Nq, int H) {
-  const int64_t delta = (Nq * H * int64_t(sizeof(float)) + 15) / 16 * 16;
-  return delta + 2 * ((Nq + BM - 1) / BM) * int64_t(sizeof(int4));
+namespace {
+int64_t align16(int64_t b) { return (b + 15) / 16 * 16; }
+}  // namespace
+
+int64_t masked_attention_backward_workspace_bytes(int64_t Nq, int64_t Nk, int H, int Hkv, int D) {
+  const int parts = dkv_parts(Nq);
+  return align16(Nq * H * int64_t(sizeof(float))) + align16(2 * ((Nq + BM - 1) / BM) * int64_t(sizeof(int4))) +
+         (parts > 1 ? 2 * int64_t(parts) * Nk * Hkv * D * int64_t(sizeof(float)) : 0);
 }
 
 void masked_attention_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* o, const float* lse,
@@ -615,13 +674,15 @@ void masked_attention_backward(const bf16* q, const bf16* k, const bf16* v, cons
     DFLASH_CUDA_CHECK(cudaMemsetAsync(dv, 0, size_t(Nk) * Hkv * D * sizeof(bf16), stream));
   }
   if (Nq == 0 || Nk == 0) return;
-  float* delta = static_cast<float*>(workspace);
-  int4* tiles = reinterpret_cast<int4*>(static_cast<char*>(workspace) + (Nq * H * int64_t(sizeof(float)) + 15) / 16 * 16);
+  char* ws = static_cast<char*>(workspace);
+  float* delta = reinterpret_cast<float*>(ws);
+  int4* tiles = reinterpret_cast<int4*>(ws + align16(Nq * H * int64_t(sizeof(float))));
+  float* partials = reinterpret_cast<float*>(reinterpret_cast<char*>(tiles) + align16(2 * ((Nq + BM - 1) / BM) * int64_t(sizeof(int4))));
   switch (D) {
     case 64:
-      return launch_bwd<64>(q, k, v, o, lse, dout, ranges, int(Nq), int(Nk), H, Hkv, scale, dq, dk, dv, delta, tiles, stream);
+      return launch_bwd<64>(q, k, v, o, lse, dout, ranges, int(Nq), int(Nk), H, Hkv, scale, dq, dk, dv, delta, tiles, partials, stream);
     case 128:
-      return launch_bwd<128>(q, k, v, o, lse, dout, ranges, int(Nq), int(Nk), H, Hkv, scale, dq, dk, dv, delta, tiles, stream);
+      return launch_bwd<128>(q, k, v, o, lse, dout, ranges, int(Nq), int(Nk), H, Hkv, scale, dq, dk, dv, delta, tiles, partials, stream);
     default: throw std::invalid_argument("masked_attention_backward: head_dim " + std::to_string(D) + " not in {64, 128}");
   }
 }

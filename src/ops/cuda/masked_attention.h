@@ -37,8 +37,9 @@ void masked_attention_forward(const bf16* q, const bf16* k, const bf16* v, const
                               int64_t Nk, int H, int Hkv, int D, float scale, bf16* o, float* lse,
                               cudaStream_t stream);
 
-/// Bytes of workspace masked_attention_backward needs.
-int64_t masked_attention_backward_workspace_bytes(int64_t Nq, int H);
+/// Bytes of workspace masked_attention_backward needs (for long query sets this includes fp32
+/// partial dK / dV sums of a split launch: 2 parts x 2 x Nk x Hkv x D floats).
+int64_t masked_attention_backward_workspace_bytes(int64_t Nq, int64_t Nk, int H, int Hkv, int D);
 
 /// Backward: given the forward's inputs, o, lse and dout [Nq, H, D], writes dq [Nq, H, D] and
 /// dk, dv [Nk, Hkv, D] (bf16, overwritten; fp32 accumulation inside). Deterministic (no atomics):

@@ -8,7 +8,7 @@ namespace dflash::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kMaxPartialBlocks = 256;  // row groups of the dw reduction
+constexpr int kMaxPartialBlocks = 1024;  // row groups of the dw reduction (enough blocks to fill the GPU)
 
 /// Sum over the block (all threads get the result). `red` holds kThreads / 32 floats.
 __device__ float block_sum(float v, float* red) {
@@ -137,11 +137,20 @@ __global__ void rms_bwd_warp_kernel(const bf16* x, const float* w, const float* 
   }
 }
 
+// dw[c] += sum_b partial[b, c]. Block (32 x 8) owns 32 columns; thread (x, y) sums rows y, y + 8, ...,
+// then the 8 partial sums are added in a fixed order (deterministic).
 __global__ void column_sum_kernel(const float* partial, int blocks, int64_t n, float* dw) {
-  for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < n; c += int64_t(gridDim.x) * blockDim.x) {
-    float s = 0;
-    for (int b = 0; b < blocks; ++b) s += partial[b * n + c];
-    dw[c] += s;
+  __shared__ float red[8][33];
+  const int64_t c = blockIdx.x * 32 + threadIdx.x;
+  float s = 0;
+  if (c < n)
+    for (int b = threadIdx.y; b < blocks; b += 8) s += partial[b * n + c];
+  red[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < n) {
+    float t = 0;
+    for (int y = 0; y < 8; ++y) t += red[y][threadIdx.x];
+    dw[c] += t;
   }
 }
 
@@ -201,7 +210,7 @@ void rms_norm_backward(const bf16* x, const float* w, const float* inv, const bf
   }
   DFLASH_CUDA_CHECK_LAUNCH();
   if (dw) {
-    column_sum_kernel<<<int((n + 255) / 256), 256, 0, stream>>>(workspace, grid, n, dw);
+    column_sum_kernel<<<int((n + 31) / 32), dim3(32, 8), 0, stream>>>(workspace, grid, n, dw);
     DFLASH_CUDA_CHECK_LAUNCH();
   }
 }
