@@ -41,7 +41,10 @@ void add_train(CLI::App& app, Runner& run) {
   cmd->add_option("--tokenizer", c.tokenizer, "Tokenizer (default: the target's)");
   cmd->add_option("--chat-template", c.chat_template, "Chat template family for raw data (default: detected)");
   cmd->add_option("--device", c.device, "cpu (reference) or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
-  cmd->add_option("--gpu", c.gpu, "CUDA device index");
+  cmd->add_option("--gpus,--gpu", c.gpus,
+                  "CUDA device(s), e.g. 0 or 0,1: several = data parallel (a target and a drafter replica on each, "
+                  "gradients all-reduced with NCCL)")
+      ->delimiter(',');
   cmd->add_option("--init-from", c.init_from, "Start from this DFlash checkpoint (published or ours)");
   cmd->add_option("--max-length", c.max_length, "Truncate samples to this many tokens (raw data)");
   cmd->add_option("--seed", c.seed, "Seed of the initial weights, data order and anchors");

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "models/drafter.h"
@@ -34,6 +36,12 @@ struct OptimizerState {
   std::vector<std::vector<float>> exp_avg, exp_avg_sq;
 };
 
+/// One micro-batch of an optimizer step: a sample and its anchors.
+struct MicroBatch {
+  const TrainSample* sample = nullptr;
+  std::vector<int64_t> anchors;
+};
+
 class DrafterBackend {
  public:
   virtual ~DrafterBackend() = default;
@@ -41,6 +49,20 @@ class DrafterBackend {
   /// Taps of `s` from the target, then the drafter's forward + backward with these anchors; the
   /// gradients are ADDED to the accumulated ones. Throws std::invalid_argument for a bad sample.
   virtual MicroResult micro_step(const TrainSample& s, const std::vector<int64_t>& anchors, double gamma) = 0;
+  /// micro_step over all of `mbs` (results in the same order); a backend with several replicas runs
+  /// them in parallel (their gradients are summed by optimizer_step). Errors are rethrown as
+  /// std::runtime_error("training example N: ...") for the first failing micro-batch.
+  virtual std::vector<MicroResult> micro_steps(const std::vector<MicroBatch>& mbs, double gamma) {
+    std::vector<MicroResult> r;
+    for (const MicroBatch& mb : mbs) {
+      try {
+        r.push_back(micro_step(*mb.sample, mb.anchors, gamma));
+      } catch (const std::exception& e) {
+        throw std::runtime_error("training example " + std::to_string(mb.sample->index) + ": " + e.what());
+      }
+    }
+    return r;
+  }
   /// Accumulated gradients *= f.
   virtual void scale_grads(double f) = 0;
   /// clip_grad_norm(max_norm) then AdamW step number `t` (1-based) at `lr`. A non-finite norm leaves

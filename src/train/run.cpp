@@ -159,7 +159,8 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
   TrainConfig c = cin;
   c.validate();
 #ifdef DFLASH_HAVE_CUDA
-  if (c.device == "cuda") cuda::require_device("train --device cuda", c.gpu);
+  if (c.device == "cuda")
+    for (int g : c.gpus) cuda::require_device("train --device cuda", g);
 #else
   if (c.device == "cuda") throw std::runtime_error("--device cuda: this build has no CUDA backend (configure with nvcc present)");
 #endif
@@ -257,24 +258,27 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
     int64_t longest = 0;
     for (int64_t i = 0; i < n; ++i) longest = std::max<int64_t>(longest, int64_t(ds.ids(i).size()));
     const MemoryPlan mp = plan_memory(dc, target->spec(), longest, c.num_anchors, c.recompute);
-    std::string have = "?";
-    double free_b = 0;
+    // Colocated: every GPU of --gpus holds a whole target and drafter replica.
+    for (int g : c.gpus) {
+      std::string have = "?";
+      double free_b = 0;
 #ifdef DFLASH_HAVE_CUDA
-    size_t fb = 0, tb = 0;
-    DFLASH_CUDA_CHECK(cudaSetDevice(c.gpu));
-    DFLASH_CUDA_CHECK(cudaMemGetInfo(&fb, &tb));
-    free_b = double(fb);
-    have = fmt::format("{:.1f} GB free of {:.1f} GB", double(fb) / 1e9, double(tb) / 1e9);
+      size_t fb = 0, tb = 0;
+      DFLASH_CUDA_CHECK(cudaSetDevice(g));
+      DFLASH_CUDA_CHECK(cudaMemGetInfo(&fb, &tb));
+      free_b = double(fb);
+      have = fmt::format("{:.1f} GB free of {:.1f} GB", double(fb) / 1e9, double(tb) / 1e9);
 #endif
-    fmt::print("train: memory plan (cuda:{}, {}): drafter state {:.1f} GB | target {:.1f} GB | activations {:.1f} GB "
-               "(longest sample {}, {} anchors x {}) | cross entropy {:.1f} GB | total ~{:.1f} GB\n",
-               c.gpu, have, mp.drafter_state / 1e9, mp.target / 1e9, mp.activations / 1e9, longest, c.num_anchors,
-               dc.block_size, mp.cross_entropy / 1e9, mp.total() / 1e9);
-    if (free_b > 0 && mp.total() > 0.95 * free_b)
-      throw std::runtime_error(fmt::format(
-          "this run needs about {:.1f} GB on cuda:{} but {:.1f} GB are free: lower --num-anchors (the activations scale "
-          "with it) or --max-length, or use a GPU with more memory",
-          mp.total() / 1e9, c.gpu, free_b / 1e9));
+      fmt::print("train: memory plan (cuda:{}, {}): drafter state {:.1f} GB | target {:.1f} GB | activations {:.1f} GB "
+                 "(longest sample {}, {} anchors x {}) | cross entropy {:.1f} GB | total ~{:.1f} GB\n",
+                 g, have, mp.drafter_state / 1e9, mp.target / 1e9, mp.activations / 1e9, longest, c.num_anchors,
+                 dc.block_size, mp.cross_entropy / 1e9, mp.total() / 1e9);
+      if (free_b > 0 && mp.total() > 0.95 * free_b)
+        throw std::runtime_error(fmt::format(
+            "this run needs about {:.1f} GB on cuda:{} but {:.1f} GB are free: lower --num-anchors (the activations "
+            "scale with it) or --max-length, or use a GPU with more memory",
+            mp.total() / 1e9, g, free_b / 1e9));
+    }
   }
 
   std::unique_ptr<DrafterBackend> backend;
@@ -295,7 +299,7 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
     });
   } else {
 #ifdef DFLASH_HAVE_CUDA
-    backend = make_gpu_backend(dc, w0, *target, c.gpu, c.recompute);
+    backend = make_gpu_backend(dc, w0, *target, c.gpus, c.recompute);
 #else
     throw std::runtime_error("--device cuda: this build has no CUDA backend (configure with nvcc present)");
 #endif

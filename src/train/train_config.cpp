@@ -28,7 +28,11 @@ void TrainConfig::validate_values() const {
     if (!ok) throw std::invalid_argument("train config: " + what);
   };
   need(device == "cpu" || device == "cuda", "device must be cpu or cuda (got " + device + ")");
-  need(gpu >= 0, "gpu must be >= 0");
+  need(!gpus.empty(), "gpus must name at least one CUDA device");
+  for (size_t i = 0; i < gpus.size(); ++i) {
+    need(gpus[i] >= 0, "gpus must be >= 0");
+    for (size_t j = 0; j < i; ++j) need(gpus[i] != gpus[j], "gpus lists device " + std::to_string(gpus[i]) + " twice");
+  }
   need(!mask_token_id || *mask_token_id >= 0, "mask_token_id must be >= 0");
   need(max_length >= 2, "max_length must be >= 2");
   need(num_draft_layers >= 1, "num_draft_layers must be >= 1");
@@ -58,7 +62,7 @@ nlohmann::json to_json(const TrainConfig& c) {
           {"tokenizer", c.tokenizer},
           {"chat_template", c.chat_template},
           {"device", c.device},
-          {"gpu", c.gpu},
+          {"gpus", c.gpus},
           {"init_from", c.init_from},
           {"max_length", c.max_length},
           {"shuffle", c.shuffle},
@@ -102,6 +106,11 @@ TrainConfig train_config_from_json(const nlohmann::json& j, const std::string& w
         if (!x.is_number_integer()) return false;
       return true;
     };
+    auto all_device_ids = [](const nlohmann::json& a) {
+      for (const auto& x : a)
+        if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() > INT32_MAX) return false;
+      return true;
+    };
     auto all_strings = [](const nlohmann::json& a) {
       for (const auto& x : a)
         if (!x.is_string()) return false;
@@ -110,10 +119,10 @@ TrainConfig train_config_from_json(const nlohmann::json& j, const std::string& w
     const bool ok = k == "mask_token_id" ? (v.is_null() || v.is_number_integer())
                     : k == "seed"        ? v.is_number_unsigned()
                     : k == "target_layer_ids" ? (v.is_array() && all_ints(v))
+                    : k == "gpus"             ? (v.is_array() && all_device_ids(v))
                     : k == "data"             ? (v.is_array() && all_strings(v))
                     : want.is_number_float()  ? v.is_number()
-                    : want.is_number_integer() ? v.is_number_integer() && v.get<int64_t>() >= INT32_MIN &&
-                                                     (k != "gpu" || v.get<int64_t>() <= INT32_MAX)
+                    : want.is_number_integer() ? v.is_number_integer() && v.get<int64_t>() >= INT32_MIN
                                                : want.type() == v.type();
     if (!ok) throw std::runtime_error(where + ": key '" + k + "' has a value of the wrong type (" + v.dump() + ")");
   }
@@ -121,7 +130,7 @@ TrainConfig train_config_from_json(const nlohmann::json& j, const std::string& w
   try {
     c.target = all["target"], c.data = all["data"].get<std::vector<std::string>>(), c.out = all["out"];
     c.tokenizer = all["tokenizer"], c.chat_template = all["chat_template"], c.device = all["device"];
-    c.gpu = all["gpu"], c.init_from = all["init_from"], c.max_length = all["max_length"];
+    c.gpus = all["gpus"].get<std::vector<int>>(), c.init_from = all["init_from"], c.max_length = all["max_length"];
     c.shuffle = all["shuffle"], c.seed = all["seed"], c.num_draft_layers = all["num_draft_layers"];
     c.num_taps = all["num_taps"], c.block_size = all["block_size"];
     c.target_layer_ids = all["target_layer_ids"].get<std::vector<int64_t>>();

@@ -17,7 +17,7 @@ struct TrainConfig {
   std::string tokenizer;           // default: the target's own (directory or .gguf)
   std::string chat_template;       // raw data only; default: detected from the tokenizer
   std::string device = "cpu";      // "cpu" (reference) or "cuda"
-  int gpu = 0;                     // CUDA device index
+  std::vector<int> gpus = {0};     // CUDA devices; several: data parallel, a target + drafter replica on each
   std::string init_from;           // a DFlash checkpoint to start from (z-lab / SpecForge / ours)
   // data
   int64_t max_length = 3072;

@@ -69,31 +69,36 @@ TrainStepStats DrafterTrainer::step(const SampleSource& source) {
   int64_t used = 0;
   double loss_sum = 0;
   try {
-    for (int64_t m = 0; m < opt_.grad_accum; ++m) {
+    // The step's samples and anchors first (in data order, one RNG), then the backend runs them
+    // (in parallel where it has several replicas).
+    std::vector<TrainSample> samples(static_cast<size_t>(opt_.grad_accum));
+    std::vector<MicroBatch> mbs(samples.size());
+    for (size_t m = 0; m < samples.size(); ++m) {
       const int64_t idx = next_example();
       try {
-        TrainSample sample = source(idx);
-        sample.index = idx;
-        const std::vector<int64_t> anchors = sample_anchors(sample.loss_mask, opt_.num_anchors, rng_);
-        const MicroResult r = backend_->micro_step(sample, anchors, opt_.gamma);
-        ++st.micro_batches;
-        st.tokens += int64_t(sample.ids.size());
-        st.target_ms += r.target_ms;
-        st.drafter_ms += r.drafter_ms;
-        if (!(r.weight_sum > 0)) {
-          ++st.empty_micro_batches;
-          continue;
-        }
-        ++used;
-        loss_sum += r.loss;
-        for (int64_t k = 0; k < B; ++k) {
-          st.slot_correct[size_t(k)] += r.slot_correct[size_t(k)];
-          st.slot_count[size_t(k)] += r.slot_count[size_t(k)];
-        }
+        samples[m] = source(idx);
       } catch (const std::exception& e) {
         throw std::runtime_error("training example " + std::to_string(idx) + ": " + e.what());
       }
+      samples[m].index = idx;
+      mbs[m] = {&samples[m], sample_anchors(samples[m].loss_mask, opt_.num_anchors, rng_)};
     }
+    for (const MicroResult& r : backend_->micro_steps(mbs, opt_.gamma)) {
+      ++st.micro_batches;
+      st.target_ms += r.target_ms;
+      st.drafter_ms += r.drafter_ms;
+      if (!(r.weight_sum > 0)) {
+        ++st.empty_micro_batches;
+        continue;
+      }
+      ++used;
+      loss_sum += r.loss;
+      for (int64_t k = 0; k < B; ++k) {
+        st.slot_correct[size_t(k)] += r.slot_correct[size_t(k)];
+        st.slot_count[size_t(k)] += r.slot_count[size_t(k)];
+      }
+    }
+    for (const TrainSample& s : samples) st.tokens += int64_t(s.ids.size());
   } catch (...) {
     const bool new_epoch = pos_.epoch != pos0.epoch;
     pos_ = pos0;

@@ -193,6 +193,8 @@ DrafterGpu::DrafterGpu(const DrafterConfig& cfg, int64_t V, uint64_t seed, cudaS
 DrafterGpu::~DrafterGpu() = default;
 
 int64_t DrafterGpu::num_params() const { return impl_->n; }
+float* DrafterGpu::grad_data() { return impl_->grad.data(); }
+cudaStream_t DrafterGpu::stream() const { return impl_->s; }
 
 void DrafterGpu::zero_grads() { impl_->grad.fill_bytes(0, impl_->s); }
 
@@ -412,7 +414,9 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
     auto d_coef = upload(coef, s);
     StreamBuffer<bf16> hc(size_t(Qc * d), s);  // hf rows with a loss weight [Qc, d]
     cuda::embedding_gather(hf.data(), Q, d, d_used.data(), Qc, hc.data(), nullptr, s);
-    const int64_t rc = std::min(Qc, cuda::cross_entropy_row_chunk(I.V, opt.ce_chunk_bytes));
+    // Equal chunks (the last one is not a small remainder that runs the GEMMs below their speed).
+    const int64_t rmax = std::min(Qc, cuda::cross_entropy_row_chunk(I.V, opt.ce_chunk_bytes));
+    const int64_t chunks = (Qc + rmax - 1) / rmax, rc = std::min(rmax, ((Qc + chunks - 1) / chunks + 15) / 16 * 16);
     StreamBuffer<char> ce_ws(size_t(cuda::cross_entropy_workspace_bytes(rc, I.V)), s);
     StreamBuffer<float> lse(size_t(Qc), s), tl(size_t(Qc), s);
     StreamBuffer<int32_t> amax(size_t(Qc), s);

@@ -77,6 +77,10 @@ class DrafterGpu {
   void set_state(const DrafterWeights<float>& w, const std::vector<std::vector<float>>& exp_avg,
                  const std::vector<std::vector<float>>& exp_avg_sq);
   int64_t num_params() const;
+  /// The flat fp32 gradient [num_params()] on the device (for a data-parallel all-reduce) and the
+  /// stream every method of this object runs on.
+  float* grad_data();
+  cudaStream_t stream() const;
   const DrafterConfig& config() const { return cfg_; }
 
  private:
