@@ -62,17 +62,21 @@ if python3 scripts/make_synthetic_data.py "$sd/data" >>"$log" 2>&1; then
     train_cmp+="--- $dev"$'\n'"$(grep -E '^(step|stages|train: done)' "$sd/$dev.log")"$'\n'
   done
 fi
-# Data parallel (a machine with 2 GPUs): --gpus 0 vs --gpus 0,1, 4 micro-batches per step; the loss
-# curves should agree to fp32 summation-order noise.
+# Several GPUs (a machine with 2): --gpus 0 vs --gpus 0,1 (data parallel) vs target on GPU 0 and
+# drafter on GPU 1 (disaggregated), 4 micro-batches per step; the loss curves should agree (data
+# parallel: to fp32 summation-order noise; disaggregated: exactly).
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 dp_cmp="not run: $ngpu GPU(s) visible (needs 2)"
 if [ "$ngpu" -ge 2 ] && [ -d "$sd/data" ]; then
   dp_cmp=""
-  for g in 0 0,1; do
-    "$build/dflash" train --target tests/fixtures/qwen3_hd64 --data "$sd/data" --out "$sd/dp$g" --device cuda --gpus "$g" \
+  i=0
+  for place in "--gpus 0" "--gpus 0,1" "--target-gpus 0 --drafter-gpus 1"; do
+    i=$((i + 1))
+    # shellcheck disable=SC2086  # $place is a list of flags
+    "$build/dflash" train --target tests/fixtures/qwen3_hd64 --data "$sd/data" --out "$sd/dp$i" --device cuda $place \
       --mask-token-id 300 --num-taps 1 --num-draft-layers 2 --block-size 4 --num-anchors 8 --max-steps 30 \
-      --grad-accum 4 --lr 3e-3 --log-every 10 --stages-every 30 >"$sd/dp$g.log" 2>&1 || tests_rc=1
-    dp_cmp+="--- --gpus $g"$'\n'"$(grep -E '^(train: device|step|stages|train: done)|device cuda' "$sd/dp$g.log" | head -n 12)"$'\n'
+      --grad-accum 4 --lr 3e-3 --log-every 10 --stages-every 30 >"$sd/dp$i.log" 2>&1 || tests_rc=1
+    dp_cmp+="--- $place"$'\n'"$(grep -E '^(step|stages|train: done)|device cuda' "$sd/dp$i.log" | head -n 12)"$'\n'
   done
 fi
 rm -rf "$sd"
@@ -129,7 +133,7 @@ fi
   echo '```'
   echo "$train_cmp"
   echo '```'
-  echo '## dflash train --gpus 0 vs --gpus 0,1 (data parallel, grad-accum 4, qwen3_hd64 target, 30 steps)'
+  echo '## dflash train on one GPU, data parallel on two, disaggregated (grad-accum 4, qwen3_hd64 target, 30 steps)'
   echo '```'
   echo "$dp_cmp"
   echo '```'

@@ -45,6 +45,11 @@ void add_train(CLI::App& app, Runner& run) {
                   "CUDA device(s), e.g. 0 or 0,1: several = data parallel (a target and a drafter replica on each, "
                   "gradients all-reduced with NCCL)")
       ->delimiter(',');
+  cmd->add_option("--target-gpus", c.target_gpus,
+                  "GPUs of the target replicas (with --drafter-gpus: disaggregated placement, taps copied peer to peer)")
+      ->delimiter(',');
+  cmd->add_option("--drafter-gpus", c.drafter_gpus, "GPUs of the drafter replicas (data parallel when several)")
+      ->delimiter(',');
   cmd->add_option("--init-from", c.init_from, "Start from this DFlash checkpoint (published or ours)");
   cmd->add_option("--max-length", c.max_length, "Truncate samples to this many tokens (raw data)");
   cmd->add_option("--seed", c.seed, "Seed of the initial weights, data order and anchors");

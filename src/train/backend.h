@@ -27,6 +27,7 @@ struct MicroResult {
   double loss = 0, weight_sum = 0;                // as DrafterStepResult
   std::vector<int64_t> slot_correct, slot_count;  // [B]
   double target_ms = 0, drafter_ms = 0;           // wall time of the target forward and the drafter step
+  double queue_ms = 0;                            // the drafter replica waiting for these taps
 };
 
 /// The AdamW state of a backend, parameters in DrafterWeights::named() order.

@@ -88,17 +88,21 @@ std::string memory_str([[maybe_unused]] const std::string& device) {
 }
 
 struct StageWindow {
-  double target_ms = 0, drafter_ms = 0, optimizer_ms = 0, wall_s = 0;
+  double target_ms = 0, drafter_ms = 0, queue_ms = 0, optimizer_ms = 0, wall_s = 0;  // per replica
   int64_t steps = 0;
 };
 
-/// The stage breakdown line and the bottleneck in words.
+/// The stage breakdown line (per replica, % of wall time; with several GPUs the target and drafter
+/// sides overlap) and the bottleneck in words.
 std::string stage_report(const StageWindow& w, const std::string& device) {
   const double wall = std::max(w.wall_s * 1e3, 1e-9);
-  const double t = w.target_ms / wall, d = w.drafter_ms / wall, o = w.optimizer_ms / wall;
-  const double other = std::max(0.0, 1.0 - t - d - o);
+  const double t = w.target_ms / wall, d = w.drafter_ms / wall, q = w.queue_ms / wall, o = w.optimizer_ms / wall;
+  const double other = std::max(0.0, 1.0 - std::max(t, d + q) - o);
   std::string verdict;
-  if (t >= d && t >= other)
+  if (q >= 0.15)
+    verdict = fmt::format("drafter GPUs wait {:.0f}% on the target: add target GPUs (--target-gpus), or shorten "
+                          "--max-length", 100 * q);
+  else if (t >= d && t >= other)
     verdict = "the target forward is the bottleneck: the drafter waits " + fmt::format("{:.0f}%", 100 * t) +
               " of the time on it (" + (device == "cpu" ? "use --device cuda" : "give the target more GPUs") +
               ", or shorten --max-length)";
@@ -108,9 +112,9 @@ std::string stage_report(const StageWindow& w, const std::string& device) {
   else
     verdict = fmt::format("{:.0f}% of the time is outside the compute stages (data loading, logging, checkpoints)",
                           100 * other);
-  return fmt::format("stages over the last {} steps ({}): target forward {:.0f}% | drafter forward+backward {:.0f}% | "
-                     "optimizer {:.0f}% | other {:.0f}% -> {}",
-                     w.steps, device, 100 * t, 100 * d, 100 * o, 100 * other, verdict);
+  return fmt::format("stages over the last {} steps ({}): target forward {:.0f}% | queue wait {:.0f}% | drafter "
+                     "forward+backward {:.0f}% | optimizer + all-reduce {:.0f}% | other {:.0f}% -> {}",
+                     w.steps, device, 100 * t, 100 * q, 100 * d, 100 * o, 100 * other, verdict);
 }
 
 /// Device memory the GPU run needs, estimated from the shapes (bytes), and its parts for the log.
@@ -160,7 +164,8 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
   c.validate();
 #ifdef DFLASH_HAVE_CUDA
   if (c.device == "cuda")
-    for (int g : c.gpus) cuda::require_device("train --device cuda", g);
+    for (const auto* l : {&c.target_devices(), &c.drafter_devices()})
+      for (int g : *l) cuda::require_device("train --device cuda", g);
 #else
   if (c.device == "cuda") throw std::runtime_error("--device cuda: this build has no CUDA backend (configure with nvcc present)");
 #endif
@@ -258,8 +263,14 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
     int64_t longest = 0;
     for (int64_t i = 0; i < n; ++i) longest = std::max<int64_t>(longest, int64_t(ds.ids(i).size()));
     const MemoryPlan mp = plan_memory(dc, target->spec(), longest, c.num_anchors, c.recompute);
-    // Colocated: every GPU of --gpus holds a whole target and drafter replica.
-    for (int g : c.gpus) {
+    // Each GPU holds a target replica, a drafter replica, or both (colocated).
+    std::vector<int> all = c.target_devices();
+    for (int g : c.drafter_devices())
+      if (std::find(all.begin(), all.end(), g) == all.end()) all.push_back(g);
+    for (int g : all) {
+      const auto has = [g](const std::vector<int>& l) { return std::find(l.begin(), l.end(), g) != l.end(); };
+      const bool tg = has(c.target_devices()), dg = has(c.drafter_devices());
+      const double need_b = (tg ? mp.target : 0) + (dg ? mp.drafter_state + mp.activations + mp.cross_entropy : 0);
       std::string have = "?";
       double free_b = 0;
 #ifdef DFLASH_HAVE_CUDA
@@ -269,15 +280,18 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
       free_b = double(fb);
       have = fmt::format("{:.1f} GB free of {:.1f} GB", double(fb) / 1e9, double(tb) / 1e9);
 #endif
-      fmt::print("train: memory plan (cuda:{}, {}): drafter state {:.1f} GB | target {:.1f} GB | activations {:.1f} GB "
-                 "(longest sample {}, {} anchors x {}) | cross entropy {:.1f} GB | total ~{:.1f} GB\n",
-                 g, have, mp.drafter_state / 1e9, mp.target / 1e9, mp.activations / 1e9, longest, c.num_anchors,
-                 dc.block_size, mp.cross_entropy / 1e9, mp.total() / 1e9);
-      if (free_b > 0 && mp.total() > 0.95 * free_b)
+      if (dg)
+        fmt::print("train: memory plan (cuda:{}, {}): drafter state {:.1f} GB | target {:.1f} GB | activations {:.1f} GB "
+                   "(longest sample {}, {} anchors x {}) | cross entropy {:.1f} GB | total ~{:.1f} GB\n",
+                   g, have, mp.drafter_state / 1e9, tg ? mp.target / 1e9 : 0.0, mp.activations / 1e9, longest,
+                   c.num_anchors, dc.block_size, mp.cross_entropy / 1e9, need_b / 1e9);
+      else
+        fmt::print("train: memory plan (cuda:{}, {}): target {:.1f} GB\n", g, have, need_b / 1e9);
+      if (free_b > 0 && need_b > 0.95 * free_b)
         throw std::runtime_error(fmt::format(
-            "this run needs about {:.1f} GB on cuda:{} but {:.1f} GB are free: lower --num-anchors (the activations "
-            "scale with it) or --max-length, or use a GPU with more memory",
-            mp.total() / 1e9, g, free_b / 1e9));
+            "this run needs about {:.1f} GB on cuda:{} but {:.1f} GB are free: {}", need_b / 1e9, g, free_b / 1e9,
+            dg ? "lower --num-anchors (the activations scale with it) or --max-length, or use a GPU with more memory"
+               : "the target does not fit: use a GPU with more memory"));
     }
   }
 
@@ -299,7 +313,7 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
     });
   } else {
 #ifdef DFLASH_HAVE_CUDA
-    backend = make_gpu_backend(dc, w0, *target, c.gpus, c.recompute);
+    backend = make_gpu_backend(dc, w0, *target, c.target_devices(), c.drafter_devices(), c.recompute);
 #else
     throw std::runtime_error("--device cuda: this build has no CUDA backend (configure with nvcc present)");
 #endif
@@ -370,7 +384,11 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
       s.loss_mask.assign(mask.begin(), mask.end());
       return s;
     });
-    stages.target_ms += st.target_ms, stages.drafter_ms += st.drafter_ms, stages.optimizer_ms += st.optimizer_ms;
+    // Replicas run their micro-batches at the same time: per replica, a stage took its sum / replicas.
+    const double nt = c.device == "cuda" ? double(c.target_devices().size()) : 1.0,
+                 nd = c.device == "cuda" ? double(c.drafter_devices().size()) : 1.0;
+    stages.target_ms += st.target_ms / nt, stages.drafter_ms += st.drafter_ms / nd;
+    stages.queue_ms += st.queue_ms / nd, stages.optimizer_ms += st.optimizer_ms;
     win_micro += st.micro_batches, win_tokens += st.tokens;
     if (st.skipped) {
       ++skipped_total;

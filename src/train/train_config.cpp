@@ -28,10 +28,15 @@ void TrainConfig::validate_values() const {
     if (!ok) throw std::invalid_argument("train config: " + what);
   };
   need(device == "cpu" || device == "cuda", "device must be cpu or cuda (got " + device + ")");
-  need(!gpus.empty(), "gpus must name at least one CUDA device");
-  for (size_t i = 0; i < gpus.size(); ++i) {
-    need(gpus[i] >= 0, "gpus must be >= 0");
-    for (size_t j = 0; j < i; ++j) need(gpus[i] != gpus[j], "gpus lists device " + std::to_string(gpus[i]) + " twice");
+  need(target_gpus.empty() == drafter_gpus.empty(), "target_gpus and drafter_gpus go together (set both, or gpus)");
+  for (const auto& [name, l] : {std::pair<const char*, const std::vector<int>*>{"gpus", &gpus},
+                                {"target_gpus", &target_gpus}, {"drafter_gpus", &drafter_gpus}}) {
+    need(!l->empty() || std::string(name) != "gpus", "gpus must name at least one CUDA device");
+    for (size_t i = 0; i < l->size(); ++i) {
+      need((*l)[i] >= 0, std::string(name) + " must be >= 0");
+      for (size_t j = 0; j < i; ++j)
+        need((*l)[i] != (*l)[j], std::string(name) + " lists device " + std::to_string((*l)[i]) + " twice");
+    }
   }
   need(!mask_token_id || *mask_token_id >= 0, "mask_token_id must be >= 0");
   need(max_length >= 2, "max_length must be >= 2");
@@ -63,6 +68,8 @@ nlohmann::json to_json(const TrainConfig& c) {
           {"chat_template", c.chat_template},
           {"device", c.device},
           {"gpus", c.gpus},
+          {"target_gpus", c.target_gpus},
+          {"drafter_gpus", c.drafter_gpus},
           {"init_from", c.init_from},
           {"max_length", c.max_length},
           {"shuffle", c.shuffle},
@@ -119,7 +126,7 @@ TrainConfig train_config_from_json(const nlohmann::json& j, const std::string& w
     const bool ok = k == "mask_token_id" ? (v.is_null() || v.is_number_integer())
                     : k == "seed"        ? v.is_number_unsigned()
                     : k == "target_layer_ids" ? (v.is_array() && all_ints(v))
-                    : k == "gpus"             ? (v.is_array() && all_device_ids(v))
+                    : k == "gpus" || k == "target_gpus" || k == "drafter_gpus" ? (v.is_array() && all_device_ids(v))
                     : k == "data"             ? (v.is_array() && all_strings(v))
                     : want.is_number_float()  ? v.is_number()
                     : want.is_number_integer() ? v.is_number_integer() && v.get<int64_t>() >= INT32_MIN
@@ -130,7 +137,9 @@ TrainConfig train_config_from_json(const nlohmann::json& j, const std::string& w
   try {
     c.target = all["target"], c.data = all["data"].get<std::vector<std::string>>(), c.out = all["out"];
     c.tokenizer = all["tokenizer"], c.chat_template = all["chat_template"], c.device = all["device"];
-    c.gpus = all["gpus"].get<std::vector<int>>(), c.init_from = all["init_from"], c.max_length = all["max_length"];
+    c.gpus = all["gpus"].get<std::vector<int>>();
+    c.target_gpus = all["target_gpus"].get<std::vector<int>>(), c.drafter_gpus = all["drafter_gpus"].get<std::vector<int>>();
+    c.init_from = all["init_from"], c.max_length = all["max_length"];
     c.shuffle = all["shuffle"], c.seed = all["seed"], c.num_draft_layers = all["num_draft_layers"];
     c.num_taps = all["num_taps"], c.block_size = all["block_size"];
     c.target_layer_ids = all["target_layer_ids"].get<std::vector<int64_t>>();

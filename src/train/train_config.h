@@ -17,7 +17,8 @@ struct TrainConfig {
   std::string tokenizer;           // default: the target's own (directory or .gguf)
   std::string chat_template;       // raw data only; default: detected from the tokenizer
   std::string device = "cpu";      // "cpu" (reference) or "cuda"
-  std::vector<int> gpus = {0};     // CUDA devices; several: data parallel, a target + drafter replica on each
+  std::vector<int> gpus = {0};     // CUDA devices, colocated: a target + a drafter replica on each
+  std::vector<int> target_gpus, drafter_gpus;  // disaggregated placement (both or neither; replace gpus)
   std::string init_from;           // a DFlash checkpoint to start from (z-lab / SpecForge / ours)
   // data
   int64_t max_length = 3072;
@@ -43,6 +44,10 @@ struct TrainConfig {
   void validate() const;
   /// The range checks alone (what --dump-config checks).
   void validate_values() const;
+
+  /// The GPUs of the target replicas / the drafter replicas (target_gpus / drafter_gpus, else gpus).
+  const std::vector<int>& target_devices() const { return target_gpus.empty() ? gpus : target_gpus; }
+  const std::vector<int>& drafter_devices() const { return drafter_gpus.empty() ? gpus : drafter_gpus; }
 };
 
 /// gamma of the loss decay for block size B: 7 for 16, 5 for 10, 4 for 8 (dflash.md), else 7 * B / 16.

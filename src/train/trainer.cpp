@@ -87,6 +87,7 @@ TrainStepStats DrafterTrainer::step(const SampleSource& source) {
       ++st.micro_batches;
       st.target_ms += r.target_ms;
       st.drafter_ms += r.drafter_ms;
+      st.queue_ms += r.queue_ms;
       if (!(r.weight_sum > 0)) {
         ++st.empty_micro_batches;
         continue;

@@ -45,6 +45,7 @@ struct TrainStepStats {
   int64_t micro_batches = 0, empty_micro_batches = 0;  // empty: no anchor / no loss weight
   int64_t tokens = 0;                // context tokens seen
   double target_ms = 0, drafter_ms = 0, optimizer_ms = 0;  // wall time per stage, summed over micro-batches
+  double queue_ms = 0;               // drafter replicas waiting for taps, summed over micro-batches
   std::vector<int64_t> slot_correct, slot_count;       // [B] top-1 hits per slot (as DrafterStepResult)
   bool skipped = false;              // non-finite gradient norm: weights and optimizer untouched
 };

@@ -1,5 +1,6 @@
-// Data-parallel GPU training (make_gpu_backend with two devices) against one GPU: the same steps
-// on the same data from the same initial weights. Needs two CUDA devices (scripts/gpu_check.sh on
+// Multi-GPU training (make_gpu_backend: disaggregated target / drafter GPUs, two target replicas,
+// data-parallel drafter replicas) against one GPU: the same steps on the same data from the same
+// initial weights. Needs two CUDA devices (scripts/gpu_check.sh on
 // the 2-GPU machine); skipped, saying so, with fewer.
 #include <gtest/gtest.h>
 
@@ -56,34 +57,42 @@ TEST(CudaDataParallel, TwoGpusTrainLikeOne) {
   o.num_anchors = 6, o.grad_accum = 4, o.seed = 3;
   o.schedule = {3e-3, 4, 0.0};
 
-  auto run = [&](const std::vector<int>& gpus, std::vector<double>* losses) {
-    DrafterTrainer tr(cfg, make_gpu_backend(cfg, w0, target, gpus), int64_t(data.size()), o);
+  auto run = [&](const std::vector<int>& tg, const std::vector<int>& dg, const std::string& device,
+                 std::vector<double>* losses) {
+    DrafterTrainer tr(cfg, make_gpu_backend(cfg, w0, target, tg, dg), int64_t(data.size()), o);
     for (int i = 0; i < 4; ++i) {
       const TrainStepStats st = tr.step(source);
       EXPECT_FALSE(st.skipped);
       EXPECT_EQ(st.micro_batches, 4);
       losses->push_back(st.loss);
     }
-    EXPECT_EQ(tr.backend().device(), gpus.size() == 1 ? "cuda:0" : "cuda:0,1");
-    return tr.backend().state().weights;
+    EXPECT_EQ(tr.backend().device(), device);
+    const OptimizerState st = tr.backend().state();
+    std::vector<double> flat;
+    for (const auto& [name, t] : st.weights.named()) flat.insert(flat.end(), t->data.begin(), t->data.end());
+    return flat;
   };
-  std::vector<double> l1, l2;
-  const DrafterWeights<float> w1 = run({0}, &l1), w2 = run({0, 1}, &l2);
-  // Step 1 runs the same micro-batches on the same weights with the same kernels: the same losses.
+  std::vector<double> l1, l2, l3, l4;
+  const auto w1 = run({0}, {0}, "cuda:0", &l1);
+  // One drafter replica fed from another GPU (or from two): the same kernels on the same taps in
+  // the same order, so bitwise the same training.
+  const auto w3 = run({0}, {1}, "target cuda:0 / drafter cuda:1", &l3);
+  const auto w4 = run({0, 1}, {0}, "target cuda:0,1 / drafter cuda:0", &l4);
+  EXPECT_EQ(l3, l1);
+  EXPECT_EQ(l4, l1);
+  EXPECT_EQ(w3, w1);
+  EXPECT_EQ(w4, w1);
+  // Two drafter replicas (data parallel). Step 1 runs the same micro-batches on the same weights
+  // with the same kernels: the same loss. Afterwards only the order of the gradient sum differs (one
+  // GPU accumulates 1+2+3+4, two GPUs (1+3)+(2+4)): fp32 rounding, amplified a little by AdamW.
+  const auto w2 = run({0, 1}, {0, 1}, "cuda:0,1", &l2);
   EXPECT_EQ(l1[0], l2[0]);
-  // Afterwards only the order of the gradient sum differs (one GPU accumulates 1+2+3+4, two GPUs
-  // (1+3)+(2+4)): fp32 rounding, amplified a little by AdamW's normalization.
   for (size_t i = 1; i < l1.size(); ++i) EXPECT_NEAR(l2[i], l1[i], 1e-4 * std::abs(l1[i])) << "step " << i + 1;
-  const auto a = w1.named(), b = w2.named();
-  std::vector<double> x, y;
-  for (size_t i = 0; i < a.size(); ++i) {
-    x.insert(x.end(), a[i].second->data.begin(), a[i].second->data.end());
-    y.insert(y.end(), b[i].second->data.begin(), b[i].second->data.end());
-  }
-  const double e = test::rel_l2(y, x);
+  const double e = test::rel_l2(w2, w1);
   EXPECT_LE(e, 1e-4);
-  std::printf("[data parallel] losses 1 GPU %.6f %.6f %.6f %.6f | 2 GPUs %.6f %.6f %.6f %.6f | weights rel L2 %.2e\n",
-              l1[0], l1[1], l1[2], l1[3], l2[0], l2[1], l2[2], l2[3], e);
+  std::printf("[data parallel] losses 1 GPU %.6f %.6f %.6f %.6f | 2 GPUs %.6f %.6f %.6f %.6f | weights rel L2 %.2e; "
+              "disaggregated runs bitwise equal to one GPU: %s\n",
+              l1[0], l1[1], l1[2], l1[3], l2[0], l2[1], l2[2], l2[3], e, (l3 == l1 && w3 == w1 && l4 == l1 && w4 == w1) ? "yes" : "NO");
 }
 
 #endif  // DFLASH_HAVE_CUDA

@@ -2,10 +2,14 @@
 
 #include <nccl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <deque>
 #include <exception>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -16,110 +20,146 @@ namespace dflash {
 
 namespace {
 
+using cuda::bf16;
+
 double ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
+#define DFLASH_NCCL_CHECK(call)                                                                                  \
+  do {                                                                                                           \
+    const ncclResult_t r_ = (call);                                                                              \
+    if (r_ != ncclSuccess) throw std::runtime_error(std::string("NCCL: ") + #call + ": " + ncclGetErrorString(r_)); \
+  } while (0)
+
+/// A stream on `device`, which becomes the current device. Stream-ordered memory freed on the device
+/// stays in its pool between steps (no OS round trips per step).
 struct Stream {
   cudaStream_t s{};
   explicit Stream(int device) {
     DFLASH_CUDA_CHECK(cudaSetDevice(device));
     DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
-  }
-  ~Stream() { cudaStreamDestroy(s); }
-};
-
-class GpuBackend final : public DrafterBackend {
- public:
-  GpuBackend(const DrafterConfig& cfg, const DrafterWeights<float>& w, const TargetModel& target, int device,
-             bool recompute)
-      : cfg_(cfg), device_(device), recompute_(recompute), stream_(device), target_(target, stream_.s),
-        drafter_(cfg, w, target.embed_tokens(), target.lm_head(), stream_.s) {
-    // Keep freed stream-ordered memory in the pool between steps (no OS round trips per step).
     cudaMemPool_t pool;
     DFLASH_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
     uint64_t keep = UINT64_MAX;
     DFLASH_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
   }
+  ~Stream() { cudaStreamDestroy(s); }
+};
+
+/// The frozen target on one GPU: computes a sample's taps [S, K*d] bf16 on that GPU.
+struct TargetReplica {
+  int device;
+  Stream stream;
+  TargetGpu target;
+  TargetReplica(const TargetModel& m, int dev) : device(dev), stream(dev), target(m, stream.s) {}
+
+  void taps(const TrainSample& s, const std::vector<int64_t>& layer_ids, bf16* out) {
+    DFLASH_CUDA_CHECK(cudaSetDevice(device));
+    target.forward_taps(std::vector<int32_t>(s.ids.begin(), s.ids.end()), {0, int64_t(s.ids.size())}, layer_ids, out);
+    DFLASH_CUDA_CHECK(cudaStreamSynchronize(stream.s));
+  }
+};
+
+/// A drafter replica on one GPU (fp32 masters, gradients and AdamW moments; bf16 working weights).
+struct DrafterReplica {
+  int device;
+  Stream stream;
+  DrafterGpu drafter;
+  DrafterReplica(const DrafterConfig& cfg, const DrafterWeights<float>& w, const TargetModel& m, int dev)
+      : device(dev), stream(dev), drafter(cfg, w, m.embed_tokens(), m.lm_head(), stream.s) {}
+
+  /// The drafter's forward + backward on taps already on this GPU (gradients added).
+  MicroResult step(const bf16* taps, const TrainSample& s, const std::vector<int64_t>& anchors, double gamma,
+                   bool recompute) {
+    DFLASH_CUDA_CHECK(cudaSetDevice(device));
+    const auto t0 = std::chrono::steady_clock::now();
+    MicroResult r;
+    const int64_t B = drafter.config().block_size;
+    if (!anchors.empty()) {
+      DrafterGpuSequence seq{taps, s.ids, std::vector<int64_t>(s.loss_mask.begin(), s.loss_mask.end()), anchors,
+                             int64_t(anchors.size()), gamma};
+      DrafterGpuStepOptions so;
+      so.recompute = recompute;
+      const DrafterGpuStepResult d = drafter.step(seq, so);
+      r.loss = d.loss, r.weight_sum = d.weight_sum;
+      r.slot_correct = d.slot_correct, r.slot_count = d.slot_count;
+    } else {
+      r.slot_correct.assign(size_t(B), 0);
+      r.slot_count.assign(size_t(B), 0);
+    }
+    DFLASH_CUDA_CHECK(cudaStreamSynchronize(stream.s));
+    r.drafter_ms = ms_since(t0);
+    return r;
+  }
+};
+
+int64_t taps_elems(const DrafterConfig& c, const TrainSample& s) {
+  return int64_t(s.ids.size()) * int64_t(c.target_layer_ids.size()) * c.hidden_size;
+}
+
+void check_sample(const TrainSample& s) {
+  if (s.loss_mask.size() != s.ids.size()) throw std::invalid_argument("loss_mask and ids differ in length");
+}
+
+/// One GPU, target and drafter colocated, everything on the caller's thread.
+class GpuBackend final : public DrafterBackend {
+ public:
+  GpuBackend(const DrafterConfig& cfg, const DrafterWeights<float>& w, const TargetModel& target, int device,
+             bool recompute)
+      : cfg_(cfg), recompute_(recompute), target_(target, device), drafter_(cfg, w, target, device) {}
 
   void zero_grads() override {
     on_device();
-    drafter_.zero_grads();
+    drafter_.drafter.zero_grads();
   }
 
   MicroResult micro_step(const TrainSample& s, const std::vector<int64_t>& anchors, double gamma) override {
-    if (s.loss_mask.size() != s.ids.size()) throw std::invalid_argument("loss_mask and ids differ in length");
+    check_sample(s);
     on_device();
-    const int64_t S = int64_t(s.ids.size()), K = int64_t(cfg_.target_layer_ids.size()), d = cfg_.hidden_size;
-    MicroResult r;
-    auto t0 = std::chrono::steady_clock::now();
-    std::vector<int32_t> ids(s.ids.begin(), s.ids.end());
-    cuda::StreamBuffer<cuda::bf16> taps(size_t(S * K * d), stream_.s);
-    target_.forward_taps(ids, {0, S}, cfg_.target_layer_ids, taps.data());
-    DFLASH_CUDA_CHECK(cudaStreamSynchronize(stream_.s));
-    r.target_ms = ms_since(t0);
-    t0 = std::chrono::steady_clock::now();
-    DrafterGpuSequence seq{taps.data(), s.ids, std::vector<int64_t>(s.loss_mask.begin(), s.loss_mask.end()), anchors,
-                           int64_t(anchors.size()), gamma};
-    if (!anchors.empty()) {
-      DrafterGpuStepOptions so;
-      so.recompute = recompute_;
-      const DrafterGpuStepResult d2 = drafter_.step(seq, so);
-      r.loss = d2.loss, r.weight_sum = d2.weight_sum;
-      r.slot_correct = d2.slot_correct, r.slot_count = d2.slot_count;
-    } else {
-      r.slot_correct.assign(size_t(cfg_.block_size), 0);
-      r.slot_count.assign(size_t(cfg_.block_size), 0);
-    }
-    r.drafter_ms = ms_since(t0);
+    const auto t0 = std::chrono::steady_clock::now();
+    // On the target's stream; freed there after the drafter step, which ends synchronized.
+    cuda::StreamBuffer<bf16> taps(size_t(taps_elems(cfg_, s)), target_.stream.s);
+    target_.taps(s, cfg_.target_layer_ids, taps.data());
+    const double target_ms = ms_since(t0);
+    MicroResult r = drafter_.step(taps.data(), s, anchors, gamma, recompute_);
+    r.target_ms = target_ms;
     return r;
   }
 
   void scale_grads(double f) override {
     on_device();
-    drafter_.scale_grads(float(f));
+    drafter_.drafter.scale_grads(float(f));
   }
 
   ClipResult optimizer_step(const AdamWOptions& o, double lr, double max_norm, int64_t t) override {
     on_device();
-    return drafter_.optimizer_step(o, lr, max_norm, t);
+    return drafter_.drafter.optimizer_step(o, lr, max_norm, t);
   }
 
   OptimizerState state() const override {
     on_device();
     OptimizerState st;
-    st.weights = drafter_.weights();
-    drafter_.moments(&st.exp_avg, &st.exp_avg_sq);
+    st.weights = drafter_.drafter.weights();
+    drafter_.drafter.moments(&st.exp_avg, &st.exp_avg_sq);
     return st;
   }
 
   void set_state(const OptimizerState& s) override {
     on_device();
-    drafter_.set_state(s.weights, s.exp_avg, s.exp_avg_sq);
+    drafter_.drafter.set_state(s.weights, s.exp_avg, s.exp_avg_sq);
   }
 
-  std::string device() const override { return "cuda:" + std::to_string(device_); }
-
-  int device_index() const { return device_; }
-  DrafterGpu& drafter() { return drafter_; }
+  std::string device() const override { return "cuda:" + std::to_string(drafter_.device); }
 
  private:
-  /// Every call may come from another thread: make this GPU current first.
-  void on_device() const { DFLASH_CUDA_CHECK(cudaSetDevice(device_)); }
+  void on_device() const { DFLASH_CUDA_CHECK(cudaSetDevice(drafter_.device)); }
 
   DrafterConfig cfg_;
-  int device_;
   bool recompute_;
-  Stream stream_;
-  TargetGpu target_;
-  DrafterGpu drafter_;
+  TargetReplica target_;
+  DrafterReplica drafter_;
 };
-
-#define DFLASH_NCCL_CHECK(call)                                                                         \
-  do {                                                                                                  \
-    const ncclResult_t r_ = (call);                                                                     \
-    if (r_ != ncclSuccess) throw std::runtime_error(std::string("NCCL: ") + #call + ": " + ncclGetErrorString(r_)); \
-  } while (0)
 
 /// fn(i) for i in [0, n) on n threads at once; rethrows the exception of the lowest failing i.
 void on_threads(size_t n, const std::function<void(size_t)>& fn) {
@@ -138,97 +178,243 @@ void on_threads(size_t n, const std::function<void(size_t)>& fn) {
     if (e) std::rethrow_exception(e);
 }
 
-/// Data parallelism over several GPUs of this process: one GpuBackend (target + drafter replica) per
-/// GPU, one thread per GPU per call. The micro-batches of a step are dealt round-robin to the
-/// replicas; optimizer_step sums the gradients with an NCCL all-reduce (every replica then holds the
-/// step's total) and runs the same clip + AdamW on each, so the replicas stay bitwise equal
-/// (identical inputs, deterministic kernels, and NCCL gives every rank the same sum).
-class DataParallelBackend final : public DrafterBackend {
- public:
-  DataParallelBackend(const DrafterConfig& cfg, const DrafterWeights<float>& w, const TargetModel& target,
-                      const std::vector<int>& devices, bool recompute) {
-    for (int d : devices) reps_.push_back(std::make_unique<GpuBackend>(cfg, w, target, d, recompute));  // host memory: one at a time
-    comms_.resize(devices.size());
-    DFLASH_NCCL_CHECK(ncclCommInitAll(comms_.data(), int(devices.size()), devices.data()));
+/// A micro-batch's taps on the way from a target replica to a drafter replica; frees them on their
+/// own GPU whichever thread drops the message.
+struct TapsMsg {
+  cuda::DeviceArray<bf16> taps;  // on the target replica's GPU
+  int device = 0;                // that GPU
+  double target_ms = 0;
+  std::exception_ptr err;        // the target failed on this micro-batch
+  TapsMsg() = default;
+  TapsMsg(TapsMsg&&) = default;
+  TapsMsg& operator=(TapsMsg&&) = default;
+  ~TapsMsg() {
+    if (!taps.data()) return;
+    int prev = 0;
+    cudaGetDevice(&prev);
+    cudaSetDevice(device);
+    taps = cuda::DeviceArray<bf16>();
+    cudaSetDevice(prev);
   }
-  ~DataParallelBackend() override {
+};
+
+/// Thrown in a worker when another worker failed and the step is being abandoned.
+struct Cancelled {};
+
+/// FIFO queues between every (target replica, drafter replica) pair, `cap` messages each. Target t
+/// sends its micro-batches in increasing index order and drafter d takes its own in increasing
+/// order, so each pair's queue is consumed in the order it is filled (deterministic accumulation
+/// order), and the smallest unconsumed micro-batch can always move (no deadlock).
+class Handoff {
+ public:
+  Handoff(size_t nt, size_t nd, size_t cap) : nd_(nd), cap_(cap), q_(nt * nd) {}
+  void push(size_t t, size_t d, TapsMsg m) {
+    std::unique_lock<std::mutex> l(mu_);
+    cv_.wait(l, [&] { return cancelled_ || q_[t * nd_ + d].size() < cap_; });
+    if (cancelled_) throw Cancelled{};
+    q_[t * nd_ + d].push_back(std::move(m));
+    cv_.notify_all();
+  }
+  TapsMsg pop(size_t t, size_t d) {
+    std::unique_lock<std::mutex> l(mu_);
+    cv_.wait(l, [&] { return cancelled_ || !q_[t * nd_ + d].empty(); });
+    if (cancelled_) throw Cancelled{};
+    TapsMsg m = std::move(q_[t * nd_ + d].front());
+    q_[t * nd_ + d].pop_front();
+    cv_.notify_all();
+    return m;
+  }
+  void cancel() {
+    std::lock_guard<std::mutex> l(mu_);
+    cancelled_ = true;
+    cv_.notify_all();
+  }
+ private:
+  size_t nd_, cap_;
+  std::vector<std::deque<TapsMsg>> q_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool cancelled_ = false;
+};
+
+/// Several GPUs: target replicas on `target_devices`, drafter replicas on `drafter_devices` (equal
+/// lists = colocated, one of each per GPU; disjoint = disaggregated; a GPU may hold one of each).
+/// Micro-batch j of a step goes to target replica j % Nt, whose taps are copied (peer to peer when
+/// the GPUs differ) to drafter replica j % Nd; a thread per replica, the two sides overlapping
+/// through bounded queues (2 micro-batches per pair). optimizer_step sums the drafter replicas'
+/// gradients with an NCCL all-reduce and runs the same clip + AdamW on each, so the replicas stay
+/// bitwise equal (identical inputs, deterministic kernels, the same sum on every NCCL rank).
+class MultiGpuBackend final : public DrafterBackend {
+ public:
+  MultiGpuBackend(const DrafterConfig& cfg, const DrafterWeights<float>& w, const TargetModel& target,
+                  const std::vector<int>& target_devices, const std::vector<int>& drafter_devices, bool recompute)
+      : cfg_(cfg), recompute_(recompute) {
+    // One replica at a time: each upload converts the weights in host memory first.
+    for (int d : target_devices) targets_.push_back(std::make_unique<TargetReplica>(target, d));
+    for (int d : drafter_devices) drafters_.push_back(std::make_unique<DrafterReplica>(cfg, w, target, d));
+    for (int d : drafter_devices)
+      for (int t : target_devices) {
+        int ok = 0;
+        if (d != t && cudaDeviceCanAccessPeer(&ok, d, t) == cudaSuccess && ok) {
+          DFLASH_CUDA_CHECK(cudaSetDevice(d));
+          const cudaError_t e = cudaDeviceEnablePeerAccess(t, 0);
+          if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) DFLASH_CUDA_CHECK(e);
+          (void)cudaGetLastError();
+        }
+      }
+    if (drafters_.size() > 1) {
+      comms_.resize(drafters_.size());
+      DFLASH_NCCL_CHECK(ncclCommInitAll(comms_.data(), int(drafter_devices.size()), drafter_devices.data()));
+    }
+  }
+  ~MultiGpuBackend() override {
     for (ncclComm_t c : comms_) ncclCommDestroy(c);
   }
 
   void zero_grads() override {
-    on_threads(reps_.size(), [&](size_t i) { reps_[i]->zero_grads(); });
+    on_drafters([&](DrafterReplica& r) { r.drafter.zero_grads(); });
   }
 
   MicroResult micro_step(const TrainSample& s, const std::vector<int64_t>& anchors, double gamma) override {
-    return reps_[0]->micro_step(s, anchors, gamma);
+    return micro_steps({MicroBatch{&s, anchors}}, gamma).at(0);
   }
 
   std::vector<MicroResult> micro_steps(const std::vector<MicroBatch>& mbs, double gamma) override {
-    std::vector<MicroResult> r(mbs.size());
-    std::vector<std::exception_ptr> err(mbs.size());
-    on_threads(reps_.size(), [&](size_t i) {
-      for (size_t j = i; j < mbs.size(); j += reps_.size()) {
-        try {
-          r[j] = reps_[i]->micro_step(*mbs[j].sample, mbs[j].anchors, gamma);
-        } catch (...) {
-          err[j] = std::current_exception();
-          return;
+    const size_t n = mbs.size(), nt = targets_.size(), nd = drafters_.size();
+    std::vector<MicroResult> res(n);
+    std::vector<std::exception_ptr> err(n);
+    Handoff hand(nt, nd, 2);
+    on_threads(nt + nd, [&](size_t w) {
+      size_t j = 0;
+      try {
+        if (w < nt) {  // target replica w
+          TargetReplica& tr = *targets_[w];
+          for (j = w; j < n; j += nt) {
+            TapsMsg m;
+            m.device = tr.device;
+            try {
+              const auto t0 = std::chrono::steady_clock::now();
+              check_sample(*mbs[j].sample);
+              DFLASH_CUDA_CHECK(cudaSetDevice(tr.device));
+              m.taps = cuda::DeviceArray<bf16>(size_t(taps_elems(cfg_, *mbs[j].sample)));
+              tr.taps(*mbs[j].sample, cfg_.target_layer_ids, m.taps.data());
+              m.target_ms = ms_since(t0);
+            } catch (...) {
+              m.err = std::current_exception();
+            }
+            hand.push(w, j % nd, std::move(m));
+          }
+        } else {  // drafter replica w - nt
+          const size_t d = w - nt;
+          DrafterReplica& dr = *drafters_[d];
+          for (j = d; j < n; j += nd) {
+            const auto t0 = std::chrono::steady_clock::now();
+            TapsMsg m = hand.pop(j % nt, d);
+            const double wait_ms = ms_since(t0);
+            if (m.err) std::rethrow_exception(m.err);
+            cuda::DeviceArray<bf16> local;
+            const bf16* taps = m.taps.data();
+            if (m.device != dr.device) {  // peer-to-peer copy to the drafter's GPU
+              DFLASH_CUDA_CHECK(cudaSetDevice(dr.device));
+              local = cuda::DeviceArray<bf16>(m.taps.size());
+              DFLASH_CUDA_CHECK(cudaMemcpyPeerAsync(local.data(), dr.device, m.taps.data(), m.device,
+                                                    m.taps.size() * sizeof(bf16), dr.stream.s));
+              taps = local.data();
+            }
+            res[j] = dr.step(taps, *mbs[j].sample, mbs[j].anchors, gamma, recompute_);  // (synchronizes)
+            res[j].target_ms = m.target_ms, res[j].queue_ms = wait_ms;
+          }
         }
+      } catch (const Cancelled&) {
+        // another worker failed first; its error is reported
+      } catch (...) {
+        err[j] = std::current_exception();
+        hand.cancel();
       }
     });
-    for (size_t j = 0; j < mbs.size(); ++j)
+    for (size_t j = 0; j < n; ++j)
       if (err[j]) try {
           std::rethrow_exception(err[j]);
         } catch (const std::exception& e) {
-          throw std::runtime_error("training example " + std::to_string(mbs[j].sample->index) + " (on " +
-                                   reps_[j % reps_.size()]->device() + "): " + e.what());
+          throw std::runtime_error("training example " + std::to_string(mbs[j].sample->index) + ": " + e.what());
         }
-    return r;
+    return res;
   }
 
   void scale_grads(double f) override {
-    on_threads(reps_.size(), [&](size_t i) { reps_[i]->scale_grads(f); });
+    on_drafters([&](DrafterReplica& r) { r.drafter.scale_grads(float(f)); });
   }
 
   ClipResult optimizer_step(const AdamWOptions& o, double lr, double max_norm, int64_t t) override {
-    DFLASH_NCCL_CHECK(ncclGroupStart());
-    for (size_t i = 0; i < reps_.size(); ++i) {
-      DrafterGpu& d = reps_[i]->drafter();
-      DFLASH_CUDA_CHECK(cudaSetDevice(reps_[i]->device_index()));
-      DFLASH_NCCL_CHECK(ncclAllReduce(d.grad_data(), d.grad_data(), size_t(d.num_params()), ncclFloat32, ncclSum,
-                                      comms_[i], d.stream()));
+    if (!comms_.empty()) {
+      DFLASH_NCCL_CHECK(ncclGroupStart());
+      for (size_t i = 0; i < drafters_.size(); ++i) {
+        DrafterReplica& r = *drafters_[i];
+        DFLASH_CUDA_CHECK(cudaSetDevice(r.device));
+        DFLASH_NCCL_CHECK(ncclAllReduce(r.drafter.grad_data(), r.drafter.grad_data(), size_t(r.drafter.num_params()),
+                                        ncclFloat32, ncclSum, comms_[i], r.stream.s));
+      }
+      DFLASH_NCCL_CHECK(ncclGroupEnd());
     }
-    DFLASH_NCCL_CHECK(ncclGroupEnd());
-    std::vector<ClipResult> r(reps_.size());
-    on_threads(reps_.size(), [&](size_t i) { r[i] = reps_[i]->optimizer_step(o, lr, max_norm, t); });
+    std::vector<ClipResult> r(drafters_.size());
+    on_threads(drafters_.size(), [&](size_t i) {
+      DFLASH_CUDA_CHECK(cudaSetDevice(drafters_[i]->device));
+      r[i] = drafters_[i]->drafter.optimizer_step(o, lr, max_norm, t);
+    });
     return r[0];
   }
 
-  OptimizerState state() const override { return reps_[0]->state(); }
+  OptimizerState state() const override {
+    DFLASH_CUDA_CHECK(cudaSetDevice(drafters_[0]->device));
+    OptimizerState st;
+    st.weights = drafters_[0]->drafter.weights();
+    drafters_[0]->drafter.moments(&st.exp_avg, &st.exp_avg_sq);
+    return st;
+  }
 
   void set_state(const OptimizerState& s) override {
-    on_threads(reps_.size(), [&](size_t i) { reps_[i]->set_state(s); });
+    on_drafters([&](DrafterReplica& r) { r.drafter.set_state(s.weights, s.exp_avg, s.exp_avg_sq); });
   }
 
   std::string device() const override {
-    std::string r = "cuda:";
-    for (size_t i = 0; i < reps_.size(); ++i) r += (i ? "," : "") + std::to_string(reps_[i]->device_index());
-    return r;
+    auto list = [](const auto& reps) {
+      std::string r;
+      for (size_t i = 0; i < reps.size(); ++i) r += (i ? "," : "") + std::to_string(reps[i]->device);
+      return r;
+    };
+    const std::string t = list(targets_), d = list(drafters_);
+    return t == d ? "cuda:" + d : "target cuda:" + t + " / drafter cuda:" + d;
   }
 
  private:
-  std::vector<std::unique_ptr<GpuBackend>> reps_;
+  void on_drafters(const std::function<void(DrafterReplica&)>& fn) {
+    on_threads(drafters_.size(), [&](size_t i) {
+      DFLASH_CUDA_CHECK(cudaSetDevice(drafters_[i]->device));
+      fn(*drafters_[i]);
+    });
+  }
+
+  DrafterConfig cfg_;
+  bool recompute_;
+  std::vector<std::unique_ptr<TargetReplica>> targets_;
+  std::vector<std::unique_ptr<DrafterReplica>> drafters_;
   std::vector<ncclComm_t> comms_;
 };
 
 }  // namespace
 
 std::unique_ptr<DrafterBackend> make_gpu_backend(const DrafterConfig& cfg, const DrafterWeights<float>& weights,
-                                                 const TargetModel& target, const std::vector<int>& devices,
-                                                 bool recompute) {
-  if (devices.empty()) throw std::invalid_argument("make_gpu_backend: no GPU given");
-  if (devices.size() == 1) return std::make_unique<GpuBackend>(cfg, weights, target, devices[0], recompute);
-  return std::make_unique<DataParallelBackend>(cfg, weights, target, devices, recompute);
+                                                 const TargetModel& target, const std::vector<int>& target_devices,
+                                                 const std::vector<int>& drafter_devices, bool recompute) {
+  if (target_devices.empty() || drafter_devices.empty())
+    throw std::invalid_argument("make_gpu_backend: no target GPU or no drafter GPU given");
+  for (const auto* l : {&target_devices, &drafter_devices})
+    for (size_t i = 0; i < l->size(); ++i)
+      if (std::count(l->begin(), l->end(), (*l)[i]) > 1)
+        throw std::invalid_argument("make_gpu_backend: GPU " + std::to_string((*l)[i]) + " listed twice");
+  if (target_devices.size() == 1 && target_devices == drafter_devices)
+    return std::make_unique<GpuBackend>(cfg, weights, target, target_devices[0], recompute);
+  return std::make_unique<MultiGpuBackend>(cfg, weights, target, target_devices, drafter_devices, recompute);
 }
 
 }  // namespace dflash

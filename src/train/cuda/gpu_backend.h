@@ -1,5 +1,5 @@
 // The GPU training backend: the target's taps by TargetGpu and the drafter step + optimizer by
-// DrafterGpu, both on one GPU and one stream (colocated placement); on several GPUs, data parallel.
+// DrafterGpu: on one GPU, or target and drafter replicas over several (colocated or disaggregated).
 #pragma once
 #include <memory>
 #include <vector>
@@ -10,15 +10,18 @@ namespace dflash {
 
 class TargetModel;
 
-/// Builds the target (bf16) and the drafter (fp32 masters from `weights`, the target's embed_tokens
-/// and lm_head frozen) on each GPU of `devices` (CUDA indices, distinct). One GPU: everything there.
-/// Several: data parallel, a target + drafter replica per GPU, micro-batches dealt round-robin, the
-/// gradients summed by an NCCL all-reduce before each optimizer step. `target` is only read during
-/// construction. Throws std::invalid_argument when the target cannot run on the GPU (the reason is in
-/// the message) or the drafter's head_dim is not 64 / 128; std::runtime_error on CUDA / NCCL errors.
+/// Builds target replicas (bf16) on `target_devices` and drafter replicas (fp32 masters from
+/// `weights`, the target's embed_tokens and lm_head frozen) on `drafter_devices` (CUDA indices,
+/// distinct within each list). One GPU in both: everything there, on the caller's thread. Equal
+/// lists: colocated, a target + drafter replica per GPU. Disjoint: disaggregated, taps copied peer
+/// to peer. Micro-batch j of a step goes to target replica j % Nt and drafter replica j % Nd; with
+/// several drafter replicas their gradients are summed by an NCCL all-reduce before each optimizer
+/// step. `target` is only read during construction. Throws std::invalid_argument when the target
+/// cannot run on the GPU (the reason is in the message), the drafter's head_dim is not 64 / 128 or a
+/// list is empty / repeats a GPU; std::runtime_error on CUDA / NCCL errors.
 /// `recompute`: activation recomputation in the drafter step (DrafterGpuStepOptions::recompute).
 std::unique_ptr<DrafterBackend> make_gpu_backend(const DrafterConfig& cfg, const DrafterWeights<float>& weights,
-                                                 const TargetModel& target, const std::vector<int>& devices,
-                                                 bool recompute = false);
+                                                 const TargetModel& target, const std::vector<int>& target_devices,
+                                                 const std::vector<int>& drafter_devices, bool recompute = false);
 
 }  // namespace dflash
