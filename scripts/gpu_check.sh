@@ -97,6 +97,16 @@ if [ "${GPU_CHECK_BENCH:-1}" != 0 ]; then
   p8=$(DFLASH_COMMIT="$commit" "$build/dflash" bench pipeline --preset qwen3-8b --results "$out" 2>&1) || tests_rc=1
   echo "$p8" >>"$log"
   pipeline+=$'\n'"--- qwen3-8b"$'\n'"$p8"
+  # The dflash train path (trainer + GPU backend) on 1 and 2 GPUs, colocated (2 samples per replica
+  # per step): the speedup of the second GPU.
+  if [ "$ngpu" -ge 2 ]; then
+    for g in 0 0,1; do
+      pg=$(DFLASH_COMMIT="$commit" "$build/dflash" bench pipeline --preset qwen3-8b --gpus "$g" --steps 6 --warmup 2 \
+        --results "$out" 2>&1) || tests_rc=1
+      echo "$pg" >>"$log"
+      pipeline+=$'\n'"--- qwen3-8b, train path, --gpus $g"$'\n'"$(echo "$pg" | grep samples_per_s)"
+    done
+  fi
 fi
 smol="not run (DFLASH_SMOLLM2_GGUF unset)"
 if [ -n "${DFLASH_SMOLLM2_GGUF:-}" ]; then

@@ -64,12 +64,26 @@ void add_bench_pipeline(CLI::App& bench, Runner& run) {
   cmd->add_option("--warmup", warmup, "Untimed samples first")->capture_default_str()->check(CLI::Range(0, 1000));
   cmd->add_option("--results", results, "Directory of the JSONL records")->capture_default_str();
   cmd->add_flag("--no-record", no_record, "Print only; append nothing to the results");
+  static std::vector<int> gpus, target_gpus, drafter_gpus;
+  static int per_replica = 2;
+  cmd->add_option("--gpus", gpus, "Run the dflash train path colocated on these GPUs (e.g. 0 or 0,1)")->delimiter(',');
+  cmd->add_option("--target-gpus", target_gpus, "The train path with the target replicas here (with --drafter-gpus)")
+      ->delimiter(',');
+  cmd->add_option("--drafter-gpus", drafter_gpus, "The train path with the drafter replicas here")->delimiter(',');
+  cmd->add_option("--per-replica", per_replica, "Train path: samples per drafter replica per optimizer step")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
   cmd->callback([&run] {
     run = [] {
       // Unknown presets and targets the GPU cannot run are refused with the reason in every build.
       pipeline_bench_preset(preset);
+      if (!gpus.empty() && (!target_gpus.empty() || !drafter_gpus.empty()))
+        throw std::invalid_argument("bench pipeline: --gpus or --target-gpus / --drafter-gpus, not both");
 #ifdef DFLASH_HAVE_CUDA
-      return run_pipeline_bench({preset, seq, anchors, steps, warmup, results, !no_record});
+      PipelineBenchOptions po{preset, seq, anchors, steps, warmup, results, !no_record, {}, {}, per_replica};
+      po.target_gpus = target_gpus;
+      po.drafter_gpus = gpus.empty() ? drafter_gpus : gpus;
+      return run_pipeline_bench(po);
 #else
       fmt::print(stderr, "dflash bench pipeline: this build has no CUDA backend (configure with nvcc present)\n");
       return 2;

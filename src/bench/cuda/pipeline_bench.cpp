@@ -11,6 +11,8 @@
 #include "bench/record.h"
 #include "models/cuda/drafter_gpu.h"
 #include "models/cuda/target_gpu.h"
+#include "train/cuda/gpu_backend.h"
+#include "train/trainer.h"
 
 namespace dflash {
 
@@ -18,10 +20,91 @@ namespace {
 double ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
+
+void record_pipeline(const PipelineBenchOptions& o, const std::string& preset, double samples_per_s, int64_t S,
+                     double peak_gb, const nlohmann::json& extra) {
+  for (const auto& [metric, value, unit] :
+       {std::tuple<const char*, double, const char*>{"samples_per_s", samples_per_s, "samples/s"},
+        {"tokens_per_s", samples_per_s * double(S), "tokens/s"},
+        {"peak_gb", peak_gb, "GB"}}) {
+    BenchRecord r;
+    r.bench = "pipeline";
+    r.preset = preset;
+    r.metric = metric;
+    r.value = value;
+    r.unit = unit;
+    r.extra = extra;
+    if (o.record) r = append_bench_record(o.results, r, true);
+    fmt::print("{}\n", to_json(r).dump());
+  }
+}
+
+std::string gpu_list(const std::vector<int>& g) {
+  std::string r;
+  for (size_t i = 0; i < g.size(); ++i) r += (i ? "," : "") + std::to_string(g[i]);
+  return r;
+}
+
+/// The training path: DrafterTrainer over make_gpu_backend's replicas (random weights, the same on
+/// every replica), the sample of bench_sequence repeated.
+int run_training_path(const PipelineBenchOptions& o, const PipelineBenchPreset& p) {
+  const DrafterConfig& c = p.drafter.cfg;
+  const int64_t S = o.seq > 0 ? o.seq : p.drafter.S;
+  const std::vector<int>& dg = o.drafter_gpus;
+  const std::vector<int>& tg = o.target_gpus.empty() ? dg : o.target_gpus;
+  for (const auto* l : {&tg, &dg})
+    for (int g : *l) cuda::require_device("bench pipeline", g);
+  DFLASH_CUDA_CHECK(cudaSetDevice(dg[0]));
+  PeakMemory mem;  // (device 0 of the process: GPU 0 of the lists when they start there)
+  GpuReplicaFactory f;
+  f.target = [&](cudaStream_t s) { return std::make_unique<TargetGpu>(p.target, 4321, s); };
+  f.drafter = [&](cudaStream_t s) { return std::make_unique<DrafterGpu>(c, p.drafter.V, 1234, s); };
+  const DrafterGpuSequence seq = bench_sequence(c, S, o.anchors, nullptr);
+  TrainSample sample;
+  sample.ids = seq.ids;
+  sample.loss_mask.assign(seq.loss_mask.begin(), seq.loss_mask.end());
+  TrainerOptions to;
+  to.num_anchors = o.anchors;
+  to.grad_accum = int64_t(o.per_replica) * int64_t(dg.size());
+  to.schedule = {6e-4, o.warmup + o.steps, 0.0};
+  DrafterTrainer tr(c, make_gpu_backend(c, f, tg, dg), 1000, to);
+  mem.static_done(nullptr);
+  std::vector<double> step_ms;
+  double target_ms = 0, drafter_ms = 0, queue_ms = 0, optimizer_ms = 0, loss = 0;
+  for (int i = 0; i < o.warmup + o.steps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const TrainStepStats st = tr.step([&](int64_t) { return sample; });
+    if (i < o.warmup) continue;
+    step_ms.push_back(ms_since(t0));
+    target_ms += st.target_ms / double(tg.size()), drafter_ms += st.drafter_ms / double(dg.size());
+    queue_ms += st.queue_ms / double(dg.size()), optimizer_ms += st.optimizer_ms, loss = st.loss;
+  }
+  const double n = double(o.steps), per_step = median(step_ms);
+  const double samples_per_s = double(to.grad_accum) / (per_step * 1e-3);
+  const nlohmann::json extra = {
+      {"S", S}, {"anchors", seq.num_blocks}, {"block_size", c.block_size}, {"target_gpus", tg}, {"drafter_gpus", dg},
+      {"samples_per_step", to.grad_accum}, {"step_ms", per_step}, {"steps", o.steps}, {"warmup", o.warmup},
+      {"hidden", c.hidden_size}, {"vocab", p.drafter.V}, {"target_layers", p.target.num_hidden_layers},
+      {"loss", loss},
+      {"stage_ms_per_step_per_replica",
+       {{"target_forward", target_ms / n}, {"queue_wait", queue_ms / n}, {"drafter", drafter_ms / n},
+        {"optimizer_allreduce", optimizer_ms / n}}},
+      {"what", "the dflash train path (DrafterTrainer + GPU backend): samples per optimizer step / median step wall "
+               "time; stages: wall ms per step per replica; peak_gb: GPU " + std::to_string(dg[0])}};
+  const std::string where = tg == dg ? "gpus=" + gpu_list(dg) : "target=" + gpu_list(tg) + ",drafter=" + gpu_list(dg);
+  record_pipeline(o, o.preset + "/" + where, samples_per_s, S, mem.peak_gb(), extra);
+  return 0;
+}
+
 }  // namespace
 
 int run_pipeline_bench(const PipelineBenchOptions& o) {
   const PipelineBenchPreset p = pipeline_bench_preset(o.preset);
+  if (!o.drafter_gpus.empty() || !o.target_gpus.empty()) {
+    if (o.drafter_gpus.empty())
+      throw std::invalid_argument("bench pipeline: --target-gpus needs --drafter-gpus (or use --gpus)");
+    return run_training_path(o, p);
+  }
   const DrafterConfig& c = p.drafter.cfg;
   const int64_t S = o.seq > 0 ? o.seq : p.drafter.S, K = int64_t(c.target_layer_ids.size());
   cuda::require_device("bench pipeline");
@@ -86,20 +169,7 @@ int run_pipeline_bench(const PipelineBenchOptions& o) {
       {"drafter_ms", median(drafter_ms)}, {"loss", loss}, {"stage_ms", stages},
       {"what", "one sample: target forward_taps + drafter zero_grads + forward + backward + clip + AdamW, "
                "colocated on one GPU (wall time; stage_ms: GPU time of one more sample)"}};
-  for (const auto& [metric, value, unit] :
-       {std::tuple<const char*, double, const char*>{"samples_per_s", samples_per_s, "samples/s"},
-        {"tokens_per_s", samples_per_s * double(S), "tokens/s"},
-        {"peak_gb", peak_gb, "GB"}}) {
-    BenchRecord r;
-    r.bench = "pipeline";
-    r.preset = o.preset;
-    r.metric = metric;
-    r.value = value;
-    r.unit = unit;
-    r.extra = extra;
-    if (o.record) r = append_bench_record(o.results, r, true);
-    fmt::print("{}\n", to_json(r).dump());
-  }
+  record_pipeline(o, o.preset, samples_per_s, S, peak_gb, extra);
   DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
   return 0;
 }

@@ -5,6 +5,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace dflash {
 
@@ -15,10 +16,16 @@ struct PipelineBenchOptions {
   int steps = 10, warmup = 3;          // timed samples (median recorded) after warm-up samples
   std::string results = "bench/results";
   bool record = true;                  // append to results/pipeline.jsonl
+  // The training path over GPUs (when either list is set): the trainer and the GPU backend of
+  // `dflash train` (make_gpu_backend) on these GPUs, `per_replica` samples per drafter replica per
+  // optimizer step. Empty target_gpus: the drafter GPUs (colocated).
+  std::vector<int> target_gpus, drafter_gpus;
+  int per_replica = 2;
 };
 
-/// Runs the benchmark on GPU 0; prints one JSON line per metric (samples_per_s, tokens_per_s,
-/// peak_gb). Returns the exit code. Throws std::invalid_argument for an unknown preset or one whose
+/// Runs the benchmark on GPU 0 (or, with GPU lists, the training path over those GPUs: samples/s
+/// = samples per optimizer step / median step wall time); prints one JSON line per metric
+/// (samples_per_s, tokens_per_s, peak_gb; the training path reports GPU 0's peak). Returns the exit code. Throws std::invalid_argument for an unknown preset or one whose
 /// target the GPU backend cannot run (the reason in the message), std::runtime_error without a
 /// usable device or on CUDA errors.
 int run_pipeline_bench(const PipelineBenchOptions& o);

@@ -51,12 +51,12 @@ struct Stream {
 struct TargetReplica {
   int device;
   Stream stream;
-  TargetGpu target;
-  TargetReplica(const TargetModel& m, int dev) : device(dev), stream(dev), target(m, stream.s) {}
+  std::unique_ptr<TargetGpu> target;
+  TargetReplica(const GpuReplicaFactory& f, int dev) : device(dev), stream(dev), target(f.target(stream.s)) {}
 
   void taps(const TrainSample& s, const std::vector<int64_t>& layer_ids, bf16* out) {
     DFLASH_CUDA_CHECK(cudaSetDevice(device));
-    target.forward_taps(std::vector<int32_t>(s.ids.begin(), s.ids.end()), {0, int64_t(s.ids.size())}, layer_ids, out);
+    target->forward_taps(std::vector<int32_t>(s.ids.begin(), s.ids.end()), {0, int64_t(s.ids.size())}, layer_ids, out);
     DFLASH_CUDA_CHECK(cudaStreamSynchronize(stream.s));
   }
 };
@@ -65,9 +65,10 @@ struct TargetReplica {
 struct DrafterReplica {
   int device;
   Stream stream;
-  DrafterGpu drafter;
-  DrafterReplica(const DrafterConfig& cfg, const DrafterWeights<float>& w, const TargetModel& m, int dev)
-      : device(dev), stream(dev), drafter(cfg, w, m.embed_tokens(), m.lm_head(), stream.s) {}
+  std::unique_ptr<DrafterGpu> holder;
+  DrafterGpu& drafter;
+  DrafterReplica(const GpuReplicaFactory& f, int dev)
+      : device(dev), stream(dev), holder(f.drafter(stream.s)), drafter(*holder) {}
 
   /// The drafter's forward + backward on taps already on this GPU (gradients added).
   MicroResult step(const bf16* taps, const TrainSample& s, const std::vector<int64_t>& anchors, double gamma,
@@ -105,9 +106,8 @@ void check_sample(const TrainSample& s) {
 /// One GPU, target and drafter colocated, everything on the caller's thread.
 class GpuBackend final : public DrafterBackend {
  public:
-  GpuBackend(const DrafterConfig& cfg, const DrafterWeights<float>& w, const TargetModel& target, int device,
-             bool recompute)
-      : cfg_(cfg), recompute_(recompute), target_(target, device), drafter_(cfg, w, target, device) {}
+  GpuBackend(const DrafterConfig& cfg, const GpuReplicaFactory& f, int device, bool recompute)
+      : cfg_(cfg), recompute_(recompute), target_(f, device), drafter_(f, device) {}
 
   void zero_grads() override {
     on_device();
@@ -246,12 +246,12 @@ class Handoff {
 /// bitwise equal (identical inputs, deterministic kernels, the same sum on every NCCL rank).
 class MultiGpuBackend final : public DrafterBackend {
  public:
-  MultiGpuBackend(const DrafterConfig& cfg, const DrafterWeights<float>& w, const TargetModel& target,
-                  const std::vector<int>& target_devices, const std::vector<int>& drafter_devices, bool recompute)
+  MultiGpuBackend(const DrafterConfig& cfg, const GpuReplicaFactory& f, const std::vector<int>& target_devices,
+                  const std::vector<int>& drafter_devices, bool recompute)
       : cfg_(cfg), recompute_(recompute) {
     // One replica at a time: each upload converts the weights in host memory first.
-    for (int d : target_devices) targets_.push_back(std::make_unique<TargetReplica>(target, d));
-    for (int d : drafter_devices) drafters_.push_back(std::make_unique<DrafterReplica>(cfg, w, target, d));
+    for (int d : target_devices) targets_.push_back(std::make_unique<TargetReplica>(f, d));
+    for (int d : drafter_devices) drafters_.push_back(std::make_unique<DrafterReplica>(f, d));
     for (int d : drafter_devices)
       for (int t : target_devices) {
         int ok = 0;
@@ -403,8 +403,8 @@ class MultiGpuBackend final : public DrafterBackend {
 
 }  // namespace
 
-std::unique_ptr<DrafterBackend> make_gpu_backend(const DrafterConfig& cfg, const DrafterWeights<float>& weights,
-                                                 const TargetModel& target, const std::vector<int>& target_devices,
+std::unique_ptr<DrafterBackend> make_gpu_backend(const DrafterConfig& cfg, const GpuReplicaFactory& f,
+                                                 const std::vector<int>& target_devices,
                                                  const std::vector<int>& drafter_devices, bool recompute) {
   if (target_devices.empty() || drafter_devices.empty())
     throw std::invalid_argument("make_gpu_backend: no target GPU or no drafter GPU given");
@@ -413,8 +413,19 @@ std::unique_ptr<DrafterBackend> make_gpu_backend(const DrafterConfig& cfg, const
       if (std::count(l->begin(), l->end(), (*l)[i]) > 1)
         throw std::invalid_argument("make_gpu_backend: GPU " + std::to_string((*l)[i]) + " listed twice");
   if (target_devices.size() == 1 && target_devices == drafter_devices)
-    return std::make_unique<GpuBackend>(cfg, weights, target, target_devices[0], recompute);
-  return std::make_unique<MultiGpuBackend>(cfg, weights, target, target_devices, drafter_devices, recompute);
+    return std::make_unique<GpuBackend>(cfg, f, target_devices[0], recompute);
+  return std::make_unique<MultiGpuBackend>(cfg, f, target_devices, drafter_devices, recompute);
+}
+
+std::unique_ptr<DrafterBackend> make_gpu_backend(const DrafterConfig& cfg, const DrafterWeights<float>& weights,
+                                                 const TargetModel& target, const std::vector<int>& target_devices,
+                                                 const std::vector<int>& drafter_devices, bool recompute) {
+  GpuReplicaFactory f;
+  f.target = [&](cudaStream_t s) { return std::make_unique<TargetGpu>(target, s); };
+  f.drafter = [&](cudaStream_t s) {
+    return std::make_unique<DrafterGpu>(cfg, weights, target.embed_tokens(), target.lm_head(), s);
+  };
+  return make_gpu_backend(cfg, f, target_devices, drafter_devices, recompute);
 }
 
 }  // namespace dflash

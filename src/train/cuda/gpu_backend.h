@@ -1,14 +1,25 @@
 // The GPU training backend: the target's taps by TargetGpu and the drafter step + optimizer by
 // DrafterGpu: on one GPU, or target and drafter replicas over several (colocated or disaggregated).
 #pragma once
+#include <functional>
 #include <memory>
 #include <vector>
 
+#include "ops/cuda/runtime.h"
 #include "train/backend.h"
 
 namespace dflash {
 
 class TargetModel;
+class TargetGpu;
+class DrafterGpu;
+
+/// Makes one replica's target / drafter on the current device, on stream `s` (every replica of a
+/// backend must start from the same drafter weights).
+struct GpuReplicaFactory {
+  std::function<std::unique_ptr<TargetGpu>(cudaStream_t s)> target;
+  std::function<std::unique_ptr<DrafterGpu>(cudaStream_t s)> drafter;
+};
 
 /// Builds target replicas (bf16) on `target_devices` and drafter replicas (fp32 masters from
 /// `weights`, the target's embed_tokens and lm_head frozen) on `drafter_devices` (CUDA indices,
@@ -22,6 +33,11 @@ class TargetModel;
 /// `recompute`: activation recomputation in the drafter step (DrafterGpuStepOptions::recompute).
 std::unique_ptr<DrafterBackend> make_gpu_backend(const DrafterConfig& cfg, const DrafterWeights<float>& weights,
                                                  const TargetModel& target, const std::vector<int>& target_devices,
+                                                 const std::vector<int>& drafter_devices, bool recompute = false);
+
+/// The same over replicas made by `f` (benchmarks: random weights on the device).
+std::unique_ptr<DrafterBackend> make_gpu_backend(const DrafterConfig& cfg, const GpuReplicaFactory& f,
+                                                 const std::vector<int>& target_devices,
                                                  const std::vector<int>& drafter_devices, bool recompute = false);
 
 }  // namespace dflash
