@@ -230,4 +230,20 @@ TEST(TrainCli, GuardsAgainstUserMistakes) {
   // More micro-batches per step than samples is refused.
   EXPECT_NE(r.train(r.tmp / "ga", "--max-steps 2 --grad-accum 50", &log), 0);
   EXPECT_NE(log.find("--grad-accum 50"), std::string::npos) << log;
+  // GPU placement: lists are checked before anything runs (also on a machine without GPUs).
+  const std::string bin = test::dflash_binary().string() + " ";
+  EXPECT_NE(test::run_command(bin + r.args(r.tmp / "g1", "--gpus 0,0 --dump-config"), &log), 0);
+  EXPECT_NE(log.find("gpus lists device 0 twice"), std::string::npos) << log;
+  EXPECT_NE(test::run_command(bin + r.args(r.tmp / "g2", "--target-gpus 0 --dump-config"), &log), 0);
+  EXPECT_NE(log.find("target_gpus and drafter_gpus go together"), std::string::npos) << log;
+  test::write_file(r.tmp / "badgpus.json", R"({"gpus": [-1]})");
+  EXPECT_NE(test::run_command(bin + r.args(r.tmp / "g3", "--config " + (r.tmp / "badgpus.json").string() + " --dump-config"),
+                              &log),
+            0);
+  EXPECT_NE(log.find("'gpus'"), std::string::npos) << log;
+  ASSERT_EQ(test::run_command(bin + r.args(r.tmp / "g4", "--target-gpus 0 --drafter-gpus 1,2 --dump-config"), &log), 0)
+      << log;
+  const auto dumped = nlohmann::json::parse(log);
+  EXPECT_EQ(dumped["target_gpus"], nlohmann::json({0}));
+  EXPECT_EQ(dumped["drafter_gpus"], nlohmann::json({1, 2}));
 }
