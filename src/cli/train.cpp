@@ -48,6 +48,8 @@ void add_train(CLI::App& app, Runner& run) {
   cmd->add_option("--target-gpus", c.target_gpus,
                   "GPUs of the target replicas (with --drafter-gpus: disaggregated placement, taps copied peer to peer)")
       ->delimiter(',');
+  cmd->add_option("--target-batch-tokens", c.target_batch_tokens,
+                  "GPU: the target's forward packs consecutive samples (varlen) up to this many tokens");
   cmd->add_option("--drafter-gpus", c.drafter_gpus, "GPUs of the drafter replicas (data parallel when several)")
       ->delimiter(',');
   cmd->add_option("--init-from", c.init_from, "Start from this DFlash checkpoint (published or ours)");

@@ -123,7 +123,8 @@ struct MemoryPlan {
   double total() const { return drafter_state + target + activations + cross_entropy; }
 };
 
-MemoryPlan plan_memory(const DrafterConfig& dc, const ModelSpec& ts, int64_t S, int64_t anchors, bool recompute) {
+MemoryPlan plan_memory(const DrafterConfig& dc, const ModelSpec& ts, int64_t S, int64_t anchors, bool recompute,
+                       int64_t pack_tokens) {
   MemoryPlan p;
   double n = 0;
   for (const auto& [name, shape] : drafter_param_shapes(dc)) n += double(BasicTensor<float>::numel_of(shape));
@@ -134,6 +135,11 @@ MemoryPlan plan_memory(const DrafterConfig& dc, const ModelSpec& ts, int64_t S, 
                     double(ts.num_attention_heads * ts.head_dim * ts.hidden_size) +
                     3.0 * double(ts.hidden_size) * double(ts.intermediate_size);
   p.target = 2.0 * (tl * double(ts.num_hidden_layers) + 2 * V * double(ts.hidden_size));
+  // one packed forward's activations (fp32 residual, bf16 q/k/v/o, MLP) and its taps, twice (queued)
+  const double T = double(std::max(S, pack_tokens)), Dt = double(ts.hidden_size);
+  p.target += T * (4 * Dt + 2 * (Dt + 2 * double((ts.num_attention_heads + ts.num_key_value_heads) * ts.head_dim)) +
+                   4 * double(ts.intermediate_size)) +
+              2 * T * double(dc.target_layer_ids.size()) * double(dc.hidden_size) * 2;
   const double Q = double(anchors * dc.block_size), SQ = double(S) + Q, hq = double(dc.num_attention_heads * dc.head_dim),
                hk = double(dc.num_key_value_heads * dc.head_dim), I = double(dc.intermediate_size);
   const double per_layer = 2.0 * (Q * (3 * d + 3 * hq + 3 * I) + SQ * (d + 3 * hk));  // saved bf16 activations
@@ -262,7 +268,7 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
   if (c.device == "cuda") {
     int64_t longest = 0;
     for (int64_t i = 0; i < n; ++i) longest = std::max<int64_t>(longest, int64_t(ds.ids(i).size()));
-    const MemoryPlan mp = plan_memory(dc, target->spec(), longest, c.num_anchors, c.recompute);
+    const MemoryPlan mp = plan_memory(dc, target->spec(), longest, c.num_anchors, c.recompute, c.target_batch_tokens);
     // Each GPU holds a target replica, a drafter replica, or both (colocated).
     std::vector<int> all = c.target_devices();
     for (int g : c.drafter_devices())
@@ -313,7 +319,8 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
     });
   } else {
 #ifdef DFLASH_HAVE_CUDA
-    backend = make_gpu_backend(dc, w0, *target, c.target_devices(), c.drafter_devices(), c.recompute);
+    backend = make_gpu_backend(dc, w0, *target, c.target_devices(), c.drafter_devices(),
+                               GpuTrainOptions{c.recompute, c.target_batch_tokens});
 #else
     throw std::runtime_error("--device cuda: this build has no CUDA backend (configure with nvcc present)");
 #endif

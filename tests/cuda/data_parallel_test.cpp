@@ -41,25 +41,28 @@ std::vector<TrainSample> samples(int64_t V, int n) {
   return r;
 }
 
-}  // namespace
-
-TEST(CudaDataParallel, TwoGpusTrainLikeOne) {
-  if (device_count() < 2) GTEST_SKIP() << "needs 2 CUDA devices (found " << device_count() << "): skipped";
-  const auto model = TargetModel::load((test::fixtures_dir() / "qwen3_hd64").string());
-  const TargetModel& target = *model;
-  DrafterOverrides ov;
-  ov.num_hidden_layers = 2, ov.block_size = 4, ov.num_taps = 1, ov.mask_token_id = target.spec().vocab_size - 1;
-  const DrafterConfig cfg = derive_drafter_config(target.spec(), nullptr, ov);
-  const DrafterWeights<float> w0 = init_drafter_weights(cfg, 5);
-  const std::vector<TrainSample> data = samples(target.spec().vocab_size, 8);
-  const SampleSource source = [&](int64_t i) { return data.at(size_t(i)); };
+/// The qwen3_hd64 target, a 2-layer drafter, 8 samples and trainer options (4 micro-batches a step).
+struct TinySetup {
+  std::unique_ptr<TargetModel> model = TargetModel::load((test::fixtures_dir() / "qwen3_hd64").string());
+  DrafterConfig cfg;
+  DrafterWeights<float> w0;
+  std::vector<TrainSample> data;
   TrainerOptions o;
-  o.num_anchors = 6, o.grad_accum = 4, o.seed = 3;
-  o.schedule = {3e-3, 4, 0.0};
-
-  auto run = [&](const std::vector<int>& tg, const std::vector<int>& dg, const std::string& device,
-                 std::vector<double>* losses) {
-    DrafterTrainer tr(cfg, make_gpu_backend(cfg, w0, target, tg, dg), int64_t(data.size()), o);
+  TinySetup() {
+    DrafterOverrides ov;
+    ov.num_hidden_layers = 2, ov.block_size = 4, ov.num_taps = 1, ov.mask_token_id = model->spec().vocab_size - 1;
+    cfg = derive_drafter_config(model->spec(), nullptr, ov);
+    w0 = init_drafter_weights(cfg, 5);
+    data = samples(model->spec().vocab_size, 8);
+    o.num_anchors = 6, o.grad_accum = 4, o.seed = 3;
+    o.schedule = {3e-3, 4, 0.0};
+  }
+  /// 4 steps on these GPUs: the losses, and the final weights flattened.
+  std::vector<double> run(const std::vector<int>& tg, const std::vector<int>& dg, int64_t pack_tokens,
+                          const std::string& device, std::vector<double>* losses) const {
+    const SampleSource source = [&](int64_t i) { return data.at(size_t(i)); };
+    DrafterTrainer tr(cfg, make_gpu_backend(cfg, w0, *model, tg, dg, GpuTrainOptions{false, pack_tokens}),
+                      int64_t(data.size()), o);
     for (int i = 0; i < 4; ++i) {
       const TrainStepStats st = tr.step(source);
       EXPECT_FALSE(st.skipped);
@@ -71,28 +74,55 @@ TEST(CudaDataParallel, TwoGpusTrainLikeOne) {
     std::vector<double> flat;
     for (const auto& [name, t] : st.weights.named()) flat.insert(flat.end(), t->data.begin(), t->data.end());
     return flat;
-  };
-  std::vector<double> l1, l2, l3, l4;
-  const auto w1 = run({0}, {0}, "cuda:0", &l1);
+  }
+};
+
+}  // namespace
+
+TEST(CudaDataParallel, PackedTargetForwardsTrainLikeOneByOne) {
+  if (device_count() < 1) GTEST_SKIP() << "no CUDA device visible: skipped";
+  const TinySetup u;
+  std::vector<double> l1, lp;
+  u.run({0}, {0}, 1, "cuda:0", &l1);      // one target forward per sample
+  u.run({0}, {0}, 8192, "cuda:0", &lp);   // the step's 4 samples in one varlen forward
+  // The same math; only the attention's key tiles group differently (fp32 sums, bf16 taps).
+  for (size_t i = 0; i < l1.size(); ++i) EXPECT_NEAR(lp[i], l1[i], 2e-3 * std::abs(l1[i])) << "step " << i + 1;
+  std::printf("[packed target] losses one by one %.6f %.6f %.6f %.6f | packed %.6f %.6f %.6f %.6f\n", l1[0], l1[1],
+              l1[2], l1[3], lp[0], lp[1], lp[2], lp[3]);
+}
+
+TEST(CudaDataParallel, TwoGpusTrainLikeOne) {
+  if (device_count() < 2) GTEST_SKIP() << "needs 2 CUDA devices (found " << device_count() << "): skipped";
+  const TinySetup u;
+  std::vector<double> l1, l2, l3, l4, l5, l6;
+  // One target forward per sample (pack 1), so that every placement computes the same taps.
+  const auto w1 = u.run({0}, {0}, 1, "cuda:0", &l1);
   // One drafter replica fed from another GPU (or from two): the same kernels on the same taps in
   // the same order, so bitwise the same training.
-  const auto w3 = run({0}, {1}, "target cuda:0 / drafter cuda:1", &l3);
-  const auto w4 = run({0, 1}, {0}, "target cuda:0,1 / drafter cuda:0", &l4);
+  const auto w3 = u.run({0}, {1}, 1, "target cuda:0 / drafter cuda:1", &l3);
+  const auto w4 = u.run({0, 1}, {0}, 1, "target cuda:0,1 / drafter cuda:0", &l4);
   EXPECT_EQ(l3, l1);
   EXPECT_EQ(l4, l1);
   EXPECT_EQ(w3, w1);
   EXPECT_EQ(w4, w1);
+  // Packed forwards: disaggregated equals one GPU bitwise too (one target replica packs the same runs).
+  const auto w5 = u.run({0}, {0}, 8192, "cuda:0", &l5);
+  const auto w6 = u.run({0}, {1}, 8192, "target cuda:0 / drafter cuda:1", &l6);
+  EXPECT_EQ(l6, l5);
+  EXPECT_EQ(w6, w5);
   // Two drafter replicas (data parallel). Step 1 runs the same micro-batches on the same weights
   // with the same kernels: the same loss. Afterwards only the order of the gradient sum differs (one
-  // GPU accumulates 1+2+3+4, two GPUs (1+3)+(2+4)): fp32 rounding, amplified a little by AdamW.
-  const auto w2 = run({0, 1}, {0, 1}, "cuda:0,1", &l2);
+  // GPU accumulates all four, two GPUs two each, then the all-reduce): fp32 rounding, amplified a
+  // little by AdamW.
+  const auto w2 = u.run({0, 1}, {0, 1}, 1, "cuda:0,1", &l2);
   EXPECT_EQ(l1[0], l2[0]);
   for (size_t i = 1; i < l1.size(); ++i) EXPECT_NEAR(l2[i], l1[i], 1e-4 * std::abs(l1[i])) << "step " << i + 1;
   const double e = test::rel_l2(w2, w1);
   EXPECT_LE(e, 1e-4);
+  const bool same = l3 == l1 && w3 == w1 && l4 == l1 && w4 == w1 && l6 == l5 && w6 == w5;
   std::printf("[data parallel] losses 1 GPU %.6f %.6f %.6f %.6f | 2 GPUs %.6f %.6f %.6f %.6f | weights rel L2 %.2e; "
               "disaggregated runs bitwise equal to one GPU: %s\n",
-              l1[0], l1[1], l1[2], l1[3], l2[0], l2[1], l2[2], l2[3], e, (l3 == l1 && w3 == w1 && l4 == l1 && w4 == w1) ? "yes" : "NO");
+              l1[0], l1[1], l1[2], l1[3], l2[0], l2[1], l2[2], l2[3], e, same ? "yes" : "NO");
 }
 
 #endif  // DFLASH_HAVE_CUDA

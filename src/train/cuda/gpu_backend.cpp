@@ -54,9 +54,16 @@ struct TargetReplica {
   std::unique_ptr<TargetGpu> target;
   TargetReplica(const GpuReplicaFactory& f, int dev) : device(dev), stream(dev), target(f.target(stream.s)) {}
 
-  void taps(const TrainSample& s, const std::vector<int64_t>& layer_ids, bf16* out) {
+  /// Taps of several samples in one packed forward (cu_seqlens): sample i's rows follow sample i-1's.
+  void taps(const std::vector<const TrainSample*>& ss, const std::vector<int64_t>& layer_ids, bf16* out) {
     DFLASH_CUDA_CHECK(cudaSetDevice(device));
-    target->forward_taps(std::vector<int32_t>(s.ids.begin(), s.ids.end()), {0, int64_t(s.ids.size())}, layer_ids, out);
+    std::vector<int32_t> ids;
+    std::vector<int64_t> cu = {0};
+    for (const TrainSample* s : ss) {
+      ids.insert(ids.end(), s->ids.begin(), s->ids.end());
+      cu.push_back(int64_t(ids.size()));
+    }
+    target->forward_taps(ids, cu, layer_ids, out);
     DFLASH_CUDA_CHECK(cudaStreamSynchronize(stream.s));
   }
 };
@@ -95,19 +102,50 @@ struct DrafterReplica {
   }
 };
 
-int64_t taps_elems(const DrafterConfig& c, const TrainSample& s) {
-  return int64_t(s.ids.size()) * int64_t(c.target_layer_ids.size()) * c.hidden_size;
+int64_t tap_width(const DrafterConfig& c) { return int64_t(c.target_layer_ids.size()) * c.hidden_size; }
+
+void check_sample(const DrafterConfig& c, const TrainSample& s) {
+  if (s.loss_mask.size() != s.ids.size()) throw std::invalid_argument("loss_mask and ids differ in length");
+  for (int64_t t : s.ids)
+    if (t < 0 || t >= c.vocab_size) throw std::invalid_argument("token id " + std::to_string(t) + " outside the vocabulary");
 }
 
-void check_sample(const TrainSample& s) {
-  if (s.loss_mask.size() != s.ids.size()) throw std::invalid_argument("loss_mask and ids differ in length");
+/// Runs of consecutive `items` (micro-batch indices, increasing) whose samples add up to at most
+/// `budget` tokens (a longer sample forms a run alone): the packed target forwards.
+std::vector<std::vector<size_t>> pack_runs(const std::vector<size_t>& items, const std::vector<MicroBatch>& mbs,
+                                           int64_t budget) {
+  std::vector<std::vector<size_t>> runs;
+  int64_t tokens = 0;
+  for (size_t j : items) {
+    const int64_t n = int64_t(mbs[j].sample->ids.size());
+    if (runs.empty() || tokens + n > budget) runs.emplace_back(), tokens = 0;
+    runs.back().push_back(j);
+    tokens += n;
+  }
+  return runs;
+}
+
+/// The replica of each micro-batch, balanced by tokens: longest first to the replica with the fewest
+/// tokens so far (ties: the lower index), so the result depends only on the lengths.
+std::vector<size_t> balance(const std::vector<MicroBatch>& mbs, size_t replicas) {
+  std::vector<size_t> order(mbs.size()), rep(mbs.size());
+  for (size_t j = 0; j < order.size(); ++j) order[j] = j;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return mbs[a].sample->ids.size() > mbs[b].sample->ids.size(); });
+  std::vector<int64_t> load(replicas, 0);
+  for (size_t j : order) {
+    const size_t r = size_t(std::min_element(load.begin(), load.end()) - load.begin());
+    rep[j] = r;
+    load[r] += int64_t(mbs[j].sample->ids.size());
+  }
+  return rep;
 }
 
 /// One GPU, target and drafter colocated, everything on the caller's thread.
 class GpuBackend final : public DrafterBackend {
  public:
-  GpuBackend(const DrafterConfig& cfg, const GpuReplicaFactory& f, int device, bool recompute)
-      : cfg_(cfg), recompute_(recompute), target_(f, device), drafter_(f, device) {}
+  GpuBackend(const DrafterConfig& cfg, const GpuReplicaFactory& f, int device, const GpuTrainOptions& opt)
+      : cfg_(cfg), opt_(opt), target_(f, device), drafter_(f, device) {}
 
   void zero_grads() override {
     on_device();
@@ -115,16 +153,45 @@ class GpuBackend final : public DrafterBackend {
   }
 
   MicroResult micro_step(const TrainSample& s, const std::vector<int64_t>& anchors, double gamma) override {
-    check_sample(s);
+    return micro_steps({MicroBatch{&s, anchors}}, gamma).at(0);
+  }
+
+  /// Packed target forwards over runs of the micro-batches, then the drafter steps in order.
+  std::vector<MicroResult> micro_steps(const std::vector<MicroBatch>& mbs, double gamma) override {
     on_device();
-    const auto t0 = std::chrono::steady_clock::now();
-    // On the target's stream; freed there after the drafter step, which ends synchronized.
-    cuda::StreamBuffer<bf16> taps(size_t(taps_elems(cfg_, s)), target_.stream.s);
-    target_.taps(s, cfg_.target_layer_ids, taps.data());
-    const double target_ms = ms_since(t0);
-    MicroResult r = drafter_.step(taps.data(), s, anchors, gamma, recompute_);
-    r.target_ms = target_ms;
-    return r;
+    std::vector<MicroResult> res(mbs.size());
+    std::vector<size_t> all(mbs.size());
+    for (size_t j = 0; j < all.size(); ++j) all[j] = j;
+    for (const std::vector<size_t>& run : pack_runs(all, mbs, opt_.target_batch_tokens)) {
+      std::vector<const TrainSample*> ss;
+      int64_t tokens = 0;
+      for (size_t j : run) {
+        try {
+          check_sample(cfg_, *mbs[j].sample);
+        } catch (const std::exception& e) {
+          throw std::runtime_error("training example " + std::to_string(mbs[j].sample->index) + ": " + e.what());
+        }
+        ss.push_back(mbs[j].sample);
+        tokens += int64_t(mbs[j].sample->ids.size());
+      }
+      const auto t0 = std::chrono::steady_clock::now();
+      // On the target's stream; freed there after the drafter steps, which end synchronized.
+      cuda::StreamBuffer<bf16> taps(size_t(tokens * tap_width(cfg_)), target_.stream.s);
+      target_.taps(ss, cfg_.target_layer_ids, taps.data());
+      const double target_ms = ms_since(t0);
+      int64_t row = 0;
+      for (size_t j : run) {
+        const TrainSample& s = *mbs[j].sample;
+        try {
+          res[j] = drafter_.step(taps.data() + row * tap_width(cfg_), s, mbs[j].anchors, gamma, opt_.recompute);
+        } catch (const std::exception& e) {
+          throw std::runtime_error("training example " + std::to_string(s.index) + ": " + e.what());
+        }
+        res[j].target_ms = target_ms * double(s.ids.size()) / double(std::max<int64_t>(tokens, 1));
+        row += int64_t(s.ids.size());
+      }
+    }
+    return res;
   }
 
   void scale_grads(double f) override {
@@ -156,7 +223,7 @@ class GpuBackend final : public DrafterBackend {
   void on_device() const { DFLASH_CUDA_CHECK(cudaSetDevice(drafter_.device)); }
 
   DrafterConfig cfg_;
-  bool recompute_;
+  GpuTrainOptions opt_;
   TargetReplica target_;
   DrafterReplica drafter_;
 };
@@ -178,24 +245,31 @@ void on_threads(size_t n, const std::function<void(size_t)>& fn) {
     if (e) std::rethrow_exception(e);
 }
 
-/// A micro-batch's taps on the way from a target replica to a drafter replica; frees them on their
-/// own GPU whichever thread drops the message.
-struct TapsMsg {
-  cuda::DeviceArray<bf16> taps;  // on the target replica's GPU
-  int device = 0;                // that GPU
-  double target_ms = 0;
-  std::exception_ptr err;        // the target failed on this micro-batch
-  TapsMsg() = default;
-  TapsMsg(TapsMsg&&) = default;
-  TapsMsg& operator=(TapsMsg&&) = default;
-  ~TapsMsg() {
-    if (!taps.data()) return;
+/// The taps of one packed target forward [tokens, K*d], on the target replica's GPU; freed there
+/// by whichever thread drops the last reference.
+struct PackedTaps {
+  cuda::DeviceArray<bf16> buf;
+  int device = 0;
+  PackedTaps(size_t n, int dev) : device(dev) {
+    DFLASH_CUDA_CHECK(cudaSetDevice(dev));
+    buf = cuda::DeviceArray<bf16>(n);
+  }
+  PackedTaps(const PackedTaps&) = delete;
+  PackedTaps& operator=(const PackedTaps&) = delete;
+  ~PackedTaps() {
     int prev = 0;
     cudaGetDevice(&prev);
     cudaSetDevice(device);
-    taps = cuda::DeviceArray<bf16>();
+    buf = cuda::DeviceArray<bf16>();
     cudaSetDevice(prev);
   }
+};
+
+/// A micro-batch's taps on the way from a target replica to a drafter replica.
+struct TapsMsg {
+  std::shared_ptr<PackedTaps> pack;
+  int64_t offset = 0, elems = 0;     // this sample's rows in the pack (elements)
+  double target_ms = 0;              // its share of the packed forward
 };
 
 /// Thrown in a worker when another worker failed and the step is being abandoned.
@@ -239,16 +313,17 @@ class Handoff {
 
 /// Several GPUs: target replicas on `target_devices`, drafter replicas on `drafter_devices` (equal
 /// lists = colocated, one of each per GPU; disjoint = disaggregated; a GPU may hold one of each).
-/// Micro-batch j of a step goes to target replica j % Nt, whose taps are copied (peer to peer when
-/// the GPUs differ) to drafter replica j % Nd; a thread per replica, the two sides overlapping
+/// Micro-batches are dealt to target and drafter replicas balanced by tokens; a target replica packs
+/// runs of its micro-batches into one forward, and each sample's taps are copied (peer to peer when
+/// the GPUs differ) to its drafter replica; a thread per replica, the two sides overlapping
 /// through bounded queues (2 micro-batches per pair). optimizer_step sums the drafter replicas'
 /// gradients with an NCCL all-reduce and runs the same clip + AdamW on each, so the replicas stay
 /// bitwise equal (identical inputs, deterministic kernels, the same sum on every NCCL rank).
 class MultiGpuBackend final : public DrafterBackend {
  public:
   MultiGpuBackend(const DrafterConfig& cfg, const GpuReplicaFactory& f, const std::vector<int>& target_devices,
-                  const std::vector<int>& drafter_devices, bool recompute)
-      : cfg_(cfg), recompute_(recompute) {
+                  const std::vector<int>& drafter_devices, const GpuTrainOptions& opt)
+      : cfg_(cfg), opt_(opt) {
     // One replica at a time: each upload converts the weights in host memory first.
     for (int d : target_devices) targets_.push_back(std::make_unique<TargetReplica>(f, d));
     for (int d : drafter_devices) drafters_.push_back(std::make_unique<DrafterReplica>(f, d));
@@ -281,52 +356,67 @@ class MultiGpuBackend final : public DrafterBackend {
 
   std::vector<MicroResult> micro_steps(const std::vector<MicroBatch>& mbs, double gamma) override {
     const size_t n = mbs.size(), nt = targets_.size(), nd = drafters_.size();
+    const std::vector<size_t> tj = balance(mbs, nt), dj = balance(mbs, nd);
     std::vector<MicroResult> res(n);
     std::vector<std::exception_ptr> err(n);
     Handoff hand(nt, nd, 2);
     on_threads(nt + nd, [&](size_t w) {
       size_t j = 0;
       try {
-        if (w < nt) {  // target replica w
+        if (w < nt) {  // target replica w: packed forwards over its micro-batches, in order
           TargetReplica& tr = *targets_[w];
-          for (j = w; j < n; j += nt) {
-            TapsMsg m;
-            m.device = tr.device;
-            try {
-              const auto t0 = std::chrono::steady_clock::now();
-              check_sample(*mbs[j].sample);
-              DFLASH_CUDA_CHECK(cudaSetDevice(tr.device));
-              m.taps = cuda::DeviceArray<bf16>(size_t(taps_elems(cfg_, *mbs[j].sample)));
-              tr.taps(*mbs[j].sample, cfg_.target_layer_ids, m.taps.data());
-              m.target_ms = ms_since(t0);
-            } catch (...) {
-              m.err = std::current_exception();
+          std::vector<size_t> mine;
+          for (size_t i = 0; i < n; ++i)
+            if (tj[i] == w) mine.push_back(i);
+          for (const std::vector<size_t>& run : pack_runs(mine, mbs, opt_.target_batch_tokens)) {
+            std::vector<TapsMsg> out(run.size());
+            std::vector<const TrainSample*> ss;
+            int64_t tokens = 0;
+            for (size_t i : run) {
+              j = i;  // a failure below is reported for this sample
+              check_sample(cfg_, *mbs[i].sample);
+              ss.push_back(mbs[i].sample);
+              tokens += int64_t(mbs[i].sample->ids.size());
             }
-            hand.push(w, j % nd, std::move(m));
+            j = run.front();  // a failing packed forward is reported for the run's first sample
+            const auto t0 = std::chrono::steady_clock::now();
+            auto pack = std::make_shared<PackedTaps>(size_t(tokens * tap_width(cfg_)), tr.device);
+            tr.taps(ss, cfg_.target_layer_ids, pack->buf.data());
+            const double ms = ms_since(t0);
+            int64_t row = 0;
+            for (size_t k = 0; k < run.size(); ++k) {
+              const int64_t len = int64_t(mbs[run[k]].sample->ids.size());
+              out[k] = {pack, row * tap_width(cfg_), len * tap_width(cfg_), ms * double(len) / double(std::max<int64_t>(tokens, 1))};
+              row += len;
+            }
+            for (size_t k = 0; k < run.size(); ++k) {
+              j = run[k];
+              hand.push(w, dj[run[k]], std::move(out[k]));
+            }
           }
-        } else {  // drafter replica w - nt
+        } else {  // drafter replica w - nt: its micro-batches in increasing order
           const size_t d = w - nt;
           DrafterReplica& dr = *drafters_[d];
-          for (j = d; j < n; j += nd) {
+          for (j = 0; j < n; ++j) {
+            if (dj[j] != d) continue;
             const auto t0 = std::chrono::steady_clock::now();
-            TapsMsg m = hand.pop(j % nt, d);
+            TapsMsg m = hand.pop(tj[j], d);
             const double wait_ms = ms_since(t0);
-            if (m.err) std::rethrow_exception(m.err);
             cuda::DeviceArray<bf16> local;
-            const bf16* taps = m.taps.data();
-            if (m.device != dr.device) {  // peer-to-peer copy to the drafter's GPU
+            const bf16* taps = m.pack->buf.data() + m.offset;
+            if (m.pack->device != dr.device) {  // peer-to-peer copy to the drafter's GPU
               DFLASH_CUDA_CHECK(cudaSetDevice(dr.device));
-              local = cuda::DeviceArray<bf16>(m.taps.size());
-              DFLASH_CUDA_CHECK(cudaMemcpyPeerAsync(local.data(), dr.device, m.taps.data(), m.device,
-                                                    m.taps.size() * sizeof(bf16), dr.stream.s));
+              local = cuda::DeviceArray<bf16>(size_t(m.elems));
+              DFLASH_CUDA_CHECK(cudaMemcpyPeerAsync(local.data(), dr.device, taps, m.pack->device,
+                                                    size_t(m.elems) * sizeof(bf16), dr.stream.s));
               taps = local.data();
             }
-            res[j] = dr.step(taps, *mbs[j].sample, mbs[j].anchors, gamma, recompute_);  // (synchronizes)
+            res[j] = dr.step(taps, *mbs[j].sample, mbs[j].anchors, gamma, opt_.recompute);  // (synchronizes)
             res[j].target_ms = m.target_ms, res[j].queue_ms = wait_ms;
           }
         }
       } catch (const Cancelled&) {
-        // another worker failed first; its error is reported
+        hand.cancel();  // another worker failed first; its error is reported
       } catch (...) {
         err[j] = std::current_exception();
         hand.cancel();
@@ -395,7 +485,7 @@ class MultiGpuBackend final : public DrafterBackend {
   }
 
   DrafterConfig cfg_;
-  bool recompute_;
+  GpuTrainOptions opt_;
   std::vector<std::unique_ptr<TargetReplica>> targets_;
   std::vector<std::unique_ptr<DrafterReplica>> drafters_;
   std::vector<ncclComm_t> comms_;
@@ -405,7 +495,7 @@ class MultiGpuBackend final : public DrafterBackend {
 
 std::unique_ptr<DrafterBackend> make_gpu_backend(const DrafterConfig& cfg, const GpuReplicaFactory& f,
                                                  const std::vector<int>& target_devices,
-                                                 const std::vector<int>& drafter_devices, bool recompute) {
+                                                 const std::vector<int>& drafter_devices, const GpuTrainOptions& opt) {
   if (target_devices.empty() || drafter_devices.empty())
     throw std::invalid_argument("make_gpu_backend: no target GPU or no drafter GPU given");
   for (const auto* l : {&target_devices, &drafter_devices})
@@ -413,19 +503,19 @@ std::unique_ptr<DrafterBackend> make_gpu_backend(const DrafterConfig& cfg, const
       if (std::count(l->begin(), l->end(), (*l)[i]) > 1)
         throw std::invalid_argument("make_gpu_backend: GPU " + std::to_string((*l)[i]) + " listed twice");
   if (target_devices.size() == 1 && target_devices == drafter_devices)
-    return std::make_unique<GpuBackend>(cfg, f, target_devices[0], recompute);
-  return std::make_unique<MultiGpuBackend>(cfg, f, target_devices, drafter_devices, recompute);
+    return std::make_unique<GpuBackend>(cfg, f, target_devices[0], opt);
+  return std::make_unique<MultiGpuBackend>(cfg, f, target_devices, drafter_devices, opt);
 }
 
 std::unique_ptr<DrafterBackend> make_gpu_backend(const DrafterConfig& cfg, const DrafterWeights<float>& weights,
                                                  const TargetModel& target, const std::vector<int>& target_devices,
-                                                 const std::vector<int>& drafter_devices, bool recompute) {
+                                                 const std::vector<int>& drafter_devices, const GpuTrainOptions& opt) {
   GpuReplicaFactory f;
   f.target = [&](cudaStream_t s) { return std::make_unique<TargetGpu>(target, s); };
   f.drafter = [&](cudaStream_t s) {
     return std::make_unique<DrafterGpu>(cfg, weights, target.embed_tokens(), target.lm_head(), s);
   };
-  return make_gpu_backend(cfg, f, target_devices, drafter_devices, recompute);
+  return make_gpu_backend(cfg, f, target_devices, drafter_devices, opt);
 }
 
 }  // namespace dflash

@@ -14,6 +14,12 @@ class TargetModel;
 class TargetGpu;
 class DrafterGpu;
 
+/// Options of the GPU backend.
+struct GpuTrainOptions {
+  bool recompute = false;               // activation recomputation in the drafter step
+  int64_t target_batch_tokens = 8192;   // a target forward packs consecutive samples up to this many tokens
+};
+
 /// Makes one replica's target / drafter on the current device, on stream `s` (every replica of a
 /// backend must start from the same drafter weights).
 struct GpuReplicaFactory {
@@ -25,19 +31,20 @@ struct GpuReplicaFactory {
 /// `weights`, the target's embed_tokens and lm_head frozen) on `drafter_devices` (CUDA indices,
 /// distinct within each list). One GPU in both: everything there, on the caller's thread. Equal
 /// lists: colocated, a target + drafter replica per GPU. Disjoint: disaggregated, taps copied peer
-/// to peer. Micro-batch j of a step goes to target replica j % Nt and drafter replica j % Nd; with
-/// several drafter replicas their gradients are summed by an NCCL all-reduce before each optimizer
+/// to peer. With several drafter replicas their gradients are summed by an NCCL all-reduce before each optimizer
 /// step. `target` is only read during construction. Throws std::invalid_argument when the target
 /// cannot run on the GPU (the reason is in the message), the drafter's head_dim is not 64 / 128 or a
 /// list is empty / repeats a GPU; std::runtime_error on CUDA / NCCL errors.
-/// `recompute`: activation recomputation in the drafter step (DrafterGpuStepOptions::recompute).
+/// Each target replica packs runs of its micro-batches (in order, up to opt.target_batch_tokens
+/// tokens) into one varlen forward; micro-batches are dealt to replicas balanced by tokens (longest
+/// first to the least loaded).
 std::unique_ptr<DrafterBackend> make_gpu_backend(const DrafterConfig& cfg, const DrafterWeights<float>& weights,
                                                  const TargetModel& target, const std::vector<int>& target_devices,
-                                                 const std::vector<int>& drafter_devices, bool recompute = false);
+                                                 const std::vector<int>& drafter_devices, const GpuTrainOptions& opt = {});
 
 /// The same over replicas made by `f` (benchmarks: random weights on the device).
 std::unique_ptr<DrafterBackend> make_gpu_backend(const DrafterConfig& cfg, const GpuReplicaFactory& f,
                                                  const std::vector<int>& target_devices,
-                                                 const std::vector<int>& drafter_devices, bool recompute = false);
+                                                 const std::vector<int>& drafter_devices, const GpuTrainOptions& opt = {});
 
 }  // namespace dflash
