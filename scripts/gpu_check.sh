@@ -79,6 +79,16 @@ if [ "$ngpu" -ge 2 ] && [ -d "$sd/data" ]; then
     dp_cmp+="--- $place"$'\n'"$(grep -E '^(step|stages|train: done)|device cuda' "$sd/dp$i.log" | head -n 12)"$'\n'
   done
 fi
+# Two processes started by mpirun (Open MPI), one GPU each: the same run as --gpus 0,1 in one process.
+mpi_run="not run: needs 2 GPUs and mpirun"
+if [ "$ngpu" -ge 2 ] && command -v mpirun >/dev/null && [ -d "$sd/data" ]; then
+  mpirun --allow-run-as-root --oversubscribe -np 2 -x DFLASH_MASTER_PORT=29612 "$build/dflash" train \
+    --target tests/fixtures/qwen3_hd64 --data "$sd/data" --out "$sd/mpi" --device cuda --gpus 0 \
+    --mask-token-id 300 --num-taps 1 --num-draft-layers 2 --block-size 4 --num-anchors 8 --max-steps 30 \
+    --grad-accum 4 --lr 3e-3 --log-every 10 --stages-every 30 >"$sd/mpi.log" 2>&1 || tests_rc=1
+  mpi_run=$(grep -E '^(train: process|step|stages|train: done)' "$sd/mpi.log" | head -n 12)
+  [ -n "$mpi_run" ] || mpi_run=$(tail -n 20 "$sd/mpi.log")
+fi
 rm -rf "$sd"
 
 # Drafter training step benchmarks (random weights, published shapes); appended to $out/drafter-step.*
@@ -146,6 +156,10 @@ fi
   echo '## dflash train on one GPU, data parallel on two, disaggregated (grad-accum 4, qwen3_hd64 target, 30 steps)'
   echo '```'
   echo "$dp_cmp"
+  echo '```'
+  echo '## mpirun -np 2 dflash train --gpus 0 (two processes, one GPU each; compare with --gpus 0,1 above)'
+  echo '```'
+  echo "$mpi_run"
   echo '```'
   echo '## dflash bench drafter-step (one step = zero_grads + forward + backward + clip + AdamW)'
   echo '```'

@@ -64,6 +64,9 @@ class DrafterBackend {
     }
     return r;
   }
+  /// Whether `local` holds in any process of a multi-process run (every process must call it at
+  /// the same point: the stop decision); a single process returns `local`.
+  virtual bool any_rank(bool local) { return local; }
   /// Accumulated gradients *= f.
   virtual void scale_grads(double f) = 0;
   /// clip_grad_norm(max_norm) then AdamW step number `t` (1-based) at `lr`. A non-finite norm leaves

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -18,6 +19,7 @@
 #include "text/packed.h"
 #include "text/tokenizer.h"
 #include "train/anchors.h"
+#include "train/distributed.h"
 #include "train/prepare_data.h"
 #include "train/tensorboard.h"
 #include "train/trainer.h"
@@ -168,6 +170,22 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress lines reach a redirected log as they happen
   TrainConfig c = cin;
   c.validate();
+  // Several processes (mpirun / srun): each drives its node's GPUs, rank 0 writes everything.
+  const ProcessGroup pg = process_group_from_env();
+  const bool leader = pg.rank == 0;
+  if (pg.world > 1) {
+    if (c.device != "cuda") throw std::runtime_error("several processes (" + pg.launcher + ") need --device cuda");
+    if (c.data.size() != 1 || !is_packed_dir(c.data[0]))
+      throw std::runtime_error("several processes read a prepared --data directory: run dflash prepare first");
+    // The GPU lists are per process; the processes of a node take consecutive blocks of GPUs.
+    int span = 0;
+    for (const auto* l : {&c.gpus, &c.target_gpus, &c.drafter_gpus})
+      for (int g : *l) span = std::max(span, g + 1);
+    for (auto* l : {&c.gpus, &c.target_gpus, &c.drafter_gpus})
+      for (int& g : *l) g += pg.local_rank * span;
+    fmt::print("train: process {} of {} ({}), GPUs {}\n", pg.rank, pg.world, pg.launcher,
+               nlohmann::json(c.drafter_devices()).dump());
+  }
 #ifdef DFLASH_HAVE_CUDA
   if (c.device == "cuda")
     for (const auto* l : {&c.target_devices(), &c.drafter_devices()})
@@ -178,11 +196,14 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
   if (!c.target_layer_ids.empty()) c.num_taps = int64_t(c.target_layer_ids.size());
   const fs::path out(c.out), ckdir = out / "checkpoints";
   fs::create_directories(out);
-  const DirLock lock(out, "dflash train");
-  remove_stale_temp(out, ".partial-", "train");
-  remove_stale_temp(out, ".tmp-", "train");
-  remove_stale_temp(ckdir, ".tmp-", "train");
-  remove_stale_temp(ckdir, ".old-", "train");
+  std::optional<DirLock> lock;  // rank 0 owns the output directory
+  if (leader) {
+    lock.emplace(out, "dflash train");
+    remove_stale_temp(out, ".partial-", "train");
+    remove_stale_temp(out, ".tmp-", "train");
+    remove_stale_temp(ckdir, ".tmp-", "train");
+    remove_stale_temp(ckdir, ".old-", "train");
+  }
   const std::vector<fs::path> existing = checkpoints(ckdir);
   if (!c.resume && (!existing.empty() || fs::exists(out / "final")))
     throw std::runtime_error(c.out + " already holds a run's checkpoints: pass --resume to continue it, or choose "
@@ -320,7 +341,7 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
   } else {
 #ifdef DFLASH_HAVE_CUDA
     backend = make_gpu_backend(dc, w0, *target, c.target_devices(), c.drafter_devices(),
-                               GpuTrainOptions{c.recompute, c.target_batch_tokens});
+                               GpuTrainOptions{c.recompute, c.target_batch_tokens, pg});
 #else
     throw std::runtime_error("--device cuda: this build has no CUDA backend (configure with nvcc present)");
 #endif
@@ -337,15 +358,17 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
   resolved["resolved"] = {{"total_steps", total},      {"steps_per_epoch", per_epoch}, {"num_samples", n},
                           {"data_dir", data_dir},      {"gamma", to.gamma},             {"warmup_steps", to.schedule.warmup_steps()},
                           {"device", tr.backend().device()}};
-  write_json_atomic(out / "train_config.json", resolved);
-  fmt::print("train: {} samples, {} steps ({} per epoch), drafter {} layers x {} (taps {}), block {}, {} anchors, "
+  if (leader) write_json_atomic(out / "train_config.json", resolved);
+  if (leader)
+    fmt::print("train: {} samples, {} steps ({} per epoch), drafter {} layers x {} (taps {}), block {}, {} anchors, "
              "mask token {}, gamma {}, lr {} (warmup {} steps), device {}\n",
              n, total, per_epoch, dc.num_hidden_layers, dc.hidden_size, nlohmann::json(dc.target_layer_ids).dump(),
              dc.block_size, c.num_anchors, dc.mask_token_id, to.gamma, c.lr, to.schedule.warmup_steps(), tr.backend().device());
 
   auto save_checkpoint = [&] {
-    fs::create_directories(ckdir);
     const fs::path dir = ckdir / fmt::format("step-{:08d}", tr.step_count());
+    if (!leader) return dir;  // rank 0 writes it
+    fs::create_directories(ckdir);
     tr.save(dir.string());
     auto all = checkpoints(ckdir);
     while (int64_t(all.size()) > c.keep_last) {
@@ -366,9 +389,13 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
       }
     }
   }
-  std::ofstream metrics(out / "metrics.jsonl", std::ios::trunc);
-  for (const auto& line : kept) metrics << line << "\n";
-  TensorBoardWriter tb((out / "tensorboard").string());
+  std::ofstream metrics;
+  std::optional<TensorBoardWriter> tb;
+  if (leader) {
+    metrics.open(out / "metrics.jsonl", std::ios::trunc);
+    for (const auto& line : kept) metrics << line << "\n";
+    tb.emplace((out / "tensorboard").string());
+  }
   if (const int sig = stop.load()) {
     fmt::print("train: interrupted (signal {}) before the first step; nothing to save\n", sig);
     return 128 + sig;
@@ -391,6 +418,9 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
       s.loss_mask.assign(mask.begin(), mask.end());
       return s;
     });
+    // A stop (signal) in any process stops all of them after this step.
+    const int sig_here = stop.load();
+    const int sig_any = tr.backend().any_rank(sig_here != 0) ? (sig_here ? sig_here : SIGTERM) : 0;
     // Replicas run their micro-batches at the same time: per replica, a stage took its sum / replicas.
     const double nt = c.device == "cuda" ? double(c.target_devices().size()) : 1.0,
                  nd = c.device == "cuda" ? double(c.drafter_devices().size()) : 1.0;
@@ -410,7 +440,7 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
         }
         fmt::print(stderr, "train: step skipped: non-finite gradient norm ({} in a row)\n", nan_run);
       }
-      if (stop.load() == 0) continue;
+      if (sig_any == 0) continue;
     } else {
       nan_run = 0;
       win_loss += st.loss, ++win_loss_n;
@@ -426,7 +456,8 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
       const double loss = win_loss_n ? win_loss / double(win_loss_n) : 0.0;
       const double eta = (s > step0) ? elapsed / double(s - step0) * double(total - s) : NAN;
       const double epoch = double(tr.position().epoch) + double(tr.position().index) / double(n);
-      fmt::print("step {}/{} | epoch {:.2f} | loss {:.4f} | acc {:.3f} | tau~{:.2f} | lr {:.2e} | {:.0f} tok/s | "
+      if (leader)
+        fmt::print("step {}/{} | epoch {:.2f} | loss {:.4f} | acc {:.3f} | tau~{:.2f} | lr {:.2e} | {:.0f} tok/s | "
                  "{:.2f} samples/s | ETA {} | mem {}\n",
                  s, total, epoch, loss, acc, tau, st.lr, double(win_tokens) / dt, double(win_micro) / dt,
                  duration_str(eta), memory_str(c.device));
@@ -446,7 +477,7 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
           {"train/grad_norm", st.grad_norm}, {"perf/tokens_per_s", double(win_tokens) / dt},
           {"perf/samples_per_s", double(win_micro) / dt}};
       for (size_t k = 1; k < slot_acc.size(); ++k) tbv.emplace_back("slot_acc/" + std::to_string(k), slot_acc[k]);
-      tb.scalars(s, tbv);
+      if (tb) tb->scalars(s, tbv);
       win_micro = win_tokens = win_loss_n = 0;
       win_loss = 0;
       std::fill(win_correct.begin(), win_correct.end(), 0);
@@ -456,30 +487,33 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
     if (!st.skipped) ++stages.steps;
     if (stages.steps >= c.stages_every) {
       stages.wall_s = secs_since(t_stage);
-      fmt::print("{}\n", stage_report(stages, tr.backend().device()));
+      if (leader) fmt::print("{}\n", stage_report(stages, tr.backend().device()));
       stages = {};
       t_stage = Clock::now();
     }
     if (s != last_saved && s % c.save_every == 0 && s < total) {
-      fmt::print("train: checkpoint {}\n", save_checkpoint().string());
+      const fs::path dir = save_checkpoint();
+      if (leader) fmt::print("train: checkpoint {}\n", dir.string());
       last_saved = s;
     }
-    if (const int sig = stop.load()) {
+    if (const int sig = sig_any) {
       const fs::path dir = save_checkpoint();
-      fmt::print("train: interrupted (signal {}); checkpoint {} written; continue with --resume\n", sig, dir.string());
+      if (leader) fmt::print("train: interrupted (signal {}); checkpoint {} written; continue with --resume\n", sig, dir.string());
       return 128 + sig;
     }
     if (c.steps_this_run > 0 && s - step0 >= c.steps_this_run && s < total) {
       const fs::path dir = save_checkpoint();
-      fmt::print("train: stopping after {} steps (--steps-this-run); checkpoint {}; continue with --resume\n",
+      if (leader) fmt::print("train: stopping after {} steps (--steps-this-run); checkpoint {}; continue with --resume\n",
                  s - step0, dir.string());
       return 0;
     }
   }
   const fs::path final_dir = out / "final";
-  tr.save(final_dir.string());
-  fmt::print("train: done: {} steps in {}, {} skipped; the drafter is in {}\n", tr.step_count(),
-             duration_str(secs_since(t_start)), skipped_total, final_dir.string());
+  if (leader) {
+    tr.save(final_dir.string());
+    fmt::print("train: done: {} steps in {}, {} skipped; the drafter is in {}\n", tr.step_count(),
+               duration_str(secs_since(t_start)), skipped_total, final_dir.string());
+  }
   return 0;
 }
 

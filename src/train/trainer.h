@@ -83,6 +83,7 @@ class DrafterTrainer {
 
   const DrafterConfig& config() const { return cfg_; }
   const DrafterBackend& backend() const { return *backend_; }
+  DrafterBackend& backend() { return *backend_; }
   int64_t step_count() const { return step_; }
   DataPosition position() const { return pos_; }
   const TrainerOptions& options() const { return opt_; }

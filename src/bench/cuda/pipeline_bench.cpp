@@ -67,7 +67,7 @@ int run_training_path(const PipelineBenchOptions& o, const PipelineBenchPreset& 
   to.num_anchors = o.anchors;
   to.grad_accum = int64_t(o.per_replica) * int64_t(dg.size());
   to.schedule = {6e-4, o.warmup + o.steps, 0.0};
-  DrafterTrainer tr(c, make_gpu_backend(c, f, tg, dg, GpuTrainOptions{false, S}), 1000, to);
+  DrafterTrainer tr(c, make_gpu_backend(c, f, tg, dg, GpuTrainOptions{false, S, ProcessGroup{}}), 1000, to);
   mem.static_done(nullptr);
   std::vector<double> step_ms;
   double target_ms = 0, drafter_ms = 0, queue_ms = 0, optimizer_ms = 0, loss = 0;

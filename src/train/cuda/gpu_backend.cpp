@@ -5,7 +5,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <climits>
 #include <condition_variable>
+#include <cstdint>
+#include <cstring>
 #include <deque>
 #include <exception>
 #include <functional>
@@ -15,6 +18,7 @@
 
 #include "models/cuda/drafter_gpu.h"
 #include "models/cuda/target_gpu.h"
+#include "train/distributed.h"
 
 namespace dflash {
 
@@ -337,7 +341,22 @@ class MultiGpuBackend final : public DrafterBackend {
           (void)cudaGetLastError();
         }
       }
-    if (drafters_.size() > 1) {
+    const ProcessGroup& pg = opt.pg;
+    if (pg.world > 1) {  // one communicator over the drafter replicas of every process
+      ncclUniqueId id{};
+      if (pg.rank == 0) DFLASH_NCCL_CHECK(ncclGetUniqueId(&id));
+      const std::string got = rendezvous(pg, std::string(reinterpret_cast<const char*>(&id), sizeof id),
+                                         std::to_string(drafter_devices.size()) + " drafter GPU(s) per process", 900);
+      std::memcpy(&id, got.data(), sizeof id);
+      const int nd = int(drafter_devices.size());
+      comms_.resize(drafters_.size());
+      DFLASH_NCCL_CHECK(ncclGroupStart());
+      for (int i = 0; i < nd; ++i) {
+        DFLASH_CUDA_CHECK(cudaSetDevice(drafter_devices[size_t(i)]));
+        DFLASH_NCCL_CHECK(ncclCommInitRank(&comms_[size_t(i)], pg.world * nd, id, pg.rank * nd + i));
+      }
+      DFLASH_NCCL_CHECK(ncclGroupEnd());
+    } else if (drafters_.size() > 1) {
       comms_.resize(drafters_.size());
       DFLASH_NCCL_CHECK(ncclCommInitAll(comms_.data(), int(drafter_devices.size()), drafter_devices.data()));
     }
@@ -356,7 +375,16 @@ class MultiGpuBackend final : public DrafterBackend {
 
   std::vector<MicroResult> micro_steps(const std::vector<MicroBatch>& mbs, double gamma) override {
     const size_t n = mbs.size(), nt = targets_.size(), nd = drafters_.size();
-    const std::vector<size_t> tj = balance(mbs, nt), dj = balance(mbs, nd);
+    // Drafter replicas of all processes, balanced by tokens; this process runs the micro-batches of
+    // its own, and its target replicas share them out the same way.
+    const int rank = opt_.pg.rank;
+    const std::vector<size_t> gj = balance(mbs, size_t(opt_.pg.world) * nd);
+    std::vector<size_t> local, dj(n, SIZE_MAX), tj(n, SIZE_MAX);
+    std::vector<MicroBatch> sub;
+    for (size_t j = 0; j < n; ++j)
+      if (gj[j] / nd == size_t(rank)) local.push_back(j), sub.push_back(mbs[j]), dj[j] = gj[j] % nd;
+    const std::vector<size_t> ts = balance(sub, nt);
+    for (size_t k = 0; k < local.size(); ++k) tj[local[k]] = ts[k];
     std::vector<MicroResult> res(n);
     std::vector<std::exception_ptr> err(n);
     Handoff hand(nt, nd, 2);
@@ -398,7 +426,7 @@ class MultiGpuBackend final : public DrafterBackend {
           const size_t d = w - nt;
           DrafterReplica& dr = *drafters_[d];
           for (j = 0; j < n; ++j) {
-            if (dj[j] != d) continue;
+            if (dj[j] != d) continue;  // (SIZE_MAX: another process's)
             const auto t0 = std::chrono::steady_clock::now();
             TapsMsg m = hand.pop(tj[j], d);
             const double wait_ms = ms_since(t0);
@@ -422,6 +450,7 @@ class MultiGpuBackend final : public DrafterBackend {
         hand.cancel();
       }
     });
+    if (opt_.pg.world > 1) exchange(mbs, &res, err);
     for (size_t j = 0; j < n; ++j)
       if (err[j]) try {
           std::rethrow_exception(err[j]);
@@ -429,6 +458,49 @@ class MultiGpuBackend final : public DrafterBackend {
           throw std::runtime_error("training example " + std::to_string(mbs[j].sample->index) + ": " + e.what());
         }
     return res;
+  }
+
+  /// Several processes: every process learns every micro-batch's result (an NCCL all-reduce of
+  /// [done, loss, weight sum, times, error rank + 1, slot counts] per micro-batch; each process fills
+  /// its own). A micro-batch that failed elsewhere throws here too, so that all processes stop.
+  void exchange(const std::vector<MicroBatch>& mbs, std::vector<MicroResult>* res, const std::vector<std::exception_ptr>& err) {
+    const size_t n = mbs.size(), B = size_t(cfg_.block_size), m = 7 + 2 * B;
+    std::vector<double> h(n * m, 0.0);
+    for (size_t j = 0; j < n; ++j) {
+      const MicroResult& r = (*res)[j];
+      double* e = h.data() + j * m;
+      if (err[j]) {
+        e[6] = opt_.pg.rank + 1;
+        continue;
+      }
+      if (r.slot_count.size() != B) continue;  // not this process's
+      e[0] = 1, e[1] = r.loss, e[2] = r.weight_sum, e[3] = r.target_ms, e[4] = r.drafter_ms, e[5] = r.queue_ms;
+      for (size_t k = 0; k < B; ++k) e[7 + k] = double(r.slot_correct[k]), e[7 + B + k] = double(r.slot_count[k]);
+    }
+    all_reduce(&h, ncclFloat64, ncclSum);
+    bool local_error = false;
+    for (const auto& e : err) local_error = local_error || bool(e);
+    if (local_error) return;  // the caller reports this process's own error
+    for (size_t j = 0; j < n; ++j)
+      if (h[j * m + 6] > 0)
+        throw std::runtime_error("training example " + std::to_string(mbs[j].sample->index) + " failed in process " +
+                                 std::to_string(int(h[j * m + 6]) - 1) + " (its output says why)");
+    for (size_t j = 0; j < n; ++j) {
+      const double* e = h.data() + j * m;
+      if (e[0] != 1) throw std::runtime_error("multi-process exchange: micro-batch " + std::to_string(j) + " ran " +
+                                              std::to_string(e[0]) + " times");
+      MicroResult& r = (*res)[j];
+      r.loss = e[1], r.weight_sum = e[2], r.target_ms = e[3], r.drafter_ms = e[4], r.queue_ms = e[5];
+      r.slot_correct.assign(B, 0), r.slot_count.assign(B, 0);
+      for (size_t k = 0; k < B; ++k) r.slot_correct[k] = int64_t(e[7 + k]), r.slot_count[k] = int64_t(e[7 + B + k]);
+    }
+  }
+
+  bool any_rank(bool local) override {
+    if (opt_.pg.world <= 1) return local;
+    std::vector<double> v = {local ? 1.0 : 0.0};
+    all_reduce(&v, ncclFloat64, ncclMax);
+    return v[0] > 0;
   }
 
   void scale_grads(double f) override {
@@ -473,10 +545,39 @@ class MultiGpuBackend final : public DrafterBackend {
       return r;
     };
     const std::string t = list(targets_), d = list(drafters_);
-    return t == d ? "cuda:" + d : "target cuda:" + t + " / drafter cuda:" + d;
+    const std::string where = t == d ? "cuda:" + d : "target cuda:" + t + " / drafter cuda:" + d;
+    return opt_.pg.world > 1 ? where + " in each of " + std::to_string(opt_.pg.world) + " processes" : where;
   }
 
  private:
+  /// Element-wise reduction of `h` over the processes: drafter replica 0 of each process brings `h`,
+  /// the other local replicas (ranks of the same communicator) bring the identity (0: sum and max
+  /// of non-negative values), and `h` becomes the result.
+  void all_reduce(std::vector<double>* h, ncclDataType_t type, ncclRedOp_t op) {
+    std::vector<cuda::DeviceArray<double>> buf;
+    for (size_t i = 0; i < drafters_.size(); ++i) {
+      DFLASH_CUDA_CHECK(cudaSetDevice(drafters_[i]->device));
+      buf.emplace_back(h->size());
+      if (i == 0)
+        DFLASH_CUDA_CHECK(cudaMemcpyAsync(buf[i].data(), h->data(), h->size() * 8, cudaMemcpyHostToDevice, drafters_[i]->stream.s));
+      else
+        DFLASH_CUDA_CHECK(cudaMemsetAsync(buf[i].data(), 0, h->size() * 8, drafters_[i]->stream.s));
+    }
+    DFLASH_NCCL_CHECK(ncclGroupStart());
+    for (size_t i = 0; i < drafters_.size(); ++i) {
+      DFLASH_CUDA_CHECK(cudaSetDevice(drafters_[i]->device));
+      DFLASH_NCCL_CHECK(ncclAllReduce(buf[i].data(), buf[i].data(), h->size(), type, op, comms_[i], drafters_[i]->stream.s));
+    }
+    DFLASH_NCCL_CHECK(ncclGroupEnd());
+    DFLASH_CUDA_CHECK(cudaSetDevice(drafters_[0]->device));
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(h->data(), buf[0].data(), h->size() * 8, cudaMemcpyDeviceToHost, drafters_[0]->stream.s));
+    for (size_t i = 0; i < drafters_.size(); ++i) {
+      DFLASH_CUDA_CHECK(cudaSetDevice(drafters_[i]->device));
+      DFLASH_CUDA_CHECK(cudaStreamSynchronize(drafters_[i]->stream.s));
+      buf[i] = cuda::DeviceArray<double>();
+    }
+  }
+
   void on_drafters(const std::function<void(DrafterReplica&)>& fn) {
     on_threads(drafters_.size(), [&](size_t i) {
       DFLASH_CUDA_CHECK(cudaSetDevice(drafters_[i]->device));
@@ -502,7 +603,7 @@ std::unique_ptr<DrafterBackend> make_gpu_backend(const DrafterConfig& cfg, const
     for (size_t i = 0; i < l->size(); ++i)
       if (std::count(l->begin(), l->end(), (*l)[i]) > 1)
         throw std::invalid_argument("make_gpu_backend: GPU " + std::to_string((*l)[i]) + " listed twice");
-  if (target_devices.size() == 1 && target_devices == drafter_devices)
+  if (target_devices.size() == 1 && target_devices == drafter_devices && opt.pg.world == 1)
     return std::make_unique<GpuBackend>(cfg, f, target_devices[0], opt);
   return std::make_unique<MultiGpuBackend>(cfg, f, target_devices, drafter_devices, opt);
 }

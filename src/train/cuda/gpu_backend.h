@@ -7,6 +7,7 @@
 
 #include "ops/cuda/runtime.h"
 #include "train/backend.h"
+#include "train/distributed.h"
 
 namespace dflash {
 
@@ -18,6 +19,7 @@ class DrafterGpu;
 struct GpuTrainOptions {
   bool recompute = false;               // activation recomputation in the drafter step
   int64_t target_batch_tokens = 8192;   // a target forward packs consecutive samples up to this many tokens
+  ProcessGroup pg;                      // several processes: their drafter replicas form one NCCL group
 };
 
 /// Makes one replica's target / drafter on the current device, on stream `s` (every replica of a
