@@ -1,14 +1,33 @@
 #include "bench/cuda/bench_util.h"
 
+#include <fmt/core.h>
+
 #include <algorithm>
 #include <chrono>
 #include <random>
 #include <stdexcept>
 #include <string>
 
+#include "bench/record.h"
 #include "train/anchors.h"
 
 namespace dflash {
+
+void emit_bench_records(const std::string& bench, const std::string& preset,
+                        const std::vector<std::tuple<std::string, double, std::string>>& metrics,
+                        const nlohmann::json& extra, const std::string& results, bool record) {
+  for (const auto& [metric, value, unit] : metrics) {
+    BenchRecord r;
+    r.bench = bench;
+    r.preset = preset;
+    r.metric = metric;
+    r.value = value;
+    r.unit = unit;
+    r.extra = extra;
+    if (record) r = append_bench_record(results, r, true);
+    fmt::print("{}\n", to_json(r).dump());
+  }
+}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());

@@ -2,6 +2,8 @@
 // training step as they time it, and the peak-memory measurement.
 #pragma once
 #include <cstdint>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -9,6 +11,12 @@
 #include "models/cuda/drafter_gpu.h"
 
 namespace dflash {
+
+/// Prints one JSON line per (metric, value, unit) of `bench` / `preset` with `extra`, and when `record`
+/// appends them to results/<bench>.jsonl (+ .md) through append_bench_record.
+void emit_bench_records(const std::string& bench, const std::string& preset,
+                        const std::vector<std::tuple<std::string, double, std::string>>& metrics,
+                        const nlohmann::json& extra, const std::string& results, bool record);
 
 /// The upper median of v (v not empty).
 double median(std::vector<double> v);

@@ -1,13 +1,10 @@
 #include "bench/cuda/drafter_step_bench.h"
 
-#include <fmt/core.h>
-
 #include <algorithm>
 #include <chrono>
 
 #include "bench/cuda/bench_util.h"
 #include "bench/presets.h"
-#include "bench/record.h"
 #include "models/cuda/drafter_gpu.h"
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/gemm.h"
@@ -100,18 +97,8 @@ int run_drafter_step_bench(const DrafterStepBenchOptions& o) {
                                 {"gemm_peak_tflops_8192", gemm_peak}, {"recompute", o.recompute},
                                 {"params", gpu.num_params()}, {"stage_ms", stages},
                                 {"what", "zero_grads + forward + backward + clip + AdamW"}};
-  for (const auto& [metric, value, unit] : {std::tuple<const char*, double, const char*>{"step_ms", step_ms, "ms"},
-                                            {"peak_gb", peak_gb, "GB"}}) {
-    BenchRecord r;
-    r.bench = "drafter-step";
-    r.preset = o.recompute ? o.preset + "+recompute" : o.preset;
-    r.metric = metric;
-    r.value = value;
-    r.unit = unit;
-    r.extra = extra;
-    if (o.record) r = append_bench_record(o.results, r, true);
-    fmt::print("{}\n", to_json(r).dump());
-  }
+  emit_bench_records("drafter-step", o.recompute ? o.preset + "+recompute" : o.preset,
+                     {{"step_ms", step_ms, "ms"}, {"peak_gb", peak_gb, "GB"}}, extra, o.results, o.record);
   DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
   return 0;
 }

@@ -1,14 +1,10 @@
 #include "bench/cuda/pipeline_bench.h"
 
-#include <fmt/core.h>
-
 #include <algorithm>
 #include <chrono>
-#include <tuple>
 
 #include "bench/cuda/bench_util.h"
 #include "bench/presets.h"
-#include "bench/record.h"
 #include "models/cuda/drafter_gpu.h"
 #include "models/cuda/target_gpu.h"
 #include "train/cuda/gpu_backend.h"
@@ -23,20 +19,10 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
 
 void record_pipeline(const PipelineBenchOptions& o, const std::string& preset, double samples_per_s, int64_t S,
                      double peak_gb, const nlohmann::json& extra) {
-  for (const auto& [metric, value, unit] :
-       {std::tuple<const char*, double, const char*>{"samples_per_s", samples_per_s, "samples/s"},
-        {"tokens_per_s", samples_per_s * double(S), "tokens/s"},
-        {"peak_gb", peak_gb, "GB"}}) {
-    BenchRecord r;
-    r.bench = "pipeline";
-    r.preset = preset;
-    r.metric = metric;
-    r.value = value;
-    r.unit = unit;
-    r.extra = extra;
-    if (o.record) r = append_bench_record(o.results, r, true);
-    fmt::print("{}\n", to_json(r).dump());
-  }
+  emit_bench_records("pipeline", preset,
+                     {{"samples_per_s", samples_per_s, "samples/s"}, {"tokens_per_s", samples_per_s * double(S), "tokens/s"},
+                      {"peak_gb", peak_gb, "GB"}},
+                     extra, o.results, o.record);
 }
 
 std::string gpu_list(const std::vector<int>& g) {
