@@ -4,7 +4,7 @@ set -euo pipefail
 SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 PKGS=(g++ cmake ninja-build pkg-config git python3 python3-pip
       nlohmann-json3-dev libcli11-dev libfmt-dev libopenblas-dev libgtest-dev libgmock-dev
-      libpcre2-dev libutf8proc-dev)
+      libpcre2-dev libutf8proc-dev clang)
 missing=()
 for p in "${PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

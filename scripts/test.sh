@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The test command: builds dflash (CUDA sources too when nvcc is present), runs the whole suite with
-# ctest, then the whole suite again under AddressSanitizer + UndefinedBehaviorSanitizer (CPU build).
-# Env: DFLASH_TEST_ASAN=0 skips the sanitizer pass; JOBS sets build parallelism.
+# ctest, then the whole suite again under AddressSanitizer + UndefinedBehaviorSanitizer (CPU build),
+# then fuzzes the file readers (scripts/fuzz.sh, clang + libFuzzer) for DFLASH_FUZZ_SECONDS each.
+# Env: DFLASH_TEST_ASAN=0 skips the sanitizer pass, DFLASH_FUZZ_SECONDS=0 the fuzzing (default 30);
+# JOBS sets build parallelism.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -30,4 +32,10 @@ if [ "${DFLASH_TEST_ASAN:-1}" != 0 ]; then
   cmake --build build-asan -j "$jobs" --target dflash_tests dflash
   (cd build-asan && UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ASAN_OPTIONS=detect_leaks=1 \
      ctest --output-on-failure -j "$jobs")
+fi
+
+fuzz_secs=${DFLASH_FUZZ_SECONDS:-30}
+if [ "$fuzz_secs" != 0 ]; then
+  echo "test: third pass: fuzzing the file readers, ${fuzz_secs}s each (build-fuzz/)"
+  scripts/fuzz.sh "$fuzz_secs"
 fi

@@ -87,7 +87,8 @@ void write_drafter_checkpoint(const std::string& dir_in, const DrafterConfig& cf
   std::vector<std::vector<uint16_t>> bf16(named.size());
   std::vector<SafetensorsEntry> entries;
   for (size_t i = 0; i < named.size(); ++i) {
-    const auto& [name, t] = named[i];
+    const std::string& name = named[i].first;
+    const auto& t = named[i].second;
     const auto it = std::find_if(shapes.begin(), shapes.end(), [&](const auto& s) { return s.first == name; });
     if (it == shapes.end()) fail(dir, "unexpected tensor " + name);
     if (t->shape != it->second || int64_t(t->data.size()) != BasicTensor<float>::numel_of(it->second))
