@@ -144,6 +144,61 @@ TEST(TrainCli, SigtermCheckpointsThenResumes) {
   EXPECT_TRUE(fs::exists(out / "checkpoints" / name)) << log2;
 }
 
+// kill -9 at seeded random moments (checkpoints every step, so many land inside a checkpoint write),
+// then --resume (or a fresh start when no checkpoint was complete): at most the step in progress is
+// lost, the run always ends bitwise where the uninterrupted run ends, and no temporary directory
+// survives the resumed run.
+TEST(TrainCli, KillNineAnywhereThenResumeEndsLikeAnUninterruptedRun) {
+  TinyTrain r;
+  const std::string steps = "--max-steps 30 --save-every 1 --keep-last 2";
+  std::string log;
+  ASSERT_EQ(r.train(r.tmp / "ref", steps, &log), 0) << log;
+  const std::string want = bytes(r.tmp / "ref" / "final" / "model.safetensors");
+  std::mt19937_64 rng(17);
+  for (int k = 0; k < 6; ++k) {
+    const fs::path out = r.tmp / ("kill" + std::to_string(k));
+    const std::string cmd = "exec " + test::dflash_binary().string() + " " + r.args(out, steps) + " > " +
+                            (r.tmp / "kill.log").string() + " 2>&1";
+    const pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    // Somewhere in the run: after a seeded number of progress lines (one per 5 steps; 0 = during
+    // start-up), plus a few milliseconds.
+    const size_t lines = size_t(rng() % 6);
+    const auto t0 = std::chrono::steady_clock::now();
+    while (metrics(out).size() < lines && waitpid(pid, nullptr, WNOHANG) == 0 &&
+           std::chrono::steady_clock::now() - t0 < std::chrono::seconds(120))
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    std::this_thread::sleep_for(std::chrono::milliseconds(int(rng() % 15)));
+    kill(pid, SIGKILL);
+    int status = 0;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    bool resumable = false;  // a complete checkpoint exists (a killed write leaves only a temporary)
+    if (fs::exists(out / "checkpoints"))
+      for (const auto& e : fs::directory_iterator(out / "checkpoints"))
+        resumable = resumable || e.path().filename().string().rfind("step-", 0) == 0;
+    ASSERT_EQ(r.train(out, steps + (resumable ? std::string(" --resume") : ""), &log), 0) << "kill " << k << ":\n" << log;
+    const size_t at = log.find("resumed from");
+    if (at != std::string::npos) {  // at most the step in progress (one checkpoint interval) was lost
+      const size_t p = log.find("at step ", at) + 8;
+      EXPECT_GE(std::stoll(log.substr(p)), int64_t(5 * lines) - 1) << log;
+    }
+    std::printf("[kill -9] run %d: %s\n", k,
+                !resumable ? "no complete checkpoint yet: started again"
+                : at != std::string::npos ? log.substr(at, log.find('\n', at) - at).c_str()
+                                          : "had finished before the kill");
+    EXPECT_EQ(bytes(out / "final" / "model.safetensors"), want) << "kill " << k << ":\n" << log;
+    for (const auto& e : fs::recursive_directory_iterator(out)) {
+      const std::string name = e.path().filename().string();
+      EXPECT_TRUE(name.rfind(".tmp-", 0) != 0 && name.rfind(".partial-", 0) != 0 && name.rfind(".old-", 0) != 0)
+          << "left behind: " << e.path();
+    }
+  }
+}
+
 TEST(TrainCli, CorruptedCheckpointIsRefused) {
   TinyTrain r;
   const fs::path out = r.tmp / "out";
