@@ -1,11 +1,15 @@
 // dflash: trains DFlash speculative-decoding drafters against frozen target LLMs, and measures them.
 #include <fmt/core.h>
 
+#include <csignal>
 #include <exception>
 
 #include "cli/commands.h"
 
 int main(int argc, char** argv) {
+  // Past a file-size limit (ulimit -f), writes fail with EFBIG and the writer reports the file,
+  // instead of the process dying of SIGXFSZ halfway through a checkpoint.
+  std::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{"dflash: train and measure DFlash block-diffusion drafters for speculative decoding"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "dflash 0.1.0");

@@ -199,6 +199,29 @@ TEST(TrainCli, KillNineAnywhereThenResumeEndsLikeAnUninterruptedRun) {
   }
 }
 
+// A full disk while a checkpoint is written (simulated with a file-size limit: the training state,
+// ~450 KB, cannot be written; everything else can): a clear error naming the file, no half-written
+// checkpoint, the previous one intact; resuming without the limit ends like the uninterrupted run.
+TEST(TrainCli, FullDiskKeepsThePreviousCheckpoint) {
+  TinyTrain r;
+  const std::string steps = "--max-steps 20 --save-every 5";
+  std::string log;
+  ASSERT_EQ(r.train(r.tmp / "ref", steps, &log), 0) << log;
+  const fs::path out = r.tmp / "out";
+  ASSERT_EQ(r.train(out, steps + " --steps-this-run 5", &log), 0) << log;
+  const std::string before = bytes(out / "checkpoints" / "step-00000005" / "training_state.safetensors");
+  const int rc = test::run_command("sh -c 'ulimit -f 400; exec " + test::dflash_binary().string() + " " +
+                                       r.args(out, steps + " --resume") + "'",
+                                   &log);
+  EXPECT_EQ(rc, 1) << log;
+  EXPECT_NE(log.find("training_state.safetensors"), std::string::npos) << log;
+  EXPECT_NE(log.find("File too large"), std::string::npos) << log;
+  EXPECT_FALSE(fs::exists(out / "checkpoints" / "step-00000010")) << log;
+  EXPECT_EQ(bytes(out / "checkpoints" / "step-00000005" / "training_state.safetensors"), before);
+  ASSERT_EQ(r.train(out, steps + " --resume", &log), 0) << log;
+  EXPECT_EQ(bytes(out / "final" / "model.safetensors"), bytes(r.tmp / "ref" / "final" / "model.safetensors"));
+}
+
 TEST(TrainCli, CorruptedCheckpointIsRefused) {
   TinyTrain r;
   const fs::path out = r.tmp / "out";
