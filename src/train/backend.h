@@ -28,6 +28,7 @@ struct MicroResult {
   std::vector<int64_t> slot_correct, slot_count;  // [B]
   double target_ms = 0, drafter_ms = 0;           // wall time of the target forward and the drafter step
   double queue_ms = 0;                            // the drafter replica waiting for these taps
+  bool nonfinite_taps = false;                    // the target's taps held NaN / Inf (backends that check)
 };
 
 /// The AdamW state of a backend, parameters in DrafterWeights::named() order.
@@ -73,11 +74,17 @@ class DrafterBackend {
   /// weights and moments untouched (norm returned as is, coef NaN).
   virtual ClipResult optimizer_step(const AdamWOptions& o, double lr, double max_norm, int64_t t) = 0;
   virtual OptimizerState state() const = 0;
+  /// Name of the first parameter whose accumulated gradient holds NaN / Inf ("" when none): what a
+  /// skipped step reports. May be slow (a GPU backend downloads the gradients); for error paths.
+  virtual std::string first_nonfinite_grad() const = 0;
   /// Replaces weights and moments (resume). Throws std::invalid_argument on shape mismatches.
   virtual void set_state(const OptimizerState& s) = 0;
   /// "cpu" or "cuda:N", for logs.
   virtual std::string device() const = 0;
 };
+
+/// Name of the first tensor of `w` holding NaN / Inf, or "".
+std::string first_nonfinite(const DrafterWeights<float>& w);
 
 /// Host taps [S, K*d] float32 of a sample, in target_layer_ids order.
 using TapsFn = std::function<Tensor(const TrainSample&)>;

@@ -22,6 +22,17 @@ std::vector<NamedSpan<const float>> const_spans(const DrafterWeights<float>& w) 
   return r;
 }
 
+}  // namespace
+
+std::string first_nonfinite(const DrafterWeights<float>& w) {
+  for (const auto& [name, t] : w.named())
+    for (float x : t->data)
+      if (!std::isfinite(x)) return name;
+  return "";
+}
+
+namespace {
+
 double ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -53,6 +64,7 @@ class CpuBackend final : public DrafterBackend {
     auto t0 = std::chrono::steady_clock::now();
     const Tensor taps = taps_(s);
     r.target_ms = ms_since(t0);
+    for (float x : taps.data) r.nonfinite_taps = r.nonfinite_taps || !std::isfinite(x);
     t0 = std::chrono::steady_clock::now();
     DrafterSequence<float> seq;
     seq.taps = &taps;
@@ -72,6 +84,8 @@ class CpuBackend final : public DrafterBackend {
     r.drafter_ms = ms_since(t0);
     return r;
   }
+
+  std::string first_nonfinite_grad() const override { return first_nonfinite(acc_); }
 
   void scale_grads(double f) override {
     const float x = float(f);

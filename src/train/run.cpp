@@ -433,12 +433,13 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
         if (++nan_run >= c.nan_abort) {
           const auto cks = checkpoints(ckdir);
           throw std::runtime_error(fmt::format(
-              "{} steps in a row had non-finite gradients (last loss {}): stopping. Lower --lr or check the data; {}",
-              nan_run, st.loss,
+              "{} steps in a row had non-finite gradients (last: {}; loss {}): stopping. Lower --lr or check the data; {}",
+              nan_run, st.nonfinite, st.loss,
               cks.empty() ? std::string("no checkpoint was written yet")
                           : "the last good checkpoint is " + cks.back().string()));
         }
-        fmt::print(stderr, "train: step skipped: non-finite gradient norm ({} in a row)\n", nan_run);
+        if (leader)
+          fmt::print(stderr, "train: step {} skipped: {} ({} in a row)\n", tr.step_count() + 1, st.nonfinite, nan_run);
       }
       if (sig_any == 0) continue;
     } else {

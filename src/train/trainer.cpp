@@ -83,7 +83,12 @@ TrainStepStats DrafterTrainer::step(const SampleSource& source) {
       samples[m].index = idx;
       mbs[m] = {&samples[m], sample_anchors(samples[m].loss_mask, opt_.num_anchors, rng_)};
     }
-    for (const MicroResult& r : backend_->micro_steps(mbs, opt_.gamma)) {
+    const std::vector<MicroResult> results = backend_->micro_steps(mbs, opt_.gamma);
+    for (size_t m = 0; m < results.size(); ++m)
+      if (results[m].nonfinite_taps)
+        st.nonfinite += (st.nonfinite.empty() ? "" : "; ") + std::string("non-finite taps in example ") +
+                        std::to_string(mbs[m].sample->index);
+    for (const MicroResult& r : results) {
       ++st.micro_batches;
       st.target_ms += r.target_ms;
       st.drafter_ms += r.drafter_ms;
@@ -115,8 +120,15 @@ TrainStepStats DrafterTrainer::step(const SampleSource& source) {
     const ClipResult clip = backend_->optimizer_step(opt_.adamw, st.lr, opt_.max_grad_norm, step_ + 1);
     st.optimizer_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     st.grad_norm = clip.norm;
-    if (!std::isfinite(clip.norm)) st.skipped = true;
-    else ++step_;
+    if (!std::isfinite(clip.norm)) {
+      st.skipped = true;
+      const std::string g = backend_->first_nonfinite_grad();
+      st.nonfinite = (g.empty() ? "the gradient norm" : "the gradient of " + g) + " is not finite" +
+                     (st.nonfinite.empty() ? "" : " (" + st.nonfinite + ")");
+    } else {
+      st.nonfinite.clear();
+      ++step_;
+    }
   } else {
     st.skipped = true;  // nothing to learn from: no update, the step count stays
   }

@@ -46,6 +46,7 @@ struct TrainStepStats {
   int64_t tokens = 0;                // context tokens seen
   double target_ms = 0, drafter_ms = 0, optimizer_ms = 0;  // wall time per stage, summed over micro-batches
   double queue_ms = 0;               // drafter replicas waiting for taps, summed over micro-batches
+  std::string nonfinite;             // a step skipped for NaN / Inf: which gradient, which example's taps
   std::vector<int64_t> slot_correct, slot_count;       // [B] top-1 hits per slot (as DrafterStepResult)
   bool skipped = false;              // non-finite gradient norm: weights and optimizer untouched
 };

@@ -198,6 +198,34 @@ TEST(Trainer, TrainingLowersTheLoss) {
   EXPECT_LT(last, 0.5 * first);
 }
 
+// NaN in one example's taps: that step is skipped and names the example and a gradient tensor;
+// the weights stay finite and the following steps train.
+TEST(Trainer, NonFiniteTapsSkipTheStepNamingExampleAndTensor) {
+  const TinyRun run;
+  const int64_t bad = 2;
+  TapsFn poisoned = [&](const TrainSample& s) {
+    Tensor t = run.taps.at(size_t(s.index));
+    if (s.index == bad) t.data[5] = std::nanf("");
+    return t;
+  };
+  TrainerOptions o = run.options();
+  o.shuffle = false;  // examples in order: step 2 holds examples 2 and 3
+  DrafterTrainer tr(run.cfg, run.backend(7, poisoned), int64_t(run.examples.size()), o);
+  int skipped = 0;
+  for (int i = 0; i < 5; ++i) {
+    const TrainStepStats st = tr.step(run.source());
+    if (!st.skipped) {
+      EXPECT_TRUE(st.nonfinite.empty()) << st.nonfinite;
+      continue;
+    }
+    ++skipped;
+    EXPECT_NE(st.nonfinite.find("non-finite taps in example 2"), std::string::npos) << st.nonfinite;
+    EXPECT_NE(st.nonfinite.find("the gradient of "), std::string::npos) << st.nonfinite;
+  }
+  EXPECT_GE(skipped, 1);
+  EXPECT_TRUE(first_nonfinite(tr.backend().state().weights).empty());
+}
+
 TEST(Trainer, BadExamplesAndMismatchedResumesAreRefused) {
   const TinyRun s;
   DrafterTrainer t = s.trainer();

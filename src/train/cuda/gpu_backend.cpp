@@ -221,6 +221,11 @@ class GpuBackend final : public DrafterBackend {
     drafter_.drafter.set_state(s.weights, s.exp_avg, s.exp_avg_sq);
   }
 
+  std::string first_nonfinite_grad() const override {
+    on_device();
+    return first_nonfinite(drafter_.drafter.grads());
+  }
+
   std::string device() const override { return "cuda:" + std::to_string(drafter_.device); }
 
  private:
@@ -536,6 +541,12 @@ class MultiGpuBackend final : public DrafterBackend {
 
   void set_state(const OptimizerState& s) override {
     on_drafters([&](DrafterReplica& r) { r.drafter.set_state(s.weights, s.exp_avg, s.exp_avg_sq); });
+  }
+
+  /// (The gradients are the all-reduced sum after optimizer_step: replica 0 has them all.)
+  std::string first_nonfinite_grad() const override {
+    DFLASH_CUDA_CHECK(cudaSetDevice(drafters_[0]->device));
+    return first_nonfinite(drafters_[0]->drafter.grads());
   }
 
   std::string device() const override {
