@@ -19,6 +19,7 @@
 #include "models/cuda/drafter_gpu.h"
 #include "models/cuda/target_gpu.h"
 #include "train/distributed.h"
+#include "train/pipeline.h"
 
 namespace dflash {
 
@@ -114,37 +115,6 @@ void check_sample(const DrafterConfig& c, const TrainSample& s) {
     if (t < 0 || t >= c.vocab_size) throw std::invalid_argument("token id " + std::to_string(t) + " outside the vocabulary");
 }
 
-/// Runs of consecutive `items` (micro-batch indices, increasing) whose samples add up to at most
-/// `budget` tokens (a longer sample forms a run alone): the packed target forwards.
-std::vector<std::vector<size_t>> pack_runs(const std::vector<size_t>& items, const std::vector<MicroBatch>& mbs,
-                                           int64_t budget) {
-  std::vector<std::vector<size_t>> runs;
-  int64_t tokens = 0;
-  for (size_t j : items) {
-    const int64_t n = int64_t(mbs[j].sample->ids.size());
-    if (runs.empty() || tokens + n > budget) runs.emplace_back(), tokens = 0;
-    runs.back().push_back(j);
-    tokens += n;
-  }
-  return runs;
-}
-
-/// The replica of each micro-batch, balanced by tokens: longest first to the replica with the fewest
-/// tokens so far (ties: the lower index), so the result depends only on the lengths.
-std::vector<size_t> balance(const std::vector<MicroBatch>& mbs, size_t replicas) {
-  std::vector<size_t> order(mbs.size()), rep(mbs.size());
-  for (size_t j = 0; j < order.size(); ++j) order[j] = j;
-  std::stable_sort(order.begin(), order.end(),
-                   [&](size_t a, size_t b) { return mbs[a].sample->ids.size() > mbs[b].sample->ids.size(); });
-  std::vector<int64_t> load(replicas, 0);
-  for (size_t j : order) {
-    const size_t r = size_t(std::min_element(load.begin(), load.end()) - load.begin());
-    rep[j] = r;
-    load[r] += int64_t(mbs[j].sample->ids.size());
-  }
-  return rep;
-}
-
 /// One GPU, target and drafter colocated, everything on the caller's thread.
 class GpuBackend final : public DrafterBackend {
  public:
@@ -237,23 +207,6 @@ class GpuBackend final : public DrafterBackend {
   DrafterReplica drafter_;
 };
 
-/// fn(i) for i in [0, n) on n threads at once; rethrows the exception of the lowest failing i.
-void on_threads(size_t n, const std::function<void(size_t)>& fn) {
-  std::vector<std::exception_ptr> err(n);
-  std::vector<std::thread> th;
-  for (size_t i = 0; i < n; ++i)
-    th.emplace_back([&, i] {
-      try {
-        fn(i);
-      } catch (...) {
-        err[i] = std::current_exception();
-      }
-    });
-  for (auto& t : th) t.join();
-  for (auto& e : err)
-    if (e) std::rethrow_exception(e);
-}
-
 /// The taps of one packed target forward [tokens, K*d], on the target replica's GPU; freed there
 /// by whichever thread drops the last reference.
 struct PackedTaps {
@@ -279,45 +232,6 @@ struct TapsMsg {
   std::shared_ptr<PackedTaps> pack;
   int64_t offset = 0, elems = 0;     // this sample's rows in the pack (elements)
   double target_ms = 0;              // its share of the packed forward
-};
-
-/// Thrown in a worker when another worker failed and the step is being abandoned.
-struct Cancelled {};
-
-/// FIFO queues between every (target replica, drafter replica) pair, `cap` messages each. Target t
-/// sends its micro-batches in increasing index order and drafter d takes its own in increasing
-/// order, so each pair's queue is consumed in the order it is filled (deterministic accumulation
-/// order), and the smallest unconsumed micro-batch can always move (no deadlock).
-class Handoff {
- public:
-  Handoff(size_t nt, size_t nd, size_t cap) : nd_(nd), cap_(cap), q_(nt * nd) {}
-  void push(size_t t, size_t d, TapsMsg m) {
-    std::unique_lock<std::mutex> l(mu_);
-    cv_.wait(l, [&] { return cancelled_ || q_[t * nd_ + d].size() < cap_; });
-    if (cancelled_) throw Cancelled{};
-    q_[t * nd_ + d].push_back(std::move(m));
-    cv_.notify_all();
-  }
-  TapsMsg pop(size_t t, size_t d) {
-    std::unique_lock<std::mutex> l(mu_);
-    cv_.wait(l, [&] { return cancelled_ || !q_[t * nd_ + d].empty(); });
-    if (cancelled_) throw Cancelled{};
-    TapsMsg m = std::move(q_[t * nd_ + d].front());
-    q_[t * nd_ + d].pop_front();
-    cv_.notify_all();
-    return m;
-  }
-  void cancel() {
-    std::lock_guard<std::mutex> l(mu_);
-    cancelled_ = true;
-    cv_.notify_all();
-  }
- private:
-  size_t nd_, cap_;
-  std::vector<std::deque<TapsMsg>> q_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool cancelled_ = false;
 };
 
 /// Several GPUs: target replicas on `target_devices`, drafter replicas on `drafter_devices` (equal
@@ -392,7 +306,7 @@ class MultiGpuBackend final : public DrafterBackend {
     for (size_t k = 0; k < local.size(); ++k) tj[local[k]] = ts[k];
     std::vector<MicroResult> res(n);
     std::vector<std::exception_ptr> err(n);
-    Handoff hand(nt, nd, 2);
+    Handoff<TapsMsg> hand(nt, nd, 2);
     on_threads(nt + nd, [&](size_t w) {
       size_t j = 0;
       try {
