@@ -4,17 +4,11 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
-#include <climits>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <deque>
 #include <exception>
 #include <functional>
-#include <mutex>
 #include <string>
-#include <thread>
 
 #include "models/cuda/drafter_gpu.h"
 #include "models/cuda/target_gpu.h"
