@@ -178,7 +178,8 @@ DrafterConfig drafter_config_from_json(const nlohmann::json& j, const std::strin
   if (j.contains("rope_parameters") && j["rope_parameters"].is_object())
     c.rope_theta = j["rope_parameters"].value("rope_theta", c.rope_theta);
   c.rms_norm_eps = j.value("rms_norm_eps", 1e-6);
-  c.max_position_embeddings = j.value("max_position_embeddings", int64_t(0));
+  if (j.contains("max_position_embeddings") && !j["max_position_embeddings"].is_null())
+    c.max_position_embeddings = req(j, "max_position_embeddings");
   if (j.contains("sliding_window") && j["sliding_window"].is_number_integer()) c.sliding_window = j["sliding_window"];
   if (j.contains("layer_types") && j["layer_types"].is_array()) c.layer_types = j["layer_types"].get<std::vector<std::string>>();
   else c.layer_types.assign(size_t(std::max<int64_t>(0, c.num_hidden_layers)), "full_attention");

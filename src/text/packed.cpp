@@ -109,7 +109,11 @@ PackedDataset::PackedDataset(const std::string& dir)
     throw std::runtime_error(tokens_.path() + ": holds " + std::to_string(tokens_.size()) + " bytes, offsets say " +
                              std::to_string(n) + " tokens");
   if (mask_.size() != n) throw std::runtime_error(mask_.path() + ": length does not match tokens.i32");
-  if (manifest_.value("num_samples", int64_t(-1)) != num_samples() || manifest_.value("num_tokens", int64_t(-1)) != num_tokens())
+  auto count = [&](const char* k) {  // (a non-integer count never matches)
+    const auto it = manifest_.find(k);
+    return it != manifest_.end() && it->is_number_integer() ? it->get<int64_t>() : int64_t(-1);
+  };
+  if (count("num_samples") != num_samples() || count("num_tokens") != num_tokens())
     throw std::runtime_error(mpath + ": counts disagree with the data files");
 }
 

@@ -116,7 +116,8 @@ class JsonReader {
           if (!specials || !specials->contains(name) || !(*specials)[name].contains("ids") || !(*specials)[name]["ids"].is_array())
             fail("post_processor TemplateProcessing: special token '" + name + "' is not in \"special_tokens\"");
           for (const auto& id : (*specials)[name]["ids"]) {
-            if (!id.is_number_integer()) fail("post_processor TemplateProcessing: non-integer id for '" + name + "'");
+            if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > INT32_MAX)
+              fail("post_processor TemplateProcessing: id for '" + name + "' is not a token id");
             (seen_a ? spec.suffix_ids : spec.prefix_ids).push_back(id.get<int32_t>());
           }
         } else {
@@ -153,7 +154,8 @@ class JsonReader {
     } else if (t == "Strip") {
       d.kind = DecoderStep::Strip;
       d.content = get_string(j, "content", "decoder Strip");
-      if (!j.contains("start") || !j["start"].is_number_unsigned() || !j.contains("stop") || !j["stop"].is_number_unsigned())
+      if (!j.contains("start") || !j["start"].is_number_unsigned() || !j.contains("stop") || !j["stop"].is_number_unsigned() ||
+          j["start"].get<uint64_t>() > INT32_MAX || j["stop"].get<uint64_t>() > INT32_MAX)
         fail("decoder Strip: \"start\" and \"stop\" must be non-negative integers");
       d.start = j["start"].get<int>();
       d.stop = j["stop"].get<int>();
@@ -217,6 +219,7 @@ class JsonReader {
         fail("added token without integer \"id\" and string \"content\": " + a.dump());
       AddedTokenSpec t;
       t.content = a["content"].get<std::string>();
+      if (!a.contains("id") || !a["id"].is_number_integer()) fail("added token '" + t.content + "' has no integer id");
       const int64_t id = a["id"].get<int64_t>();
       if (id < 0 || id > INT32_MAX) fail("added token '" + t.content + "' has id out of range");
       t.id = int32_t(id);

@@ -207,16 +207,14 @@ bool has_onig_divergent_chars(std::string_view s) {
 
 SplitRegex::SplitRegex(const std::string& pattern, bool literal) {
   fast_ = compile(pattern, pattern, literal);
-  if (!literal) {
-    const std::string exact = onig_compatible_pattern(pattern);
-    if (exact != pattern) {
-      try {
-        exact_ = compile(exact, pattern, false);
-      } catch (...) {
-        pcre2_code_free(fast_);
-        throw;
-      }
+  try {  // (a throwing constructor runs no destructor: free fast_ here)
+    if (!literal) {
+      const std::string exact = onig_compatible_pattern(pattern);
+      if (exact != pattern) exact_ = compile(exact, pattern, false);
     }
+  } catch (...) {
+    pcre2_code_free(fast_);
+    throw;
   }
   jit_ = pcre2_jit_compile(fast_, PCRE2_JIT_COMPLETE) == 0 && (!exact_ || pcre2_jit_compile(exact_, PCRE2_JIT_COMPLETE) == 0);
 }

@@ -54,10 +54,14 @@ std::string prepared_data_dir(const TrainConfig& c, const Tokenizer* tok, const 
   // a resumed run must see the same samples.
   if (const nlohmann::json m = read_manifest(data_dir); m.is_object()) {
     std::vector<std::pair<std::string, int64_t>> had, now;
+    auto integer = [](const nlohmann::json& o, const char* k) {  // -1 when absent or not an integer
+      const auto it = o.is_object() ? o.find(k) : o.end();
+      return it != o.end() && it->is_number_integer() ? it->get<int64_t>() : int64_t(-1);
+    };
     for (const auto& s : m.value("sources", nlohmann::json::array()))
-      had.emplace_back(s.value("file", ""), s.value("bytes", int64_t(-1)));
+      had.emplace_back(s.is_object() ? s.value("file", "") : "", integer(s, "bytes"));
     for (const auto& f : abs) now.emplace_back(f, int64_t(fs::file_size(f)));
-    const bool same = had == now && m.value("max_length", int64_t(-1)) == c.max_length &&
+    const bool same = had == now && integer(m, "max_length") == c.max_length &&
                       m.value("chat_template", "") == chat_family_name(family) &&
                       m.value("tokenizer", "") == fs::absolute(tok_path).string();
     if (same) {

@@ -384,7 +384,9 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
     std::ifstream old(out / "metrics.jsonl");
     for (std::string line; std::getline(old, line);) {
       try {
-        if (nlohmann::json::parse(line).value("step", int64_t(-1)) <= tr.step_count()) kept.push_back(line);
+        const nlohmann::json m = nlohmann::json::parse(line);
+        const auto step = m.find("step");
+        if (step != m.end() && step->is_number_integer() && step->get<int64_t>() <= tr.step_count()) kept.push_back(line);
       } catch (const nlohmann::json::exception&) {  // a line cut by a hard kill
       }
     }

@@ -159,3 +159,16 @@ TEST(DrafterConfig, OlderConfigsWithoutTapsOrMaskToken) {
   resolve_mask_token_id(c, *with_mask, "old config.json");
   EXPECT_EQ(c.mask_token_id, 151669);
 }
+
+// Found by fuzz/config_json_fuzz: an integer field holding a number past int64 (parsed as a float)
+// was converted with undefined behaviour; now it is refused naming the field.
+TEST(DrafterConfigJson, HugeNumberInAnIntegerFieldIsRefused) {
+  const auto j = read_json_file(
+      (test::source_dir() / "fuzz" / "regressions" / "config_json_fuzz" / "float_max_position_embeddings.json").string());
+  try {
+    (void)drafter_config_from_json(j, "regression");
+    FAIL() << "accepted";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("max_position_embeddings"), std::string::npos) << e.what();
+  }
+}

@@ -569,3 +569,11 @@ TEST(TokenizerBench, CommandRecordsTokensPerSecond) {
   const std::string q = "What is 2+2?\n2+2 = <<2+2=4>>4\n#### 4", h = "Héllo wörld 😀\n#### 0";
   EXPECT_EQ(rec["extra"]["tokens"].get<int64_t>(), int64_t(qwen3().encode(q).size() + qwen3().encode(h).size()));
 }
+
+// Found by fuzz/tokenizer_json_fuzz: a pre-tokenizer regex whose Oniguruma translation fails
+// ("\P{L}" inside a negated class) leaked the compiled PCRE2 pattern; now it is refused and freed
+// (the AddressSanitizer pass of scripts/test.sh checks for the leak).
+TEST(TokenizerErrors, UntranslatableRegexIsRefusedWithoutLeaking) {
+  const auto path = test::source_dir() / "fuzz" / "regressions" / "tokenizer_json_fuzz" / "leak_on_untranslatable_regex.json";
+  EXPECT_THROW((void)Tokenizer::from_tokenizer_json(path.string()), std::exception);
+}
