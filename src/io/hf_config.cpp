@@ -50,7 +50,7 @@ void read_rope(const nlohmann::json& cfg, RopeSpec& rope, const DenseDefaults& d
     rope.factor = num_req(rp, "factor", where);
     rope.low_freq_factor = num_req(rp, "low_freq_factor", where);
     rope.high_freq_factor = num_req(rp, "high_freq_factor", where);
-    rope.original_max_position_embeddings = int64_t(num_req(rp, "original_max_position_embeddings", where));
+    rope.original_max_position_embeddings = req_int(rp, "original_max_position_embeddings", where);
     if (!(rope.factor > 0) || !(rope.high_freq_factor > rope.low_freq_factor) || rope.original_max_position_embeddings <= 0)
       throw std::runtime_error(where + ": llama3 rope scaling needs factor > 0, high_freq_factor > low_freq_factor and "
                                "original_max_position_embeddings > 0");
@@ -87,13 +87,18 @@ void read_dense_fields(const nlohmann::json& cfg, ModelSpec& s, const DenseDefau
     else if (s.num_attention_heads > 0) s.head_dim = s.hidden_size / s.num_attention_heads;
   }
   s.rms_norm_eps = num_or(cfg, "rms_norm_eps", 1e-6, where);
-  s.max_position_embeddings = int64_t(num_or(cfg, "max_position_embeddings", 0, where));
+  if (cfg.contains("max_position_embeddings") && !cfg["max_position_embeddings"].is_null())
+    s.max_position_embeddings = req_int(cfg, "max_position_embeddings", where);
   s.hidden_act = cfg.value("hidden_act", std::string("silu"));
   if (cfg.contains("tie_word_embeddings")) s.tie_word_embeddings = cfg["tie_word_embeddings"].get<bool>();
   if (cfg.contains("bos_token_id") && cfg["bos_token_id"].is_number_integer()) s.bos_token_id = cfg["bos_token_id"];
   if (auto it = cfg.find("eos_token_id"); it != cfg.end()) {
     if (it->is_number_integer()) s.eos_token_ids = {it->get<int64_t>()};
-    else if (it->is_array()) s.eos_token_ids = it->get<std::vector<int64_t>>();
+    else if (it->is_array())
+      for (const auto& e : *it) {
+        if (!e.is_number_integer()) throw std::runtime_error(where + ": eos_token_id holds a non-integer");
+        s.eos_token_ids.push_back(e.get<int64_t>());
+      }
   }
   read_rope(cfg, s.rope, d, where);
   reject_unsupported(cfg, where);

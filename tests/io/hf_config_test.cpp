@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include "io/hf_config.h"
+#include "io/json_file.h"
 #include "test_util.h"
 
 using namespace dflash;
@@ -142,4 +143,17 @@ TEST(HfConfig, QwenConfigsMustStateHeadShapeAndLlama3FieldsAreRequired) {
   c = dense("LlamaForCausalLM", "llama");
   c["num_hidden_layers"] = 100000000;
   EXPECT_NE(error_of(c).find("num_hidden_layers"), std::string::npos);
+}
+
+// Found by fuzz/config_json_fuzz: max_position_embeddings past int64 (parsed as a float) was cast to
+// an integer with undefined behaviour; now integer fields of config.json must hold integers.
+TEST(HfConfig, HugeNumberInAnIntegerFieldIsRefused) {
+  const auto j = read_json_file(
+      (test::source_dir() / "fuzz" / "regressions" / "config_json_fuzz" / "float_max_position_embeddings_model.json").string());
+  try {
+    (void)model_spec_from_hf_config(j, "regression");
+    FAIL() << "accepted";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("max_position_embeddings"), std::string::npos) << e.what();
+  }
 }
