@@ -424,8 +424,9 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
     const int sig_here = stop.load();
     const int sig_any = tr.backend().any_rank(sig_here != 0) ? (sig_here ? sig_here : SIGTERM) : 0;
     // Replicas run their micro-batches at the same time: per replica, a stage took its sum / replicas.
-    const double nt = c.device == "cuda" ? double(c.target_devices().size()) : 1.0,
-                 nd = c.device == "cuda" ? double(c.drafter_devices().size()) : 1.0;
+    // (With several processes the step's results hold every process's micro-batches.)
+    const double nt = c.device == "cuda" ? double(c.target_devices().size() * size_t(pg.world)) : 1.0,
+                 nd = c.device == "cuda" ? double(c.drafter_devices().size() * size_t(pg.world)) : 1.0;
     stages.target_ms += st.target_ms / nt, stages.drafter_ms += st.drafter_ms / nd;
     stages.queue_ms += st.queue_ms / nd, stages.optimizer_ms += st.optimizer_ms;
     win_micro += st.micro_batches, win_tokens += st.tokens;
