@@ -28,7 +28,8 @@ AttentionWeights load_attention_weights(const ModelSpec& s, const WeightSource& 
 
 Tensor attention_forward(const ModelSpec& s, const AttentionWeights& w, const Tensor& x,
                          const std::vector<int64_t>& positions, const std::vector<float>& inv_freq,
-                         const std::vector<int64_t>& cu) {
+                         const std::vector<int64_t>& cu, TargetCache* cache, int layer, bool keep_rollback) {
+  (void)keep_rollback;  // truncating keys needs nothing saved
   const int64_t T = x.dim(0), H = s.num_attention_heads, Hkv = s.num_key_value_heads, Dh = s.head_dim;
   Tensor qg = cpu::linear(x, w.q_proj, "self_attn.q_proj");
   Tensor q({T, H, Dh}), gate;
@@ -52,7 +53,29 @@ Tensor attention_forward(const ModelSpec& s, const AttentionWeights& w, const Te
   }
   cpu::apply_rope(q, positions, inv_freq, s.rotary_dim());
   cpu::apply_rope(k, positions, inv_freq, s.rotary_dim());
-  Tensor o = cpu::causal_attention(q, k, v, cu, 1.0f / std::sqrt(float(Dh)));
+  const float scale = 1.0f / std::sqrt(float(Dh));
+  Tensor o;
+  if (!cache) {
+    o = cpu::causal_attention(q, k, v, cu, scale);
+  } else {
+    // Keys of sequence s: its cached rows, then its new rows (which the cache keeps from now on).
+    std::vector<int64_t> cu_k{0};
+    for (size_t i = 0; i + 1 < cu.size(); ++i) {
+      TargetCache::Layer& c = cache->seqs[i].layers[size_t(layer)];
+      const int64_t row = Hkv * Dh, n = cu[i + 1] - cu[i];
+      c.k.data.insert(c.k.data.end(), k.data.begin() + cu[i] * row, k.data.begin() + cu[i + 1] * row);
+      c.v.data.insert(c.v.data.end(), v.data.begin() + cu[i] * row, v.data.begin() + cu[i + 1] * row);
+      c.k.shape = c.v.shape = {c.k.dim(0) + n, Hkv, Dh};
+      cu_k.push_back(cu_k.back() + c.k.dim(0));
+    }
+    Tensor K({cu_k.back(), Hkv, Dh}), V({cu_k.back(), Hkv, Dh});
+    for (size_t i = 0; i + 1 < cu.size(); ++i) {
+      const TargetCache::Layer& c = cache->seqs[i].layers[size_t(layer)];
+      std::copy(c.k.data.begin(), c.k.data.end(), K.ptr() + cu_k[i] * Hkv * Dh);
+      std::copy(c.v.data.begin(), c.v.data.end(), V.ptr() + cu_k[i] * Hkv * Dh);
+    }
+    o = cpu::causal_attention(q, K, V, cu, cu_k, scale);
+  }
   if (s.attn_output_gate())
     for (int64_t i = 0; i < o.numel(); ++i) o.data[size_t(i)] *= cpu::sigmoid(gate.data[size_t(i)]);
   o.shape = {T, H * Dh};

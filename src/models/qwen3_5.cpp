@@ -71,11 +71,23 @@ GatedDeltaNetWeights load_gated_deltanet_weights(const ModelSpec& s, const Weigh
 }
 
 Tensor gated_deltanet_forward(const ModelSpec& s, const GatedDeltaNetWeights& w, const Tensor& x,
-                              const std::vector<int64_t>& cu) {
+                              const std::vector<int64_t>& cu, TargetCache* cache, int layer, bool keep_rollback) {
   const int64_t T = x.dim(0), Hk = s.linear_num_key_heads, Hv = s.linear_num_value_heads;
   const int64_t dk = s.linear_key_head_dim, dv = s.linear_value_head_dim, C = 2 * Hk * dk + Hv * dv;
+  const int64_t K = s.linear_conv_kernel_dim, nseq = int64_t(cu.size()) - 1;
   // Projections, then the causal depthwise conv + SiLU over the q|k|v channels.
-  const Tensor qkv = cpu::causal_conv1d_silu(cpu::linear(x, w.in_proj_qkv, "linear_attn.in_proj_qkv"), w.conv1d, cu);
+  const Tensor pre = cpu::linear(x, w.in_proj_qkv, "linear_attn.in_proj_qkv");  // [T, C]
+  Tensor window, init;  // [n, K-1, C], [n, Hv, dk, dv] from the cache
+  if (cache) {
+    window = Tensor({nseq, K - 1, C});
+    init = Tensor({nseq, Hv, dk, dv});
+    for (int64_t i = 0; i < nseq; ++i) {
+      const TargetCache::Layer& c = cache->seqs[size_t(i)].layers[size_t(layer)];
+      std::copy(c.window.data.begin(), c.window.data.end(), window.ptr() + i * (K - 1) * C);
+      std::copy(c.state.data.begin(), c.state.data.end(), init.ptr() + i * Hv * dk * dv);
+    }
+  }
+  const Tensor qkv = cpu::causal_conv1d_silu(pre, w.conv1d, cu, cache ? &window : nullptr);
   Tensor z = cpu::linear(x, w.in_proj_z, "linear_attn.in_proj_z");  // [T, Hv*dv]
   const Tensor b = cpu::linear(x, w.in_proj_b, "linear_attn.in_proj_b");  // [T, Hv]
   const Tensor a = cpu::linear(x, w.in_proj_a, "linear_attn.in_proj_a");  // [T, Hv]
@@ -94,8 +106,31 @@ Tensor gated_deltanet_forward(const ModelSpec& s, const GatedDeltaNetWeights& w,
       beta.data[i] = cpu::sigmoid(b.data[i]);
       g.data[i] = -std::exp(w.A_log.data[size_t(h)]) * cpu::softplus(a.data[i] + w.dt_bias.data[size_t(h)]);
     }
+  Tensor final_state, token_states;
   Tensor o = cpu::gated_delta_rule_recurrent(q, k, v, g, beta, 1.0f / std::sqrt(float(dk)), /*use_qk_l2norm=*/true,
-                                             cu, nullptr, nullptr);  // [T, Hv, dv]
+                                             cu, cache ? &init : nullptr, cache ? &final_state : nullptr,
+                                             keep_rollback ? &token_states : nullptr);  // [T, Hv, dv]
+  if (cache) {
+    const int64_t St = Hv * dk * dv;
+    for (int64_t i = 0; i < nseq; ++i) {
+      TargetCache::Layer& c = cache->seqs[size_t(i)].layers[size_t(layer)];
+      const int64_t b = cu[size_t(i)], n = cu[size_t(i) + 1] - b;
+      // history = [old window ; new conv inputs]; the new window is its last K-1 rows.
+      Tensor hist({K - 1 + n, C});
+      std::copy(c.window.data.begin(), c.window.data.end(), hist.ptr());
+      std::copy_n(pre.ptr() + b * C, n * C, hist.ptr() + (K - 1) * C);
+      std::copy_n(hist.ptr() + n * C, (K - 1) * C, c.window.ptr());
+      if (keep_rollback) {
+        c.window_hist = std::move(hist);
+        c.state_hist = Tensor({n + 1, Hv, dk, dv});
+        std::copy(c.state.data.begin(), c.state.data.end(), c.state_hist.ptr());
+        std::copy_n(token_states.ptr() + b * St, n * St, c.state_hist.ptr() + St);
+      } else {
+        c.window_hist = c.state_hist = Tensor();
+      }
+      std::copy_n(final_state.ptr() + i * St, St, c.state.ptr());
+    }
+  }
   cpu::gated_rms_norm(o, z, w.norm, s.rms_norm_eps);
   o.shape = {T, Hv * dv};
   return cpu::linear(o, w.out_proj, "linear_attn.out_proj");

@@ -88,6 +88,52 @@ std::unique_ptr<TargetModel> TargetModel::from_weights(const ModelSpec& s, const
   return m;
 }
 
+TargetCache::TargetCache(const ModelSpec& s, int n_seq) {
+  if (n_seq < 0) throw std::invalid_argument("TargetCache: negative number of sequences");
+  const int64_t C = 2 * s.linear_num_key_heads * s.linear_key_head_dim +
+                    s.linear_num_value_heads * s.linear_value_head_dim;
+  Seq proto;
+  proto.layers.resize(size_t(s.num_hidden_layers));
+  for (size_t i = 0; i < proto.layers.size(); ++i) {
+    Layer& l = proto.layers[i];
+    if (s.layer_types[i] == LayerKind::Attention) {
+      l.k = l.v = Tensor({0, s.num_key_value_heads, s.head_dim});
+    } else {
+      l.window = Tensor({s.linear_conv_kernel_dim - 1, C});
+      l.state = Tensor({s.linear_num_value_heads, s.linear_key_head_dim, s.linear_value_head_dim});
+    }
+  }
+  seqs.assign(size_t(n_seq), proto);
+}
+
+void TargetCache::rollback(int s, int64_t length) {
+  if (s < 0 || s >= num_seqs())
+    throw std::invalid_argument("TargetCache::rollback: sequence " + std::to_string(s) + " of " +
+                                std::to_string(num_seqs()));
+  Seq& q = seqs[size_t(s)];
+  if (length < 0 || length > q.length)
+    throw std::invalid_argument("TargetCache::rollback: length " + std::to_string(length) + " outside [0, " +
+                                std::to_string(q.length) + "] (sequence " + std::to_string(s) + ")");
+  if (length == q.length) return;
+  for (Layer& l : q.layers) {
+    if (l.state.numel() == 0) {  // attention
+      const int64_t row = l.k.numel() / std::max<int64_t>(l.k.dim(0), 1);
+      l.k.data.resize(size_t(length * row));
+      l.v.data.resize(size_t(length * row));
+      l.k.shape[0] = l.v.shape[0] = length;
+      continue;
+    }
+    if (q.rollback_from < 0 || length < q.rollback_from)
+      throw std::invalid_argument("TargetCache::rollback: GatedDeltaNet states of sequence " + std::to_string(s) +
+                                  " are kept only back to length " + std::to_string(q.rollback_from) +
+                                  " (run the forward with keep_rollback); asked for " + std::to_string(length));
+    const int64_t j = length - q.rollback_from, C = l.window.dim(1), K1 = l.window.dim(0);
+    std::copy_n(l.window_hist.ptr() + j * C, K1 * C, l.window.ptr());
+    std::copy_n(l.state_hist.ptr() + j * l.state.numel(), l.state.numel(), l.state.ptr());
+  }
+  q.length = length;
+}
+
 namespace {
 void add_inplace(Tensor& a, const Tensor& b) {
   for (int64_t i = 0; i < a.numel(); ++i) a.data[size_t(i)] += b.data[size_t(i)];
@@ -95,9 +141,13 @@ void add_inplace(Tensor& a, const Tensor& b) {
 }  // namespace
 
 ForwardOutput TargetModel::forward(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu,
-                                   const ForwardOptions& opt) const {
+                                   const ForwardOptions& opt, TargetCache* cache) const {
   const int64_t T = int64_t(ids.size()), L = spec_.num_hidden_layers;
   cpu::check_cu_seqlens(cu, T, "forward");
+  if (cache && (int64_t(cu.size()) != cache->num_seqs() + 1 || !opt.logits))
+    throw std::invalid_argument("forward: with a cache of " + std::to_string(cache->num_seqs()) +
+                                " sequences, cu_seqlens needs " + std::to_string(cache->num_seqs() + 1) +
+                                " entries (got " + std::to_string(cu.size()) + ") and logits must be requested");
   int deepest = opt.logits ? int(L) : -1;
   for (int j : opt.hidden_states) {
     if (j < 0 || j > L)
@@ -111,7 +161,7 @@ ForwardOutput TargetModel::forward(const std::vector<int32_t>& ids, const std::v
   std::vector<int64_t> positions(static_cast<size_t>(T));
   for (size_t s = 0; s + 1 < cu.size(); ++s)
     for (int64_t t = cu[s]; t < cu[s + 1]; ++t) {
-      positions[size_t(t)] = t - cu[s];
+      positions[size_t(t)] = t - cu[s] + (cache ? cache->length(int(s)) : 0);
       if (ids[size_t(t)] < 0 || ids[size_t(t)] >= spec_.vocab_size)
         throw std::out_of_range("token id " + std::to_string(ids[size_t(t)]) + " (sequence " + std::to_string(s) +
                                 ", position " + std::to_string(t - cu[s]) + ") is outside the vocabulary [0, " +
@@ -128,8 +178,9 @@ ForwardOutput TargetModel::forward(const std::vector<int32_t>& ids, const std::v
     const LayerWeights& l = layers_[size_t(i)];
     Tensor h = x;
     cpu::rms_norm(h, l.input_layernorm, spec_.rms_norm_eps, zc);
-    Tensor mixed = l.kind == LayerKind::Attention ? attention_forward(spec_, l.attn, h, positions, inv_freq_, cu)
-                                                  : gated_deltanet_forward(spec_, l.gdn, h, cu);
+    Tensor mixed = l.kind == LayerKind::Attention
+                       ? attention_forward(spec_, l.attn, h, positions, inv_freq_, cu, cache, i, opt.keep_rollback)
+                       : gated_deltanet_forward(spec_, l.gdn, h, cu, cache, i, opt.keep_rollback);
     add_inplace(x, mixed);
     h = x;
     cpu::rms_norm(h, l.post_attention_layernorm, spec_.rms_norm_eps, zc);
@@ -143,7 +194,32 @@ ForwardOutput TargetModel::forward(const std::vector<int32_t>& ids, const std::v
     if (wanted(int(L))) out.hidden_states[int(L)] = x;
     if (opt.logits) out.logits = cpu::linear(x, lm_head_.numel() ? lm_head_ : embed_tokens_, "lm_head");
   }
+  if (cache)
+    for (int s = 0; s < cache->num_seqs(); ++s) {
+      TargetCache::Seq& q = cache->seqs[size_t(s)];
+      q.rollback_from = opt.keep_rollback ? q.length : -1;
+      q.length += cu[size_t(s) + 1] - cu[size_t(s)];
+    }
   return out;
+}
+
+std::vector<int> tap_hidden_states(const std::vector<int64_t>& ids) {
+  std::vector<int> r;
+  for (int64_t id : ids) r.push_back(int(id + 1));
+  return r;
+}
+
+Tensor concat_taps(const ForwardOutput& f, const std::vector<int64_t>& ids) {
+  const auto K = int64_t(ids.size());
+  if (K == 0) return Tensor();
+  const Tensor& h0 = f.hidden_states.at(int(ids[0] + 1));
+  const int64_t T = h0.dim(0), d = h0.dim(1);
+  Tensor taps({T, K * d});
+  for (int64_t k = 0; k < K; ++k) {
+    const Tensor& h = f.hidden_states.at(int(ids[size_t(k)] + 1));
+    for (int64_t t = 0; t < T; ++t) std::copy_n(h.row(t), d, taps.row(t) + k * d);
+  }
+  return taps;
 }
 
 std::string gpu_unsupported_reason(const ModelSpec& s) {

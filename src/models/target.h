@@ -57,7 +57,44 @@ struct ForwardOptions {
   /// Hidden-state indices to return (0..L). Without logits, layers past the deepest requested one
   /// are not computed (training needs only the taps).
   std::vector<int> hidden_states;
+  /// With a cache: keep what TargetCache::rollback needs to drop tokens of this forward again
+  /// (GatedDeltaNet states after each token: n x Hv x dk x dv floats per layer; speculative verify).
+  bool keep_rollback = false;
 };
+
+/// Decoding state of a batch of sequences: transformers' DynamicCache (attention keys / values after
+/// q/k norm and RoPE) plus Qwen3.5's GatedDeltaNet conv window and recurrent state, per sequence and
+/// layer (only the member of a layer's kind is used). TargetModel::forward with a cache appends to it.
+struct TargetCache {
+  struct Layer {
+    Tensor k, v;       // attention: [length, Hkv, Dh]
+    Tensor window;     // GatedDeltaNet: [K-1, C] the last K-1 conv inputs (zeros before the start)
+    Tensor state;      // GatedDeltaNet: [Hv, dk, dv] recurrent state (fp32)
+    Tensor window_hist, state_hist;  // keep_rollback: [K-1 + n, C] and [n + 1, Hv, dk, dv] of the last forward
+  };
+  struct Seq {
+    int64_t length = 0;
+    int64_t rollback_from = -1;  // length before the last forward run with keep_rollback (-1: none)
+    std::vector<Layer> layers;
+  };
+  std::vector<Seq> seqs;
+
+  /// Empty state for `n_seq` sequences of model `s`.
+  TargetCache(const ModelSpec& s, int n_seq);
+  int num_seqs() const { return int(seqs.size()); }
+  int64_t length(int s) const { return seqs.at(size_t(s)).length; }
+  /// Keeps the first `length` tokens of sequence s (speculative decoding's rollback to the commit
+  /// point). Attention layers truncate their keys / values. GatedDeltaNet layers restore the conv
+  /// window and recurrent state saved after token `length` of the last forward, which must have run
+  /// with keep_rollback and begun at or before `length`. Throws std::invalid_argument otherwise.
+  void rollback(int s, int64_t length);
+};
+
+/// Hidden-state indices of DFlash taps: tap layer id i is hidden_states[i + 1] (dflash.md).
+std::vector<int> tap_hidden_states(const std::vector<int64_t>& tap_layer_ids);
+/// The taps of `f` (which holds tap_hidden_states(tap_layer_ids)) concatenated along features:
+/// [T, K*D], tap k in columns [k*D, (k+1)*D).
+Tensor concat_taps(const ForwardOutput& f, const std::vector<int64_t>& tap_layer_ids);
 
 /// Per-layer kernel that runs on a device, for `dflash inspect`.
 struct KernelChoice {
@@ -80,8 +117,11 @@ class TargetModel {
   /// cu_seqlens [n + 1] their boundaries (positions restart at 0 in each sequence; attention,
   /// conv windows and recurrent states never cross a boundary). Thread-safe (const).
   /// Throws std::invalid_argument for bad ids, cu_seqlens or hidden-state indices.
+  /// With `cache` (decoding): sequence s of cu_seqlens continues cache sequence s (cu_seqlens has
+  /// cache->num_seqs() + 1 entries; a sequence may get no tokens), its positions starting at
+  /// cache->length(s); every layer runs (opt.logits must be set) and the cache grows by the tokens.
   ForwardOutput forward(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu_seqlens,
-                        const ForwardOptions& opt) const;
+                        const ForwardOptions& opt, TargetCache* cache = nullptr) const;
 
   // Weights (float32 host), for the GPU backend's upload.
   const std::vector<LayerWeights>& layers() const { return layers_; }
@@ -124,14 +164,19 @@ OpenedModel open_model(const std::string& path);
 AttentionWeights load_attention_weights(const ModelSpec& s, const WeightSource& src, const std::string& p);
 /// Causal self-attention mixer, x [T, D] (after input_layernorm) -> [T, D]: q/k/v projections,
 /// optional q/k norm (Qwen3, Qwen3.5 zero-centered), optional output gate (Qwen3.5), (partial) RoPE
-/// at `positions`, GQA softmax attention within each sequence of cu_seqlens, o_proj.
+/// at `positions`, GQA softmax attention within each sequence of cu_seqlens, o_proj. With `cache`
+/// (layer `layer` of every sequence), keys / values are appended to it and queries also see its keys.
 Tensor attention_forward(const ModelSpec& s, const AttentionWeights& w, const Tensor& x,
                          const std::vector<int64_t>& positions, const std::vector<float>& inv_freq,
-                         const std::vector<int64_t>& cu_seqlens);
+                         const std::vector<int64_t>& cu_seqlens, TargetCache* cache = nullptr, int layer = 0,
+                         bool keep_rollback = false);
 /// Qwen3.5 GatedDeltaNet: loading and the reference mixer forward ([T, D] -> [T, D]).
 GatedDeltaNetWeights load_gated_deltanet_weights(const ModelSpec& s, const WeightSource& src, const std::string& p);
+/// With `cache`, each sequence continues from its conv window and recurrent state of layer `layer`,
+/// which are updated (and, with keep_rollback, saved after every token).
 Tensor gated_deltanet_forward(const ModelSpec& s, const GatedDeltaNetWeights& w, const Tensor& x,
-                              const std::vector<int64_t>& cu_seqlens);
+                              const std::vector<int64_t>& cu_seqlens, TargetCache* cache = nullptr, int layer = 0,
+                              bool keep_rollback = false);
 /// Reads tensor `name` as float32, checks its shape (`stored` when the file keeps it in another
 /// layout of the same data, e.g. conv1d [C, 1, K] read as [C, K]) and that every value is finite.
 /// Throws std::runtime_error naming the file and the tensor.

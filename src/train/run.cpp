@@ -324,19 +324,13 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
 
   std::unique_ptr<DrafterBackend> backend;
   if (c.device == "cpu") {
-    const auto K = int64_t(dc.target_layer_ids.size()), d = dc.hidden_size;
-    backend = make_cpu_backend(dc, std::move(w0), &target->embed_tokens(), &target->lm_head(), [&, K, d](const TrainSample& s) {
-      const int64_t S = int64_t(s.ids.size());
+    backend = make_cpu_backend(dc, std::move(w0), &target->embed_tokens(), &target->lm_head(), [&](const TrainSample& s) {
       ForwardOptions fo;
       fo.logits = false;
-      for (int64_t id : dc.target_layer_ids) fo.hidden_states.push_back(int(id + 1));  // tap i = hidden_states[i + 1]
-      const ForwardOutput f = target->forward(std::vector<int32_t>(s.ids.begin(), s.ids.end()), {0, S}, fo);
-      Tensor taps({S, K * d});
-      for (int64_t k = 0; k < K; ++k) {
-        const Tensor& h = f.hidden_states.at(int(dc.target_layer_ids[size_t(k)] + 1));
-        for (int64_t t = 0; t < S; ++t) std::copy_n(h.row(t), d, taps.row(t) + k * d);
-      }
-      return taps;
+      fo.hidden_states = tap_hidden_states(dc.target_layer_ids);
+      const auto S = int64_t(s.ids.size());
+      return concat_taps(target->forward(std::vector<int32_t>(s.ids.begin(), s.ids.end()), {0, S}, fo),
+                         dc.target_layer_ids);
     });
   } else {
 #ifdef DFLASH_HAVE_CUDA

@@ -1,5 +1,6 @@
 #include "ops/gated_delta_rule.h"
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -10,20 +11,26 @@
 
 namespace dflash::cpu {
 
-Tensor causal_conv1d_silu(const Tensor& x, const Tensor& w, const std::vector<int64_t>& cu_seqlens) {
-  if (x.ndim() != 2 || w.ndim() != 2 || w.dim(0) != x.dim(1))
+Tensor causal_conv1d_silu(const Tensor& x, const Tensor& w, const std::vector<int64_t>& cu_seqlens,
+                          const Tensor* window) {
+  if (x.ndim() != 2 || w.ndim() != 2 || w.dim(0) != x.dim(1) || w.dim(1) < 1)
     throw std::invalid_argument("causal_conv1d_silu: x " + shape_str(x.shape) + ", w " + shape_str(w.shape));
   const int64_t T = x.dim(0), C = x.dim(1), K = w.dim(1);
   check_cu_seqlens(cu_seqlens, T, "causal_conv1d_silu");
+  const int64_t nseq = int64_t(cu_seqlens.size()) - 1;
+  if (window && window->shape != std::vector<int64_t>{nseq, K - 1, C})
+    throw std::invalid_argument("causal_conv1d_silu: window " + shape_str(window->shape) + ", expected " +
+                                shape_str({nseq, K - 1, C}));
   Tensor y({T, C});
-  for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
-    const int64_t b = cu_seqlens[s], e = cu_seqlens[s + 1];
+  for (int64_t s = 0; s < nseq; ++s) {
+    const int64_t b = cu_seqlens[size_t(s)], e = cu_seqlens[size_t(s) + 1];
     for (int64_t t = b; t < e; ++t) {
       for (int64_t c = 0; c < C; ++c) {
         float acc = 0;
         for (int64_t j = 0; j < K; ++j) {
-          const int64_t src = t - K + 1 + j;
+          const int64_t src = t - K + 1 + j;  // rows before b come from the window (row K-1 - (b - src))
           if (src >= b) acc += w.data[size_t(c * K + j)] * x.data[size_t(src * C + c)];
+          else if (window) acc += w.data[size_t(c * K + j)] * window->data[size_t(((s * (K - 1)) + K - 1 - (b - src)) * C + c)];
         }
         y.data[size_t(t * C + c)] = silu(acc);
       }
@@ -35,7 +42,7 @@ Tensor causal_conv1d_silu(const Tensor& x, const Tensor& w, const std::vector<in
 Tensor gated_delta_rule_recurrent(const Tensor& q_in, const Tensor& k_in, const Tensor& v, const Tensor& g,
                                   const Tensor& beta, float scale, bool use_qk_l2norm,
                                   const std::vector<int64_t>& cu_seqlens,
-                                  const Tensor* initial_state, Tensor* final_state) {
+                                  const Tensor* initial_state, Tensor* final_state, Tensor* token_states) {
   if (q_in.ndim() != 3 || k_in.shape != q_in.shape || v.ndim() != 3 || v.dim(0) != q_in.dim(0) ||
       k_in.dim(1) == 0 || v.dim(1) % k_in.dim(1) != 0 || g.shape != std::vector<int64_t>{v.dim(0), v.dim(1)} ||
       beta.shape != g.shape)
@@ -56,6 +63,7 @@ Tensor gated_delta_rule_recurrent(const Tensor& q_in, const Tensor& k_in, const 
   }
   for (auto& x : q.data) x *= scale;
   Tensor o({T, Hv, dv});
+  if (token_states) *token_states = Tensor({T, Hv, dk, dv});
   Tensor states = initial_state ? *initial_state : Tensor(state_shape);
   std::vector<float> u(static_cast<size_t>(dv));
   for (int64_t s = 0; s < nseq; ++s) {
@@ -82,6 +90,7 @@ Tensor gated_delta_rule_recurrent(const Tensor& q_in, const Tensor& k_in, const 
           for (int64_t i = 0; i < dk; ++i) acc += S[i * dv + j] * qt[i];
           ot[j] = acc;
         }
+        if (token_states) std::copy_n(S, dk * dv, token_states->ptr() + (t * Hv + h) * dk * dv);
       }
     }
   }

@@ -1,0 +1,138 @@
+// The CPU reference decoding engine and drafter (src/spec/decoder.h).
+#include <algorithm>
+#include <stdexcept>
+
+#include "spec/decoder.h"
+
+namespace dflash {
+
+namespace {
+
+class CpuDecoder final : public TargetDecoder {
+ public:
+  CpuDecoder(const TargetModel& m, std::vector<int64_t> taps) : m_(m), taps_(std::move(taps)), cache_(m.spec(), 0) {
+    for (int64_t id : taps_)
+      if (id < 0 || id >= m.spec().num_hidden_layers)
+        throw std::invalid_argument("decoder: tap layer id " + std::to_string(id) + " is outside the target's " +
+                                    std::to_string(m.spec().num_hidden_layers) + " layers");
+  }
+  const ModelSpec& spec() const override { return m_.spec(); }
+  void reset(int n) override { cache_ = TargetCache(m_.spec(), n); }
+
+  std::vector<DecodeOutput> feed(const std::vector<std::vector<int32_t>>& tokens, bool keep_rollback) override {
+    if (int(tokens.size()) != cache_.num_seqs())
+      throw std::invalid_argument("decoder: fed " + std::to_string(tokens.size()) + " sequences, the batch has " +
+                                  std::to_string(cache_.num_seqs()));
+    std::vector<int32_t> ids;
+    std::vector<int64_t> cu{0};
+    for (const auto& t : tokens) {
+      ids.insert(ids.end(), t.begin(), t.end());
+      cu.push_back(int64_t(ids.size()));
+    }
+    ForwardOptions fo;
+    fo.hidden_states = tap_hidden_states(taps_);
+    fo.keep_rollback = keep_rollback;
+    const ForwardOutput f = m_.forward(ids, cu, fo, &cache_);
+    const Tensor all_taps = concat_taps(f, taps_);
+    std::vector<DecodeOutput> r(tokens.size());
+    for (size_t s = 0; s < tokens.size(); ++s) {
+      r[s].logits = slice_rows(f.logits, cu[s], cu[s + 1]);
+      if (all_taps.numel()) r[s].taps = slice_rows(all_taps, cu[s], cu[s + 1]);
+    }
+    return r;
+  }
+  void rollback(int s, int64_t length) override { cache_.rollback(s, length); }
+  int64_t length(int s) const override { return cache_.length(s); }
+  std::string describe() const override { return "cpu reference (fp32)"; }
+
+ private:
+  const TargetModel& m_;
+  std::vector<int64_t> taps_;
+  TargetCache cache_;
+};
+
+class CpuDrafter final : public BlockDrafter {
+ public:
+  CpuDrafter(const DrafterConfig& c, DrafterWeights<float> w, const Tensor& embed, const Tensor& lm_head)
+      : c_(c), w_(std::move(w)), embed_(embed), lm_head_(lm_head) {}
+  const DrafterConfig& config() const override { return c_; }
+  void reset(int n) override { ctx_.assign(size_t(n), Tensor({0, int64_t(c_.target_layer_ids.size()) * c_.hidden_size})); }
+
+  void append_context(int s, const Tensor& taps) override {
+    Tensor& c = ctx_.at(size_t(s));
+    if (taps.ndim() != 2 || taps.dim(1) != c.dim(1))
+      throw std::invalid_argument("drafter: context taps " + shape_str(taps.shape) + ", expected [m, " +
+                                  std::to_string(c.dim(1)) + "]");
+    c.data.insert(c.data.end(), taps.data.begin(), taps.data.end());
+    c.shape[0] += taps.dim(0);
+  }
+
+  std::vector<std::vector<int32_t>> draft(const std::vector<int32_t>& last) override {
+    std::vector<std::vector<int32_t>> r(last.size());
+    for (size_t s = 0; s < last.size(); ++s) {
+      if (last[s] < 0) continue;
+      // The anchor is the last committed token at position p = context length; its own features
+      // are not known yet and the mask hides them, so row p of the taps is zero.
+      const Tensor& c = ctx_.at(s);
+      const int64_t p = c.dim(0), B = c_.block_size;
+      Tensor taps({p + 1, c.dim(1)});
+      std::copy(c.data.begin(), c.data.end(), taps.ptr());
+      DrafterSequence<float> seq;
+      seq.taps = &taps;
+      seq.ids.assign(size_t(p + 1), 0);
+      seq.ids[size_t(p)] = last[s];
+      seq.loss_mask.assign(size_t(p + 1), 0);
+      seq.anchors = {p};
+      seq.num_blocks = 1;
+      seq.embed = &embed_;
+      seq.lm_head = &lm_head_;
+      DrafterStepOptions o;
+      o.backward = false;
+      o.keep_logits = true;
+      const auto res = drafter_step(c_, w_, seq, o);  // logits [B, V]
+      const int64_t V = res.logits.dim(1);
+      for (int64_t k = 1; k < B; ++k) {
+        const float* row = res.logits.row(k);
+        r[s].push_back(int32_t(std::max_element(row, row + V) - row));
+      }
+    }
+    return r;
+  }
+  std::string describe() const override { return "cpu reference drafter (drafter_step forward, fp32)"; }
+
+ private:
+  DrafterConfig c_;
+  DrafterWeights<float> w_;
+  const Tensor& embed_;
+  const Tensor& lm_head_;
+  std::vector<Tensor> ctx_;  // per sequence [p, K*d]
+};
+
+}  // namespace
+
+std::unique_ptr<TargetDecoder> make_cpu_decoder(const TargetModel& model, std::vector<int64_t> tap_layer_ids) {
+  return std::make_unique<CpuDecoder>(model, std::move(tap_layer_ids));
+}
+
+std::unique_ptr<BlockDrafter> make_cpu_drafter(const DrafterConfig& cfg, DrafterWeights<float> weights,
+                                               const Tensor& embed, const Tensor& lm_head) {
+  return std::make_unique<CpuDrafter>(cfg, std::move(weights), embed, lm_head);
+}
+
+void check_drafter_fits(const DrafterConfig& d, const ModelSpec& t, const std::string& path) {
+  auto fail = [&](const std::string& why) {
+    throw std::invalid_argument(path + ": this drafter does not fit the target " + t.architecture + ": " + why);
+  };
+  if (d.hidden_size != t.hidden_size)
+    fail("hidden_size " + std::to_string(d.hidden_size) + " vs the target's " + std::to_string(t.hidden_size));
+  if (d.vocab_size != t.vocab_size)
+    fail("vocab_size " + std::to_string(d.vocab_size) + " vs the target's " + std::to_string(t.vocab_size));
+  if (d.mask_token_id < 0 || d.mask_token_id >= t.vocab_size)
+    fail("mask_token_id " + std::to_string(d.mask_token_id) + " is outside the vocabulary");
+  for (int64_t id : d.target_layer_ids)
+    if (id < 0 || id >= t.num_hidden_layers)
+      fail("target layer id " + std::to_string(id) + " is outside the target's " +
+           std::to_string(t.num_hidden_layers) + " layers");
+}
+
+}  // namespace dflash
