@@ -15,5 +15,7 @@ void add_bench(CLI::App& app, Runner& run);
 void add_bench_tokenize(CLI::App& bench, Runner& run);
 void add_prepare(CLI::App& app, Runner& run);
 void add_tokenize(CLI::App& app, Runner& run);
+void add_generate(CLI::App& app, Runner& run);
+void add_eval(CLI::App& app, Runner& run);
 
 }  // namespace dflash::cli

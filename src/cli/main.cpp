@@ -20,6 +20,8 @@ int main(int argc, char** argv) {
   dflash::cli::add_bench(app, run);
   dflash::cli::add_prepare(app, run);
   dflash::cli::add_tokenize(app, run);
+  dflash::cli::add_generate(app, run);
+  dflash::cli::add_eval(app, run);
   if (argc > 1 && argv[1][0] != '-') {  // a mistyped command gets named, not "a subcommand is required"
     std::string names;
     bool known = false;

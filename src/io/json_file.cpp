@@ -1,5 +1,9 @@
 #include "io/json_file.h"
 
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
 #include <stdexcept>
 
 #include "io/mapped_file.h"
@@ -15,6 +19,22 @@ nlohmann::json read_json_file(const std::string& path, uint64_t max_bytes) {
     if (why.size() > 300) why = why.substr(0, 300) + "...";
     throw std::runtime_error(path + ": not valid JSON: " + why);
   }
+}
+
+void write_file_atomic(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp-" + std::to_string(::getpid());
+  {
+    std::ofstream f(tmp, std::ios::binary);
+    f << text;
+    if (!f.flush()) {
+      std::error_code ec;
+      std::filesystem::remove(tmp, ec);
+      throw std::runtime_error("cannot write " + tmp);
+    }
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) throw std::runtime_error("cannot write " + path + ": " + ec.message());
 }
 
 }  // namespace dflash

@@ -10,4 +10,8 @@ namespace dflash {
 /// "<path>: cannot open: ..." / "<path>: not valid JSON: <parser message>".
 nlohmann::json read_json_file(const std::string& path, uint64_t max_bytes = uint64_t(64) << 20);
 
+/// Writes `text` to `path` atomically: a temporary "<path>.tmp-<pid>" is written and flushed, then
+/// renamed over `path` (a reader never sees half a file). Throws std::runtime_error naming the file.
+void write_file_atomic(const std::string& path, const std::string& text);
+
 }  // namespace dflash

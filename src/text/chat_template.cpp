@@ -391,6 +391,10 @@ std::string chat_family_name(ChatFamily f) {
   throw std::invalid_argument("chat_family_name: bad ChatFamily value");
 }
 
+std::string_view end_of_turn_token(ChatFamily f) {
+  return f == ChatFamily::Llama3 || f == ChatFamily::Llama3_1 ? kEot : kImEnd;
+}
+
 std::vector<ChatSegment> render_chat(ChatFamily family, const std::vector<ChatMessage>& messages,
                                      const ChatOptions& opt) {
   check_messages(messages);

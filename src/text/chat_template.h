@@ -37,6 +37,9 @@ ChatFamily detect_chat_family(const std::string& chat_template);
 /// Parses a --chat-template name; throws std::invalid_argument listing the names.
 ChatFamily chat_family_from_name(const std::string& name);
 std::string chat_family_name(ChatFamily f);
+/// The token that ends an assistant turn in family `f` ("<|im_end|>" for the ChatML families,
+/// "<|eot_id|>" for Llama 3): generation stops there.
+std::string_view end_of_turn_token(ChatFamily f);
 
 /// A rendered piece of the conversation; `assistant` marks text a drafter is trained on: an
 /// assistant turn's content and its end-of-turn token (not the role header, not the newline after the

@@ -13,6 +13,7 @@
 #include <optional>
 #include <stdexcept>
 
+#include "io/json_file.h"
 #include "io/temp_files.h"
 #include "models/drafter_config.h"
 #include "models/target.h"
@@ -55,16 +56,6 @@ std::vector<fs::path> checkpoints(const fs::path& dir) {
   }
   std::sort(r.begin(), r.end());
   return r;
-}
-
-void write_json_atomic(const fs::path& p, const nlohmann::json& j) {
-  const fs::path tmp = p.string() + ".tmp-" + std::to_string(::getpid());
-  {
-    std::ofstream f(tmp);
-    f << j.dump(2) << "\n";
-    if (!f.flush()) throw std::runtime_error("cannot write " + tmp.string());
-  }
-  fs::rename(tmp, p);
 }
 
 /// Expected acceptance length from per-slot top-1 accuracies, slots independent:
@@ -352,7 +343,7 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
   resolved["resolved"] = {{"total_steps", total},      {"steps_per_epoch", per_epoch}, {"num_samples", n},
                           {"data_dir", data_dir},      {"gamma", to.gamma},             {"warmup_steps", to.schedule.warmup_steps()},
                           {"device", tr.backend().device()}};
-  if (leader) write_json_atomic(out / "train_config.json", resolved);
+  if (leader) write_file_atomic((out / "train_config.json").string(), resolved.dump(2) + "\n");
   if (leader)
     fmt::print("train: {} samples, {} steps ({} per epoch), drafter {} layers x {} (taps {}), block {}, {} anchors, "
              "mask token {}, gamma {}, lr {} (warmup {} steps), device {}\n",

@@ -1,0 +1,35 @@
+#include "cli/spec_options.h"
+
+namespace dflash::cli {
+
+void add_engine_options(CLI::App* cmd, EngineOptions& o, bool drafter) {
+  cmd->add_option("--target", o.target, "Target checkpoint directory or .gguf file")->required();
+  if (drafter)
+    cmd->add_option("--drafter", o.drafter, "DFlash drafter: a checkpoint directory or a dflash train --out directory");
+  cmd->add_option("--tokenizer", o.tokenizer, "tokenizer.json, a directory holding one, or a .gguf (default: the target's)");
+  cmd->add_option("--chat-template", o.chat_template,
+                  "Template family: qwen3, qwen3.5 (= qwen3.6), qwen3.5-nothink, smollm2, chatml, llama3, llama3.1 "
+                  "(default: detected)");
+  cmd->add_option("--device", o.device, "Device to decode on")->capture_default_str()->check(CLI::IsMember({"cpu", "cuda"}));
+}
+
+void add_chat_run_options(CLI::App* cmd, ChatRunOptions& o, std::string& thinking) {
+  cmd->add_option("--max-new-tokens", o.gen.max_new_tokens, "Tokens generated per answer at most")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t(1), int64_t(1) << 24));
+  cmd->add_option("--temperature", o.gen.temperature, "0: greedy; else sampling (speculative sampling with a drafter)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 100.0));
+  cmd->add_option("--seed", o.gen.seed, "Sampling seed")->capture_default_str();
+  cmd->add_option("--batch-size", o.batch_size, "Conversations decoded together")->capture_default_str()->check(CLI::Range(1, 4096));
+  cmd->add_option("--thinking", thinking, "Qwen3 / 3.5 templates: on, off or default (the template's)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"on", "off", "default"}));
+}
+
+void finish_chat_run_options(ChatRunOptions& o, const std::string& thinking, const Engines& e) {
+  if (thinking != "default") o.enable_thinking = thinking == "on";
+  o.gen.stop_token_ids = chat_stop_tokens(e.model->spec(), *e.tok, e.family);
+}
+
+}  // namespace dflash::cli
