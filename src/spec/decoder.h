@@ -70,6 +70,16 @@ class BlockDrafter {
 std::unique_ptr<BlockDrafter> make_cpu_drafter(const DrafterConfig& cfg, DrafterWeights<float> weights,
                                                const Tensor& embed, const Tensor& lm_head);
 
+/// The GPU engine (CUDA builds; dense targets, the models TargetGpu runs): bf16 weights, a KV cache
+/// per layer, logits and taps returned as fp32 on the host. Throws std::invalid_argument, saying why,
+/// for a model the GPU backend does not run, std::runtime_error without that GPU.
+std::unique_ptr<TargetDecoder> make_gpu_decoder(const TargetModel& model, std::vector<int64_t> tap_layer_ids,
+                                                int device);
+/// The GPU drafter (CUDA builds): DrafterGpu's forward over the context and the block, argmax of
+/// every slot. head_dim 64 or 128.
+std::unique_ptr<BlockDrafter> make_gpu_drafter(const DrafterConfig& cfg, const DrafterWeights<float>& weights,
+                                               const Tensor& embed, const Tensor& lm_head, int device);
+
 /// Checks that a drafter fits a target before any work: hidden size, vocabulary (mask_token_id inside
 /// it) and target_layer_ids within the target's layers. Throws std::invalid_argument naming both.
 void check_drafter_fits(const DrafterConfig& d, const ModelSpec& target, const std::string& drafter_path);

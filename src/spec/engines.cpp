@@ -34,8 +34,10 @@ std::string resolve_drafter_dir(const std::string& path) {
 
 Engines open_engines(const EngineOptions& o) {
   Engines e;
+#ifndef DFLASH_HAVE_CUDA
   if (o.device != "cpu")
-    throw std::runtime_error("--device " + o.device + ": decoding runs on the CPU reference in this build (cpu)");
+    throw std::runtime_error("--device " + o.device + ": this build has no CUDA backend (configure with nvcc present)");
+#endif
   const std::string tok_path = o.tokenizer.empty() ? o.target : o.tokenizer;
   if (!fs::is_regular_file(tok_path) && !fs::exists(fs::path(tok_path) / "tokenizer.json"))
     throw std::runtime_error(tok_path + ": no tokenizer.json there; pass --tokenizer");
@@ -54,7 +56,15 @@ Engines open_engines(const EngineOptions& o) {
     throw std::runtime_error(tok_path + ": the tokenizer has " + std::to_string(e.tok->vocab_size()) +
                              " ids, more than the target's vocabulary of " + std::to_string(e.model->spec().vocab_size) +
                              ": it is not this target's tokenizer");
-  e.target = make_cpu_decoder(*e.model, o.drafter.empty() ? std::vector<int64_t>{} : dc.target_layer_ids);
+  std::vector<int64_t> taps = o.drafter.empty() ? std::vector<int64_t>{} : dc.target_layer_ids;
+#ifdef DFLASH_HAVE_CUDA
+  if (o.device == "cuda") {
+    e.target = make_gpu_decoder(*e.model, std::move(taps), 0);
+    if (!o.drafter.empty()) e.drafter = make_gpu_drafter(dc, dw, e.model->embed_tokens(), e.model->lm_head(), 0);
+    return e;
+  }
+#endif
+  e.target = make_cpu_decoder(*e.model, std::move(taps));
   if (!o.drafter.empty())
     e.drafter = make_cpu_drafter(dc, std::move(dw), e.model->embed_tokens(), e.model->lm_head());
   return e;

@@ -397,10 +397,10 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   std::vector<int32_t> used, used_labels;
   std::vector<float> coef;
   for (int64_t r = 0; r < Q; ++r)
-    if (wts[size_t(r)] > 0) {
+    if (wts[size_t(r)] > 0 || opt.argmax_all_rows) {
       used.push_back(int32_t(r));
       used_labels.push_back(labels[size_t(r)]);
-      coef.push_back(float(wts[size_t(r)] / wsum));
+      coef.push_back(wsum > 0 ? float(wts[size_t(r)] / wsum) : 0.f);
     }
   const int64_t Qc = int64_t(used.size());
   const bool backward = opt.backward && Qc > 0;
@@ -441,8 +441,10 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   res.slot_correct.assign(size_t(B), 0);
   res.slot_count.assign(size_t(B), 0);
   double lsum = 0;
+  if (opt.argmax_all_rows) res.argmax = h_amax;  // used = every row, in order
   for (int64_t i = 0; i < Qc; ++i) {
     const size_t r = size_t(used[size_t(i)]);
+    if (wts[r] <= 0) continue;
     lsum += wts[r] * (double(h_lse[size_t(i)]) - double(h_tl[size_t(i)]));
     res.slot_count[r % size_t(B)] += 1;
     res.slot_correct[r % size_t(B)] += h_amax[size_t(i)] == labels[r];

@@ -50,6 +50,28 @@ std::vector<float> host_f32(const StreamBuffer<bf16>& b, int64_t n, cudaStream_t
 
 }  // namespace
 
+/// Keys / values of every layer for n sequences x cap tokens: layer l's keys [n, cap, Hkv, Dh].
+struct KvCache {
+  int n = 0;
+  int64_t cap = 0, row = 0;  // row = Hkv * Dh
+  std::vector<int64_t> len;
+  std::vector<DeviceArray<bf16>> k, v;
+  /// Makes room for `need` tokens per sequence (capacity doubles; rows are copied over).
+  void reserve(int64_t need, cudaStream_t s) {
+    if (need <= cap) return;
+    const int64_t ncap = std::max<int64_t>({need, 2 * cap, 256});
+    for (auto* layer : {&k, &v})
+      for (DeviceArray<bf16>& a : *layer) {
+        DeviceArray<bf16> b(size_t(n * ncap * row));
+        if (cap)
+          DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(b.data(), size_t(ncap * row) * 2, a.data(), size_t(cap * row) * 2,
+                                              size_t(cap * row) * 2, size_t(n), cudaMemcpyDeviceToDevice, s));
+        a = std::move(b);  // the stream-ordered copy finishes before the old buffer's cudaFree returns
+      }
+    cap = ncap;
+  }
+};
+
 struct TargetGpu::Impl {
   cudaStream_t s;
   cuda::GemmContext gemm;
@@ -57,6 +79,7 @@ struct TargetGpu::Impl {
   DeviceArray<bf16> embed, lm_head;
   DeviceArray<float> norm;
   DeviceArray<double> inv_freq;
+  KvCache cache;
   explicit Impl(cudaStream_t st) : s(st), gemm(st) {}
 };
 
@@ -141,7 +164,7 @@ void check_batch(const ModelSpec& sp, const std::vector<int32_t>& ids, const std
 }  // namespace
 
 StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu, int64_t last,
-                                          const std::function<void(int64_t, const float*)>& on_hidden) {
+                                          const std::function<void(int64_t, const float*)>& on_hidden, bool cached) {
   Impl& I = *impl_;
   const ModelSpec& sp = spec_;
   cudaStream_t s = I.s;
@@ -149,12 +172,33 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
   const int64_t T = int64_t(ids.size()), D = sp.hidden_size, H = sp.num_attention_heads, Hkv = sp.num_key_value_heads;
   const int64_t Dh = sp.head_dim, Im = sp.intermediate_size, rot = sp.rotary_dim();
   const bool zc = sp.zero_centered_norm();
+  KvCache& C = I.cache;
+  if (cached) {
+    if (int64_t(cu.size()) != C.n + 1)
+      throw std::invalid_argument("forward_cached: cu_seqlens needs " + std::to_string(C.n + 1) + " entries for " +
+                                  std::to_string(C.n) + " cached sequences");
+    int64_t need = 0;
+    for (int q = 0; q < C.n; ++q) need = std::max(need, C.len[size_t(q)] + cu[size_t(q) + 1] - cu[size_t(q)]);
+    C.reserve(need, s);
+  }
+  // Positions continue each cached sequence. Cached keys of sequence q sit at rows q * cap + j of
+  // the layer's cache; new keys are scattered there and queries see their sequence's rows up to
+  // their own position.
   std::vector<int64_t> pos(static_cast<size_t>(T));
+  std::vector<int32_t> dest(cached ? static_cast<size_t>(T) : 0);
+  std::vector<cuda::KvRange32> rg = cached ? std::vector<cuda::KvRange32>(static_cast<size_t>(T)) : cuda::causal_ranges(cu);
   for (size_t q = 0; q + 1 < cu.size(); ++q)
-    for (int64_t t = cu[q]; t < cu[q + 1]; ++t) pos[size_t(t)] = t - cu[q];
+    for (int64_t t = cu[q]; t < cu[q + 1]; ++t) {
+      pos[size_t(t)] = t - cu[q] + (cached ? C.len[q] : 0);
+      if (!cached) continue;
+      const int64_t base = int64_t(q) * C.cap;
+      dest[size_t(t)] = int32_t(base + pos[size_t(t)]);
+      rg[size_t(t)] = {int32_t(base), int32_t(base + pos[size_t(t)] + 1), 0, 0};
+    }
   DeviceArray<int64_t> d_pos(pos, s);
   DeviceArray<int32_t> d_ids(ids, s);
-  DeviceArray<cuda::KvRange32> ranges(cuda::causal_ranges(cu), s);
+  DeviceArray<int32_t> d_dest(dest, s);
+  DeviceArray<cuda::KvRange32> ranges(rg, s);
   StreamBuffer<float> cs(size_t(T * rot / 2), s), sn(size_t(T * rot / 2), s);
   cuda::rope_table(d_pos.data(), I.inv_freq.data(), T, rot, cs.data(), sn.data(), s);
   StreamBuffer<float> x(size_t(T * D), s);  // the residual stream, fp32 (only GEMM inputs are bf16)
@@ -179,8 +223,15 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
     }
     cuda::rope_apply(q.data(), T, H, Dh, rot, cs.data(), sn.data(), false, s);
     cuda::rope_apply(k.data(), T, Hkv, Dh, rot, cs.data(), sn.data(), false, s);
-    cuda::masked_attention_forward(q.data(), k.data(), v.data(), ranges.data(), T, T, int(H), int(Hkv), int(Dh), scale,
-                                   o.data(), nullptr, s);
+    if (cached) {
+      cuda::scatter_rows(k.data(), T, Hkv * Dh, d_dest.data(), C.k[size_t(i)].data(), s);
+      cuda::scatter_rows(v.data(), T, Hkv * Dh, d_dest.data(), C.v[size_t(i)].data(), s);
+      cuda::masked_attention_forward(q.data(), C.k[size_t(i)].data(), C.v[size_t(i)].data(), ranges.data(), T,
+                                     C.n * C.cap, int(H), int(Hkv), int(Dh), scale, o.data(), nullptr, s);
+    } else {
+      cuda::masked_attention_forward(q.data(), k.data(), v.data(), ranges.data(), T, T, int(H), int(Hkv), int(Dh),
+                                     scale, o.data(), nullptr, s);
+    }
     linear(o.data(), D, H * Dh, l.o, x.data(), 1.f);  // x += o_proj(o)
     cuda::rms_norm_forward(x.data(), l.post_ln.data(), h.data(), nullptr, T, D, sp.rms_norm_eps, zc, s);
     linear(h.data(), Im, D, l.gate, g.data(), 0.f);
@@ -189,11 +240,44 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
     linear(g.data(), D, Im, l.down, x.data(), 1.f);  // x += down_proj(act)
     on_hidden(i + 1, x.data());
   }
+  if (cached)
+    for (int q = 0; q < C.n; ++q) C.len[size_t(q)] += cu[size_t(q) + 1] - cu[size_t(q)];
   return x;
+}
+
+void TargetGpu::reset_cache(int n_seq) {
+  if (n_seq < 0) throw std::invalid_argument("reset_cache: negative number of sequences");
+  KvCache& C = impl_->cache;
+  C = KvCache();
+  C.n = n_seq;
+  C.row = spec_.num_key_value_heads * spec_.head_dim;
+  C.len.assign(size_t(n_seq), 0);
+  C.k.resize(size_t(spec_.num_hidden_layers));
+  C.v.resize(size_t(spec_.num_hidden_layers));
+}
+
+void TargetGpu::truncate_cache(int s, int64_t length) {
+  KvCache& C = impl_->cache;
+  if (s < 0 || s >= C.n || length < 0 || length > C.len[size_t(s)])
+    throw std::invalid_argument("truncate_cache: sequence " + std::to_string(s) + ", length " + std::to_string(length));
+  C.len[size_t(s)] = length;
+}
+
+int64_t TargetGpu::cached_length(int s) const { return impl_->cache.len.at(size_t(s)); }
+
+ForwardOutput TargetGpu::forward_cached(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu,
+                                        const ForwardOptions& opt) {
+  if (!opt.logits) throw std::invalid_argument("forward_cached: logits must be requested (every layer runs)");
+  return forward_impl(ids, cu, opt, true);
 }
 
 ForwardOutput TargetGpu::forward(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu,
                                  const ForwardOptions& opt) {
+  return forward_impl(ids, cu, opt, false);
+}
+
+ForwardOutput TargetGpu::forward_impl(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu,
+                                      const ForwardOptions& opt, bool cached) {
   Impl& I = *impl_;
   const ModelSpec& sp = spec_;
   const int64_t T = int64_t(ids.size()), D = sp.hidden_size, L = sp.num_hidden_layers;
@@ -210,24 +294,31 @@ ForwardOutput TargetGpu::forward(const std::vector<int32_t>& ids, const std::vec
     DFLASH_CUDA_CHECK(cudaStreamSynchronize(I.s));
     out.hidden_states[int(j)] = std::move(t);
   };
-  StreamBuffer<float> x = run_layers(ids, cu, last, keep);
-  if (last == L - 1 && (opt.logits || want(L))) {
-    StreamBuffer<bf16> hf(size_t(T * D), I.s);
-    cuda::rms_norm_forward(x.data(), I.norm.data(), hf.data(), nullptr, T, D, sp.rms_norm_eps, sp.zero_centered_norm(), I.s);
-    if (want(L)) {
-      Tensor t({T, D});
-      t.data = host_f32(hf, T * D, I.s);
-      out.hidden_states[int(L)] = std::move(t);
-    }
-    if (opt.logits) {
-      StreamBuffer<float> lg(size_t(T * sp.vocab_size), I.s);
-      I.gemm.gemm({T, sp.vocab_size, D, false, true}, hf.data(), I.lm_head.data(), lg.data());
-      out.logits = Tensor({T, sp.vocab_size});
-      DFLASH_CUDA_CHECK(cudaMemcpyAsync(out.logits.data.data(), lg.data(), lg.size() * 4, cudaMemcpyDeviceToHost, I.s));
-      DFLASH_CUDA_CHECK(cudaStreamSynchronize(I.s));
-    }
-  }
+  StreamBuffer<float> x = run_layers(ids, cu, last, keep, cached);
+  if (last == L - 1) finish_forward(x, T, opt, out);
   return out;
+}
+
+void TargetGpu::finish_forward(StreamBuffer<float>& x, int64_t T, const ForwardOptions& opt, ForwardOutput& out) {
+  Impl& I = *impl_;
+  const ModelSpec& sp = spec_;
+  const int64_t D = sp.hidden_size, L = sp.num_hidden_layers;
+  const bool want_L = std::find(opt.hidden_states.begin(), opt.hidden_states.end(), int(L)) != opt.hidden_states.end();
+  if (!opt.logits && !want_L) return;
+  StreamBuffer<bf16> hf(size_t(T * D), I.s);
+  cuda::rms_norm_forward(x.data(), I.norm.data(), hf.data(), nullptr, T, D, sp.rms_norm_eps, sp.zero_centered_norm(), I.s);
+  if (want_L) {
+    Tensor t({T, D});
+    t.data = host_f32(hf, T * D, I.s);
+    out.hidden_states[int(L)] = std::move(t);
+  }
+  if (opt.logits) {
+    StreamBuffer<float> lg(size_t(T * sp.vocab_size), I.s);
+    I.gemm.gemm({T, sp.vocab_size, D, false, true}, hf.data(), I.lm_head.data(), lg.data());
+    out.logits = Tensor({T, sp.vocab_size});
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(out.logits.data.data(), lg.data(), lg.size() * 4, cudaMemcpyDeviceToHost, I.s));
+    DFLASH_CUDA_CHECK(cudaStreamSynchronize(I.s));
+  }
 }
 
 void TargetGpu::forward_taps(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu,

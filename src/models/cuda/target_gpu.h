@@ -42,13 +42,33 @@ class TargetGpu {
 
   const ModelSpec& spec() const { return spec_; }
 
+  // Decoding (src/spec/decoder.h): a KV cache per layer for a batch of sequences, bf16 keys (after
+  // q/k norm and RoPE) and values, grown as needed.
+  /// Drops any earlier cache and starts `n_seq` empty sequences.
+  void reset_cache(int n_seq);
+  /// As TargetModel::forward with a TargetCache: cu_seqlens [n_seq + 1] gives each cached sequence
+  /// its new tokens (positions continue from its length); every layer runs (opt.logits must be set);
+  /// logits and hidden states come back to the host as float32. Throws std::invalid_argument for bad
+  /// ids or cu_seqlens, std::runtime_error when the cache cannot grow (out of memory).
+  ForwardOutput forward_cached(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu_seqlens,
+                               const ForwardOptions& opt);
+  /// Keeps the first `length` tokens of cached sequence s (rollback; attention layers only).
+  void truncate_cache(int s, int64_t length);
+  int64_t cached_length(int s) const;
+
   struct Impl;
 
  private:
   /// Runs the decoder over a packed batch; calls on_hidden(j, x [T, D] fp32) for each hidden-state
   /// index j (0 = embeddings, j = output of layer j - 1) up to layer `last` (inclusive); returns x.
+  /// With `cached`, sequence s continues cached sequence s and its keys / values join the cache.
   cuda::StreamBuffer<float> run_layers(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu, int64_t last,
-                                       const std::function<void(int64_t, const float*)>& on_hidden);
+                                       const std::function<void(int64_t, const float*)>& on_hidden,
+                                       bool cached = false);
+  ForwardOutput forward_impl(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu,
+                             const ForwardOptions& opt, bool cached);
+  /// Final norm, hidden_states[L] and logits of x [T, D] into out (forward / forward_cached).
+  void finish_forward(cuda::StreamBuffer<float>& x, int64_t T, const ForwardOptions& opt, ForwardOutput& out);
 
   std::unique_ptr<Impl> impl_;
   ModelSpec spec_;

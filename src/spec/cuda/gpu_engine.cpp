@@ -1,0 +1,129 @@
+// The GPU decoding engine (dense targets: TargetGpu with its KV cache) and the GPU drafter (the
+// DrafterGpu forward with the block's anchor at the last committed position, as the CPU reference
+// drafter; it re-projects the whole context every draft: no context cache yet).
+#include <stdexcept>
+
+#include "models/cuda/drafter_gpu.h"
+#include "models/cuda/target_gpu.h"
+#include "spec/decoder.h"
+#include "tensor/dtype.h"
+
+namespace dflash {
+
+namespace {
+
+/// A stream on `device`, made current for the calling thread.
+cudaStream_t stream_on(int device) {
+  cuda::require_device("decoding --device cuda", device);
+  DFLASH_CUDA_CHECK(cudaSetDevice(device));
+  cudaStream_t s;
+  DFLASH_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  return s;
+}
+
+class GpuDecoder final : public TargetDecoder {
+ public:
+  GpuDecoder(const TargetModel& m, std::vector<int64_t> taps, int device)
+      : s_(stream_on(device)), gpu_(m, s_), taps_(std::move(taps)) {
+    for (int64_t id : taps_)
+      if (id < 0 || id >= m.spec().num_hidden_layers)
+        throw std::invalid_argument("decoder: tap layer id " + std::to_string(id) + " is outside the target's " +
+                                    std::to_string(m.spec().num_hidden_layers) + " layers");
+  }
+  ~GpuDecoder() override { cudaStreamDestroy(s_); }
+  const ModelSpec& spec() const override { return gpu_.spec(); }
+  void reset(int n) override { gpu_.reset_cache(n); }
+  std::vector<DecodeOutput> feed(const std::vector<std::vector<int32_t>>& tokens, bool) override {
+    std::vector<int32_t> ids;
+    std::vector<int64_t> cu{0};
+    for (const auto& t : tokens) {
+      ids.insert(ids.end(), t.begin(), t.end());
+      cu.push_back(int64_t(ids.size()));
+    }
+    ForwardOptions fo;
+    fo.hidden_states = tap_hidden_states(taps_);
+    const ForwardOutput f = gpu_.forward_cached(ids, cu, fo);
+    const Tensor all_taps = concat_taps(f, taps_);
+    std::vector<DecodeOutput> r(tokens.size());
+    for (size_t q = 0; q < tokens.size(); ++q) {
+      r[q].logits = slice_rows(f.logits, cu[q], cu[q + 1]);
+      if (all_taps.numel()) r[q].taps = slice_rows(all_taps, cu[q], cu[q + 1]);
+    }
+    return r;
+  }
+  void rollback(int s, int64_t length) override { gpu_.truncate_cache(s, length); }
+  int64_t length(int s) const override { return gpu_.cached_length(s); }
+  std::string describe() const override {
+    return "cuda (bf16 weights, KV cache, masked_attention_forward<head_dim " + std::to_string(gpu_.spec().head_dim) +
+           ">, cuBLASLt)";
+  }
+
+ private:
+  cudaStream_t s_;
+  TargetGpu gpu_;
+  std::vector<int64_t> taps_;
+};
+
+class GpuDrafter final : public BlockDrafter {
+ public:
+  GpuDrafter(const DrafterConfig& c, const DrafterWeights<float>& w, const Tensor& embed, const Tensor& lm_head,
+             int device)
+      : s_(stream_on(device)), gpu_(c, w, embed, lm_head, s_) {}
+  ~GpuDrafter() override { cudaStreamDestroy(s_); }
+  const DrafterConfig& config() const override { return gpu_.config(); }
+  void reset(int n) override { ctx_.assign(size_t(n), {}); }
+  void append_context(int s, const Tensor& taps) override {
+    const int64_t width = int64_t(config().target_layer_ids.size()) * config().hidden_size;
+    if (taps.ndim() != 2 || taps.dim(1) != width)
+      throw std::invalid_argument("drafter: context taps " + shape_str(taps.shape) + ", expected [m, " +
+                                  std::to_string(width) + "]");
+    std::vector<uint16_t>& c = ctx_.at(size_t(s));
+    for (float x : taps.data) c.push_back(f32_to_bf16(x));
+  }
+  std::vector<std::vector<int32_t>> draft(const std::vector<int32_t>& last) override {
+    const DrafterConfig& c = config();
+    const int64_t width = int64_t(c.target_layer_ids.size()) * c.hidden_size, B = c.block_size;
+    std::vector<std::vector<int32_t>> r(last.size());
+    for (size_t q = 0; q < last.size(); ++q) {
+      if (last[q] < 0) continue;
+      const std::vector<uint16_t>& h = ctx_[q];
+      const int64_t p = int64_t(h.size()) / width;  // the anchor: row p of the taps is hidden by the mask
+      cuda::StreamBuffer<cuda::bf16> taps(size_t((p + 1) * width), s_);
+      DFLASH_CUDA_CHECK(cudaMemsetAsync(taps.data(), 0, taps.size() * 2, s_));
+      if (p) DFLASH_CUDA_CHECK(cudaMemcpyAsync(taps.data(), h.data(), h.size() * 2, cudaMemcpyHostToDevice, s_));
+      DrafterGpuSequence seq;
+      seq.taps = taps.data();
+      seq.ids.assign(size_t(p + 1), 0);
+      seq.ids[size_t(p)] = last[q];
+      seq.loss_mask.assign(size_t(p + 1), 0);
+      seq.anchors = {p};
+      seq.num_blocks = 1;
+      DrafterGpuStepOptions o;
+      o.backward = false;
+      o.argmax_all_rows = true;
+      const DrafterGpuStepResult res = gpu_.step(seq, o);
+      r[q].assign(res.argmax.begin() + 1, res.argmax.begin() + B);
+    }
+    return r;
+  }
+  std::string describe() const override { return "cuda drafter (bf16, DrafterGpu forward, context re-projected per draft)"; }
+
+ private:
+  cudaStream_t s_;
+  DrafterGpu gpu_;
+  std::vector<std::vector<uint16_t>> ctx_;  // per sequence: taps [p, K*d] bf16 bits
+};
+
+}  // namespace
+
+std::unique_ptr<TargetDecoder> make_gpu_decoder(const TargetModel& model, std::vector<int64_t> tap_layer_ids,
+                                                int device) {
+  return std::make_unique<GpuDecoder>(model, std::move(tap_layer_ids), device);
+}
+
+std::unique_ptr<BlockDrafter> make_gpu_drafter(const DrafterConfig& cfg, const DrafterWeights<float>& weights,
+                                               const Tensor& embed, const Tensor& lm_head, int device) {
+  return std::make_unique<GpuDrafter>(cfg, weights, embed, lm_head, device);
+}
+
+}  // namespace dflash

@@ -1,0 +1,167 @@
+// Decoding on the GPU: the KV-cached forward against the full forward (fed piece by piece, packed
+// batches, after rollbacks), speculative decoding on the GPU engine equal to its plain greedy
+// decoding, and the GPU drafter's drafts against the CPU reference drafter's logits.
+#include <gtest/gtest.h>
+
+#ifdef DFLASH_HAVE_CUDA
+
+#include <random>
+
+#include "models/cuda/target_gpu.h"
+#include "spec/oracle_drafter.h"
+#include "spec/speculative.h"
+#include "test_util.h"
+#include "train/trainer.h"
+
+using namespace dflash;
+
+namespace {
+constexpr double kTolBf16Target = 1e-2;  // as target_gpu_test: bf16 weights and GEMM inputs
+
+std::vector<int32_t> random_ids(int64_t n, int64_t V, uint32_t seed) {
+  std::mt19937 g(seed);
+  std::vector<int32_t> r(static_cast<size_t>(n));
+  for (auto& t : r) t = int32_t(g() % uint32_t(V));
+  return r;
+}
+
+std::unique_ptr<TargetModel> hd64() { return TargetModel::load((test::fixtures_dir() / "qwen3_hd64").string()); }
+
+DrafterConfig drafter_for(const ModelSpec& t) {
+  DrafterOverrides ov;
+  ov.num_hidden_layers = 2;
+  ov.block_size = 4;
+  ov.mask_token_id = t.vocab_size - 1;
+  ov.target_layer_ids = std::vector<int64_t>{0, t.num_hidden_layers - 1};
+  return derive_drafter_config(t, nullptr, ov);
+}
+}  // namespace
+
+TEST(CudaDecode, CachedForwardEqualsFullForward) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  const auto m = hd64();
+  const int64_t V = m->spec().vocab_size;
+  cudaStream_t s;
+  DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
+  {
+    TargetGpu gpu(*m, s);
+    // Three sequences fed in different pieces (one gets nothing in a step), one rollback.
+    std::vector<std::vector<int32_t>> seqs{random_ids(40, V, 1), random_ids(300, V, 2), random_ids(7, V, 3)};
+    gpu.reset_cache(3);
+    ForwardOptions o;
+    o.hidden_states = {1};
+    std::vector<size_t> at(3, 0);
+    const std::vector<std::vector<size_t>> pieces{{10, 200, 3}, {0, 1, 1}, {16, 16, 0}, {14, 83, 3}};
+    for (const auto& step : pieces) {
+      std::vector<int32_t> ids;
+      std::vector<int64_t> cu{0};
+      for (size_t q = 0; q < 3; ++q) {
+        ids.insert(ids.end(), seqs[q].begin() + long(at[q]), seqs[q].begin() + long(at[q] + step[q]));
+        cu.push_back(int64_t(ids.size()));
+      }
+      const ForwardOutput got = gpu.forward_cached(ids, cu, o);
+      for (size_t q = 0; q < 3; ++q) {
+        if (!step[q]) continue;
+        const std::vector<int32_t> prefix(seqs[q].begin(), seqs[q].begin() + long(at[q] + step[q]));
+        const ForwardOutput want = m->forward(prefix, {0, int64_t(prefix.size())}, o);
+        EXPECT_LE(test::rel_l2(slice_rows(got.logits, cu[q], cu[q + 1]).data,
+                               slice_rows(want.logits, int64_t(at[q]), int64_t(at[q] + step[q])).data),
+                  kTolBf16Target)
+            << "sequence " << q << " tokens [" << at[q] << ", " << at[q] + step[q] << ")";
+        EXPECT_LE(test::rel_l2(slice_rows(got.hidden_states.at(1), cu[q], cu[q + 1]).data,
+                               slice_rows(want.hidden_states.at(1), int64_t(at[q]), int64_t(at[q] + step[q])).data),
+                  kTolBf16Target);
+        at[q] += step[q];
+      }
+      if (at[0] == 26) {  // roll sequence 0 back by 6 and feed other tokens there: the next step checks it
+        gpu.truncate_cache(0, 20);
+        at[0] = 20;
+        for (size_t i = 20; i < 26; ++i) seqs[0][i] = int32_t((seqs[0][i] + 7) % V);
+      }
+    }
+    EXPECT_EQ(gpu.cached_length(1), 300);
+    EXPECT_THROW(gpu.truncate_cache(0, 1000), std::invalid_argument);
+    EXPECT_THROW(gpu.forward_cached({1}, {0, 1}, o), std::invalid_argument);  // 1 sequence given, 3 cached
+  }
+  cudaStreamDestroy(s);
+}
+
+TEST(CudaDecode, SpeculativeEqualsPlainGreedyOnTheGpuEngine) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  const auto m = hd64();
+  const DrafterConfig cfg = drafter_for(m->spec());
+  auto dec = make_gpu_decoder(*m, cfg.target_layer_ids, 0);
+  const std::vector<std::vector<int32_t>> ps{random_ids(9, 200, 4), random_ids(33, 200, 5)};
+  GenerateOptions o;
+  o.max_new_tokens = 48;
+  const auto plain = generate(*dec, nullptr, ps, o);
+  GenerateOptions longer = o;
+  longer.max_new_tokens = 48 + 5;
+  auto streams = ps;
+  const auto more = generate(*dec, nullptr, ps, longer);
+  for (size_t q = 0; q < ps.size(); ++q)
+    streams[q].insert(streams[q].end(), more.seqs[q].tokens.begin(), more.seqs[q].tokens.end());
+  test::OracleDrafter oracle(cfg, streams, /*corrupt=*/true);
+  const auto spec = generate(*dec, &oracle, ps, o);
+  auto random = make_gpu_drafter(cfg, init_drafter_weights(cfg, 5), m->embed_tokens(), m->lm_head(), 0);
+  const auto spec_random = generate(*dec, random.get(), ps, o);
+  for (size_t q = 0; q < ps.size(); ++q) {
+    EXPECT_EQ(spec.seqs[q].tokens, plain.seqs[q].tokens) << "prompt " << q << " (oracle drafter)";
+    EXPECT_EQ(spec_random.seqs[q].tokens, plain.seqs[q].tokens) << "prompt " << q << " (random drafter)";
+  }
+  const AcceptanceStats a = acceptance_stats(spec.seqs, cfg.block_size);
+  for (int64_t j = 1; j <= cfg.block_size; ++j) EXPECT_GT(a.histogram[size_t(j)], 0) << j;
+}
+
+// The GPU drafter's draft of each slot equals the CPU reference's argmax wherever the reference's
+// top-two logits are apart by more than the bf16 error could bridge.
+TEST(CudaDecode, GpuDrafterDraftsAsTheReference) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  const auto m = hd64();
+  const DrafterConfig cfg = drafter_for(m->spec());
+  const DrafterWeights<float> w = init_drafter_weights(cfg, 9, 0.2);  // larger weights: well separated logits
+  auto gpu = make_gpu_drafter(cfg, w, m->embed_tokens(), m->lm_head(), 0);
+  const int64_t width = int64_t(cfg.target_layer_ids.size()) * cfg.hidden_size;
+  std::mt19937_64 rng(3);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  int compared = 0;
+  for (int64_t p : {1, 17, 90}) {
+    Tensor ctx({p, width});
+    for (float& x : ctx.data) x = bf16_to_f32(f32_to_bf16(nd(rng)));
+    gpu->reset(1);
+    gpu->append_context(0, ctx);
+    const int32_t last = int32_t(p % 50);
+    const std::vector<int32_t> drafts = gpu->draft({last})[0];
+    ASSERT_EQ(int64_t(drafts.size()), cfg.block_size - 1);
+    Tensor taps({p + 1, width});
+    std::copy(ctx.data.begin(), ctx.data.end(), taps.ptr());
+    DrafterSequence<float> seq;
+    seq.taps = &taps;
+    seq.ids.assign(size_t(p + 1), 0);
+    seq.ids[size_t(p)] = last;
+    seq.loss_mask.assign(size_t(p + 1), 0);
+    seq.anchors = {p};
+    seq.num_blocks = 1;
+    seq.embed = &m->embed_tokens();
+    seq.lm_head = &m->lm_head();
+    DrafterStepOptions so;
+    so.backward = false;
+    so.keep_logits = true;
+    const auto ref = drafter_step(cfg, w, seq, so);
+    const int64_t V = ref.logits.dim(1);
+    for (int64_t k = 1; k < cfg.block_size; ++k) {
+      std::vector<float> row(ref.logits.row(k), ref.logits.row(k) + V);
+      std::vector<float> sorted = row;
+      std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
+      float scale = 0;
+      for (float x : row) scale = std::max(scale, std::abs(x));
+      if (sorted[0] - sorted[1] < 0.05f * scale) continue;  // a near tie: bf16 may pick either
+      ++compared;
+      EXPECT_EQ(drafts[size_t(k - 1)], int32_t(std::max_element(row.begin(), row.end()) - row.begin()))
+          << "context " << p << " slot " << k;
+    }
+  }
+  EXPECT_GE(compared, 4) << "too few well-separated slots to compare";
+}
+
+#endif  // DFLASH_HAVE_CUDA
