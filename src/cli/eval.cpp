@@ -43,16 +43,10 @@ void add_eval(CLI::App& app, Runner& run) {
       fmt::print(stderr, "eval: {} conversations ({} turns) from {}; target {} ({}); drafter {} ({})\n", convs.size(),
                  turns, fmt::format("{}", fmt::join(data, ", ")), eo.target, e.target->describe(), e.drafter_dir,
                  e.drafter->describe());
-      auto progress = [](const char* what) {
-        return [what](int64_t done, int64_t total) { fmt::print(stderr, "\reval: {} {}/{} turns", what, done, total); };
-      };
-      const ChatRunResult spec = run_chat(*e.target, e.drafter.get(), *e.tok, e.family, convs, co, progress("drafter"));
-      fmt::print(stderr, "\n");
+      const ChatRunResult spec =
+          run_chat(*e.target, e.drafter.get(), *e.tok, e.family, convs, co, progress_printer("eval: with the drafter"));
       ChatRunResult plain;
-      if (!no_baseline) {
-        plain = run_chat(*e.target, nullptr, *e.tok, e.family, convs, co, progress("baseline"));
-        fmt::print(stderr, "\n");
-      }
+      if (!no_baseline) plain = run_chat(*e.target, nullptr, *e.tok, e.family, convs, co, progress_printer("eval: baseline"));
       for (const auto& s : spec.skipped) fmt::print(stderr, "skipped {}:{}: {}\n", s.file, s.line, s.reason);
       const int64_t B = e.drafter->config().block_size;
       const EvalReport rep = make_eval_report(spec, no_baseline ? nullptr : &plain, B);

@@ -34,7 +34,7 @@ void add_generate(CLI::App& app, Runner& run) {
         const GenerateResult g = generate(*e.target, e.drafter.get(), {e.tok->encode(prompt, false)}, co.gen);
         fmt::print("{}\n", e.tok->decode(g.seqs[0].tokens));
         seqs = g.seqs;
-        wall = g.ttft_ms + g.decode_ms;
+        wall = g.wall_ms;
       } else {
         std::vector<PromptConversation> convs;
         if (!prompt.empty()) convs.push_back({{}, {prompt}, "--prompt", 1});
@@ -48,7 +48,7 @@ void add_generate(CLI::App& app, Runner& run) {
           fmt::print("{}\n", t.text);
           seqs.push_back(t.result);
         }
-        wall = r.ttft_ms + r.decode_ms;
+        wall = r.wall_ms;
       }
       for (const auto& s : seqs) tokens += int64_t(s.tokens.size());
       std::string line = fmt::format("generate: {} tokens in {:.2f} s ({:.1f} tokens/s)", tokens, wall / 1e3,

@@ -87,12 +87,12 @@ void add_prepare(CLI::App& app, Runner& run) {
           const auto convs = load_prompts(data, 0, &skipped);
           fmt::print(stderr, "prepare: {} answers {} conversations ({}, max {} new tokens, batch {})\n", eo.target,
                      convs.size(), engines->target->describe(), co.gen.max_new_tokens, co.batch_size);
-          const RegenerateReport rr = regenerate_to_jsonl(
-              *engines->target, *tok, family, convs, co, regen, [](int64_t done, int64_t total) {
-                if (g_interrupted) throw std::runtime_error("interrupted");
-                fmt::print(stderr, "\rprepare: regenerated {}/{} turns", done, total);
-              });
-          fmt::print(stderr, "\nprepare: regenerated {} turns of {} conversations ({} tokens; {} cut at --max-new-tokens, "
+          const RegenerateReport rr =
+              regenerate_to_jsonl(*engines->target, *tok, family, convs, co, regen,
+                                  progress_printer("prepare: regenerated", [] {
+                                    if (g_interrupted) throw std::runtime_error("interrupted");
+                                  }));
+          fmt::print(stderr, "prepare: regenerated {} turns of {} conversations ({} tokens; {} cut at --max-new-tokens, "
                      "{} skipped)\n", rr.turns, rr.conversations, rr.tokens, rr.cut, rr.skipped.size() + skipped.size());
           files = {regen};
         }

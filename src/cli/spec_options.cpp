@@ -1,5 +1,10 @@
 #include "cli/spec_options.h"
 
+#include <fmt/core.h>
+
+#include <chrono>
+#include <memory>
+
 namespace dflash::cli {
 
 void add_engine_options(CLI::App* cmd, EngineOptions& o, bool drafter) {
@@ -25,6 +30,22 @@ void add_chat_run_options(CLI::App* cmd, ChatRunOptions& o, std::string& thinkin
   cmd->add_option("--thinking", thinking, "Qwen3 / 3.5 templates: on, off or default (the template's)")
       ->capture_default_str()
       ->check(CLI::IsMember({"on", "off", "default"}));
+}
+
+std::function<void(int64_t, int64_t)> progress_printer(const std::string& what, std::function<void()> check) {
+  using clock = std::chrono::steady_clock;
+  auto t0 = std::make_shared<clock::time_point>(clock::now());
+  auto last = std::make_shared<clock::time_point>(clock::time_point{});
+  return [=](int64_t done, int64_t total) {
+    if (check) check();
+    const auto now = clock::now();
+    if (done < total && now - *last < std::chrono::seconds(1)) return;
+    *last = now;
+    const double s = std::chrono::duration<double>(now - *t0).count(), rate = s > 0 ? double(done) / s : 0;
+    const double eta = rate > 0 ? double(total - done) / rate : 0;
+    fmt::print(stderr, "\r{} {}/{} turns ({:.1f}/s, ETA {}m{:02d}s)   {}", what, done, total, rate, int(eta) / 60,
+               int(eta) % 60, done == total ? "\n" : "");
+  };
 }
 
 void finish_chat_run_options(ChatRunOptions& o, const std::string& thinking, const Engines& e) {

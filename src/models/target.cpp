@@ -104,7 +104,10 @@ TargetCache::TargetCache(const ModelSpec& s, int n_seq) {
     }
   }
   seqs.assign(size_t(n_seq), proto);
+  empty_ = std::move(proto);
 }
+
+void TargetCache::clear(int s) { seqs.at(size_t(s)) = empty_; }
 
 void TargetCache::rollback(int s, int64_t length) {
   if (s < 0 || s >= num_seqs())

@@ -88,6 +88,11 @@ struct TargetCache {
   /// window and recurrent state saved after token `length` of the last forward, which must have run
   /// with keep_rollback and begun at or before `length`. Throws std::invalid_argument otherwise.
   void rollback(int s, int64_t length);
+  /// Empties sequence s (length 0, zero states).
+  void clear(int s);
+
+ private:
+  Seq empty_;  // an empty sequence of this model
 };
 
 /// Hidden-state indices of DFlash taps: tap layer id i is hidden_states[i + 1] (dflash.md).

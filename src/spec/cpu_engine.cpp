@@ -18,8 +18,10 @@ class CpuDecoder final : public TargetDecoder {
   }
   const ModelSpec& spec() const override { return m_.spec(); }
   void reset(int n) override { cache_ = TargetCache(m_.spec(), n); }
+  void clear(int s) override { cache_.clear(s); }
 
-  std::vector<DecodeOutput> feed(const std::vector<std::vector<int32_t>>& tokens, bool keep_rollback) override {
+  std::vector<DecodeOutput> feed(const std::vector<std::vector<int32_t>>& tokens, bool keep_rollback,
+                                 bool logits) override {
     if (int(tokens.size()) != cache_.num_seqs())
       throw std::invalid_argument("decoder: fed " + std::to_string(tokens.size()) + " sequences, the batch has " +
                                   std::to_string(cache_.num_seqs()));
@@ -35,8 +37,11 @@ class CpuDecoder final : public TargetDecoder {
     const ForwardOutput f = m_.forward(ids, cu, fo, &cache_);
     const Tensor all_taps = concat_taps(f, taps_);
     std::vector<DecodeOutput> r(tokens.size());
+    const int64_t V = f.logits.dim(1);
     for (size_t s = 0; s < tokens.size(); ++s) {
-      r[s].logits = slice_rows(f.logits, cu[s], cu[s + 1]);
+      for (int64_t t = cu[s]; t < cu[s + 1]; ++t)
+        r[s].argmax.push_back(int32_t(std::max_element(f.logits.row(t), f.logits.row(t) + V) - f.logits.row(t)));
+      if (logits) r[s].logits = slice_rows(f.logits, cu[s], cu[s + 1]);
       if (all_taps.numel()) r[s].taps = slice_rows(all_taps, cu[s], cu[s + 1]);
     }
     return r;
@@ -56,7 +61,8 @@ class CpuDrafter final : public BlockDrafter {
   CpuDrafter(const DrafterConfig& c, DrafterWeights<float> w, const Tensor& embed, const Tensor& lm_head)
       : c_(c), w_(std::move(w)), embed_(embed), lm_head_(lm_head) {}
   const DrafterConfig& config() const override { return c_; }
-  void reset(int n) override { ctx_.assign(size_t(n), Tensor({0, int64_t(c_.target_layer_ids.size()) * c_.hidden_size})); }
+  void reset(int n) override { ctx_.assign(size_t(n), empty()); }
+  void clear(int s) override { ctx_.at(size_t(s)) = empty(); }
 
   void append_context(int s, const Tensor& taps) override {
     Tensor& c = ctx_.at(size_t(s));
@@ -101,6 +107,7 @@ class CpuDrafter final : public BlockDrafter {
   std::string describe() const override { return "cpu reference drafter (drafter_step forward, fp32)"; }
 
  private:
+  Tensor empty() const { return Tensor({0, int64_t(c_.target_layer_ids.size()) * c_.hidden_size}); }
   DrafterConfig c_;
   DrafterWeights<float> w_;
   const Tensor& embed_;

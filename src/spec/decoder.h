@@ -18,7 +18,8 @@ namespace dflash {
 
 /// What a TargetDecoder::feed returns for one sequence (n = tokens fed to it).
 struct DecodeOutput {
-  Tensor logits;  // [n, V] fp32: row i predicts the token after fed token i
+  std::vector<int32_t> argmax;  // [n]: the most likely token after fed token i (first on ties)
+  Tensor logits;  // [n, V] fp32: row i predicts the token after fed token i (empty unless asked for)
   Tensor taps;    // [n, K*D] fp32: hidden_states[id + 1] for each tap layer id, concatenated (empty: no taps)
 };
 
@@ -29,10 +30,14 @@ class TargetDecoder {
   virtual const ModelSpec& spec() const = 0;
   /// Drops all state and starts `n` empty sequences.
   virtual void reset(int n) = 0;
+  /// Empties sequence s (a new prompt starts there).
+  virtual void clear(int s) = 0;
   /// Appends tokens[s] to sequence s (tokens.size() == n; an empty list feeds nothing) and runs
-  /// them. keep_rollback: rollback() may later drop any suffix of these tokens.
+  /// them. keep_rollback: rollback() may later drop any suffix of these tokens. logits: return the
+  /// full logits too (sampling); the argmax always comes back.
   /// Throws std::invalid_argument for bad ids, std::runtime_error past the engine's capacity.
-  virtual std::vector<DecodeOutput> feed(const std::vector<std::vector<int32_t>>& tokens, bool keep_rollback) = 0;
+  virtual std::vector<DecodeOutput> feed(const std::vector<std::vector<int32_t>>& tokens, bool keep_rollback,
+                                         bool logits) = 0;
   /// Keeps the first `length` tokens of sequence s; `length` must not be below the length before the
   /// last feed that kept rollback state. Throws std::invalid_argument otherwise.
   virtual void rollback(int s, int64_t length) = 0;
@@ -54,6 +59,8 @@ class BlockDrafter {
   virtual const DrafterConfig& config() const = 0;
   /// Drops all state and starts `n` empty sequences.
   virtual void reset(int n) = 0;
+  /// Empties sequence s's context (a new prompt starts there).
+  virtual void clear(int s) = 0;
   /// Appends the target taps [m, K*D] of sequence s's next m committed positions.
   virtual void append_context(int s, const Tensor& taps) = 0;
   /// For each sequence s with last_tokens[s] >= 0: the block [last_tokens[s], MASK x (B-1)] at

@@ -92,27 +92,25 @@ ChatRunResult run_chat(TargetDecoder& target, BlockDrafter* drafter, const Token
       prompts.push_back(std::move(ids));
     }
     if (who.empty()) break;
-    for (size_t b = 0; b < who.size(); b += size_t(o.batch_size)) {
-      const size_t e = std::min(who.size(), b + size_t(o.batch_size));
-      const std::vector<std::vector<int32_t>> batch(prompts.begin() + long(b), prompts.begin() + long(e));
-      const GenerateResult g = generate(target, drafter, batch, o.gen);
-      r.ttft_ms += g.ttft_ms;
-      r.decode_ms += g.decode_ms;
-      for (size_t j = b; j < e; ++j) {
-        ChatRunResult::Turn t;
-        t.conversation = who[j];
-        t.turn = turn;
-        t.prompt_tokens = int64_t(prompts[j].size());
-        t.result = g.seqs[j - b];
-        std::vector<int32_t> answer = t.result.tokens;
-        if (t.result.stopped && !answer.empty()) answer.pop_back();
-        t.text = tok.decode(answer);
-        history[who[j]].push_back({"assistant", t.text, std::nullopt});
-        r.turns.push_back(std::move(t));
-      }
-      done += int64_t(e - b);
-      if (progress) progress(done, total);
+    // One round: every conversation's next turn, o.batch_size at a time (continuous batching).
+    GenerateOptions g = o.gen;
+    g.max_batch = o.batch_size;
+    if (progress) g.on_finished = [&, base = done](int64_t k) { progress(base + k, total); };
+    const GenerateResult res = generate(target, drafter, prompts, g);
+    r.wall_ms += res.wall_ms;
+    for (size_t j = 0; j < who.size(); ++j) {
+      ChatRunResult::Turn t;
+      t.conversation = who[j];
+      t.turn = turn;
+      t.prompt_tokens = int64_t(prompts[j].size());
+      t.result = res.seqs[j];
+      std::vector<int32_t> answer = t.result.tokens;
+      if (t.result.stopped && !answer.empty()) answer.pop_back();
+      t.text = tok.decode(answer);
+      history[who[j]].push_back({"assistant", t.text, std::nullopt});
+      r.turns.push_back(std::move(t));
     }
+    done += int64_t(who.size());
   }
   std::sort(r.turns.begin(), r.turns.end(), [](const auto& a, const auto& b) {
     return std::tie(a.conversation, a.turn) < std::tie(b.conversation, b.turn);
@@ -121,11 +119,16 @@ ChatRunResult run_chat(TargetDecoder& target, BlockDrafter* drafter, const Token
 }
 
 namespace {
-/// Decode wall time per token after each turn's first (the first comes with the prefill).
-double tpot_ms(const ChatRunResult& r) {
+/// Mean time to the first token, and decode time per token after each turn's first, per sequence.
+std::pair<double, double> ttft_tpot_ms(const ChatRunResult& r) {
   int64_t n = 0;
-  for (const auto& t : r.turns) n += std::max<int64_t>(int64_t(t.result.tokens.size()) - 1, 0);
-  return n ? r.decode_ms / double(n) : 0;
+  double ttft = 0, decode = 0;
+  for (const auto& t : r.turns) {
+    n += std::max<int64_t>(int64_t(t.result.tokens.size()) - 1, 0);
+    ttft += t.result.ttft_ms;
+    decode += t.result.decode_ms;
+  }
+  return {r.turns.empty() ? 0 : ttft / double(r.turns.size()), n ? decode / double(n) : 0};
 }
 }  // namespace
 
@@ -138,11 +141,9 @@ EvalReport make_eval_report(const ChatRunResult& spec, const ChatRunResult* plai
   }
   e.turns = int64_t(spec.turns.size());
   e.acceptance = acceptance_stats(seqs, B);
-  e.ttft_ms = e.turns ? spec.ttft_ms / double(e.turns) : 0;
-  e.tpot_ms = tpot_ms(spec);
+  std::tie(e.ttft_ms, e.tpot_ms) = ttft_tpot_ms(spec);
   if (plain) {
-    e.plain_ttft_ms = plain->turns.empty() ? 0 : plain->ttft_ms / double(plain->turns.size());
-    e.plain_tpot_ms = tpot_ms(*plain);
+    std::tie(e.plain_ttft_ms, e.plain_tpot_ms) = ttft_tpot_ms(*plain);
     e.speedup = e.tpot_ms > 0 ? e.plain_tpot_ms / e.tpot_ms : 0;
     e.identical = 0;
     for (size_t i = 0; i < spec.turns.size() && i < plain->turns.size(); ++i)

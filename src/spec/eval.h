@@ -48,7 +48,7 @@ struct ChatRunOptions {
 /// The target's answers to every turn of every conversation, in order, with what generate()
 /// measured. Turn r of all conversations runs as a batch before turn r + 1 (which sees the answer).
 /// A prompt longer than max_prompt_tokens (or leaving no room to generate) is skipped with a reason.
-/// `progress(done, total)` is called after each batch.
+/// `progress(done, total)` is called whenever a turn is answered.
 struct ChatRunResult {
   struct Turn {
     size_t conversation = 0, turn = 0;
@@ -58,7 +58,7 @@ struct ChatRunResult {
   };
   std::vector<Turn> turns;
   std::vector<SkippedRecord> skipped;
-  double ttft_ms = 0, decode_ms = 0;  // summed over batches
+  double wall_ms = 0;
 };
 ChatRunResult run_chat(TargetDecoder& target, BlockDrafter* drafter, const Tokenizer& tok, ChatFamily family,
                        const std::vector<PromptConversation>& convs, const ChatRunOptions& o,
@@ -68,7 +68,7 @@ ChatRunResult run_chat(TargetDecoder& target, BlockDrafter* drafter, const Token
 struct EvalReport {
   AcceptanceStats acceptance;
   int64_t turns = 0, generated_tokens = 0;
-  double ttft_ms = 0, tpot_ms = 0;            // drafter run: mean first-token time per batch, decode ms per token
+  double ttft_ms = 0, tpot_ms = 0;            // drafter run: mean time to the first token, decode ms per token
   double plain_ttft_ms = 0, plain_tpot_ms = 0;  // plain run (0 when not run)
   double speedup = 0;                         // plain_tpot / tpot (0 when no plain run)
   int64_t identical = -1;                     // turns whose output equals the plain run's (-1: not compared)

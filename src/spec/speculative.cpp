@@ -25,7 +25,6 @@ class Chooser {
     }
   }
   bool greedy() const { return t_ <= 0; }
-  static int32_t argmax(const float* row, int64_t V) { return int32_t(std::max_element(row, row + V) - row); }
   /// softmax(row / T) into p.
   void probs(const float* row, int64_t V, std::vector<double>& p) const {
     const double mx = *std::max_element(row, row + V);
@@ -46,30 +45,29 @@ class Chooser {
       if (p[i] > 0) return int32_t(i);  // rounding left u >= 0: the last token with mass
     return 0;
   }
-  int32_t choose(int s, const float* row, int64_t V) {
-    if (greedy()) return argmax(row, V);
-    probs(row, V, p_);
+  /// The token after fed token `row` of `d`.
+  int32_t choose(int s, const DecodeOutput& d, int64_t row) {
+    if (greedy()) return d.argmax.at(size_t(row));
+    probs(d.logits.row(row), d.logits.dim(1), p_);
     return draw(s, p_);
   }
-  /// Verifies drafts against the target rows logits[k] (row k predicts the token after block token k):
+  /// Verifies drafts against the target's rows of d (row k predicts the token after block token k):
   /// returns the number accepted and sets *next to the token committed after them.
-  int verify(int s, const Tensor& logits, const std::vector<int32_t>& drafts, int32_t* next) {
-    const int64_t V = logits.dim(1);
+  int verify(int s, const DecodeOutput& d, const std::vector<int32_t>& drafts, int32_t* next) {
     int acc = 0;
     for (; acc < int(drafts.size()); ++acc) {
-      const float* row = logits.row(acc);
-      const int32_t d = drafts[size_t(acc)];
+      const int32_t t = drafts[size_t(acc)];
       if (greedy()) {
-        if (argmax(row, V) != d) break;
+        if (d.argmax.at(size_t(acc)) != t) break;
         continue;
       }
-      probs(row, V, p_);
-      if (uniform(s) < p_[size_t(d)]) continue;  // accept with probability p(d) / q(d), q one-hot
-      p_[size_t(d)] = 0;                          // residual max(0, p - q), renormalized by draw()
+      probs(d.logits.row(acc), d.logits.dim(1), p_);
+      if (uniform(s) < p_[size_t(t)]) continue;  // accept with probability p(t) / q(t), q one-hot
+      p_[size_t(t)] = 0;                          // residual max(0, p - q), renormalized by draw()
       *next = draw(s, p_);
       return acc;
     }
-    *next = choose(s, logits.row(acc), V);
+    *next = choose(s, d, acc);
     return acc;
   }
 
@@ -107,77 +105,103 @@ GenerateResult generate(TargetDecoder& target, BlockDrafter* drafter, const std:
   auto is_stop = [&](int32_t t) {
     return std::find(o.stop_token_ids.begin(), o.stop_token_ids.end(), t) != o.stop_token_ids.end();
   };
-  std::vector<int32_t> last(static_cast<size_t>(n));
-  std::vector<bool> active(static_cast<size_t>(n), true);
-  // Appends committed tokens to sequence s, ending it at a stop token or max_new_tokens.
-  auto commit = [&](int s, const std::vector<int32_t>& toks) {
-    SequenceResult& q = r.seqs[size_t(s)];
+  Chooser chooser(o.temperature, o.seed, n);
+  // Slots of the engine's batch; each holds one prompt at a time (continuous batching: a finished
+  // sequence's slot takes the next prompt, whose prefill joins the other slots' decode step).
+  const int S = o.max_batch > 0 ? std::min(n, o.max_batch) : n;
+  struct Slot {
+    int seq = -1;         // prompt index, -1: free
+    bool prefill = false;  // its prompt is fed in the coming step
+    int32_t last = 0;     // last committed token (fed next)
+    std::chrono::steady_clock::time_point t0, t_first;
+  };
+  std::vector<Slot> slots(static_cast<size_t>(S));
+  int next_prompt = 0;
+  int64_t finished = 0;
+  auto finish = [&](Slot& sl) {
+    SequenceResult& q = r.seqs[size_t(sl.seq)];
+    q.decode_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - sl.t_first).count();
+    sl.seq = -1;
+    if (o.on_finished) o.on_finished(++finished);
+  };
+  // Appends committed tokens to the slot's sequence; frees the slot at a stop token or max_new_tokens.
+  auto commit = [&](Slot& sl, const std::vector<int32_t>& toks) {
+    SequenceResult& q = r.seqs[size_t(sl.seq)];
     for (int32_t t : toks) {
       q.tokens.push_back(t);
       if (is_stop(t)) q.stopped = true;
       if (q.stopped || int64_t(q.tokens.size()) >= o.max_new_tokens) break;
     }
-    last[size_t(s)] = toks.back();
-    active[size_t(s)] = !q.stopped && int64_t(q.tokens.size()) < o.max_new_tokens;
+    sl.last = toks.back();
+    if (q.stopped || int64_t(q.tokens.size()) >= o.max_new_tokens) finish(sl);
   };
-  Chooser chooser(o.temperature, o.seed, n);
-
   const auto t0 = std::chrono::steady_clock::now();
-  target.reset(n);
-  if (drafter) drafter->reset(n);
-  const std::vector<DecodeOutput> pre = target.feed(prompts, false);
-  for (int s = 0; s < n; ++s) {
-    const Tensor& lg = pre[size_t(s)].logits;
-    if (drafter) {
-      if (pre[size_t(s)].taps.numel() == 0)
-        throw std::invalid_argument("the target decoder returns no taps: create it with the drafter's target_layer_ids");
-      drafter->append_context(s, pre[size_t(s)].taps);
-    }
-    commit(s, {chooser.choose(s, lg.row(lg.dim(0) - 1), lg.dim(1))});
-  }
-  r.ttft_ms = ms_since(t0);
-  const auto t1 = std::chrono::steady_clock::now();
-
-  std::vector<std::vector<int32_t>> feed(static_cast<size_t>(n)), drafts;
-  std::vector<int32_t> want(static_cast<size_t>(n));
+  target.reset(S);
+  if (drafter) drafter->reset(S);
+  std::vector<std::vector<int32_t>> feed(static_cast<size_t>(S)), drafts;
+  std::vector<int32_t> want(static_cast<size_t>(S));
   while (true) {
     bool any = false;
-    for (int s = 0; s < n; ++s) {
-      if (active[size_t(s)] && target.length(s) + B > limit) {
-        active[size_t(s)] = false;
-        r.seqs[size_t(s)].hit_context_limit = true;
+    for (int i = 0; i < S; ++i) {
+      Slot& sl = slots[size_t(i)];
+      if (sl.seq >= 0 && !sl.prefill && target.length(i) + B > limit) {  // no room for another step
+        r.seqs[size_t(sl.seq)].hit_context_limit = true;
+        finish(sl);
       }
-      any = any || active[size_t(s)];
-      want[size_t(s)] = active[size_t(s)] ? last[size_t(s)] : -1;
+      if (sl.seq < 0 && next_prompt < n) {
+        sl = Slot{next_prompt++, true, 0, std::chrono::steady_clock::now(), {}};
+        target.clear(i);
+        if (drafter) drafter->clear(i);
+      }
+      any = any || sl.seq >= 0;
+      want[size_t(i)] = sl.seq >= 0 && !sl.prefill ? sl.last : -1;
     }
     if (!any) break;
     if (drafter) drafts = drafter->draft(want);
-    for (int s = 0; s < n; ++s) {
-      feed[size_t(s)].clear();
-      if (!active[size_t(s)]) continue;
-      feed[size_t(s)].push_back(last[size_t(s)]);
-      if (drafter) feed[size_t(s)].insert(feed[size_t(s)].end(), drafts[size_t(s)].begin(), drafts[size_t(s)].end());
+    for (int i = 0; i < S; ++i) {
+      const Slot& sl = slots[size_t(i)];
+      std::vector<int32_t>& f = feed[size_t(i)];
+      f.clear();
+      if (sl.seq < 0) continue;
+      if (sl.prefill) {
+        f = prompts[size_t(sl.seq)];
+        continue;
+      }
+      f.push_back(sl.last);
+      if (drafter) f.insert(f.end(), drafts[size_t(i)].begin(), drafts[size_t(i)].end());
     }
-    const std::vector<DecodeOutput> out = target.feed(feed, drafter != nullptr);
-    for (int s = 0; s < n; ++s) {
-      if (!active[size_t(s)]) continue;
-      const DecodeOutput& d = out[size_t(s)];
+    const std::vector<DecodeOutput> out = target.feed(feed, drafter != nullptr, !chooser.greedy());
+    for (int i = 0; i < S; ++i) {
+      Slot& sl = slots[size_t(i)];
+      if (sl.seq < 0) continue;
+      const DecodeOutput& d = out[size_t(i)];
+      if (drafter && d.taps.numel() == 0)
+        throw std::invalid_argument("the target decoder returns no taps: create it with the drafter's target_layer_ids");
+      if (sl.prefill) {
+        sl.prefill = false;
+        if (drafter) drafter->append_context(i, d.taps);
+        const int32_t first = chooser.choose(sl.seq, d, int64_t(feed[size_t(i)].size()) - 1);
+        sl.t_first = std::chrono::steady_clock::now();
+        r.seqs[size_t(sl.seq)].ttft_ms = std::chrono::duration<double, std::milli>(sl.t_first - sl.t0).count();
+        commit(sl, {first});
+        continue;
+      }
       if (!drafter) {
-        commit(s, {chooser.choose(s, d.logits.row(0), d.logits.dim(1))});
+        commit(sl, {chooser.choose(sl.seq, d, 0)});
         continue;
       }
       int32_t next = 0;
-      const int acc = chooser.verify(s, d.logits, drafts[size_t(s)], &next);
+      const int acc = chooser.verify(sl.seq, d, drafts[size_t(i)], &next);
       // Keep block tokens 0..acc (last + accepted drafts); `next` is fed with the next block.
-      target.rollback(s, target.length(s) - int64_t(feed[size_t(s)].size()) + acc + 1);
-      drafter->append_context(s, slice_rows(d.taps, 0, acc + 1));
-      std::vector<int32_t> toks(drafts[size_t(s)].begin(), drafts[size_t(s)].begin() + acc);
+      target.rollback(i, target.length(i) - int64_t(feed[size_t(i)].size()) + acc + 1);
+      drafter->append_context(i, slice_rows(d.taps, 0, acc + 1));
+      std::vector<int32_t> toks(drafts[size_t(i)].begin(), drafts[size_t(i)].begin() + acc);
       toks.push_back(next);
-      r.seqs[size_t(s)].accepted.push_back(acc);
-      commit(s, toks);
+      r.seqs[size_t(sl.seq)].accepted.push_back(acc);
+      commit(sl, toks);
     }
   }
-  r.decode_ms = ms_since(t1);
+  r.wall_ms = ms_since(t0);
   return r;
 }
 

@@ -7,6 +7,7 @@
 // draft as a one-hot proposal, so the output follows the target's distribution.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "spec/decoder.h"
@@ -18,6 +19,11 @@ struct GenerateOptions {
   double temperature = 0;  // 0: greedy
   uint64_t seed = 0;       // sampling: sequence s draws from its own stream (seed, s)
   std::vector<int64_t> stop_token_ids;  // generation of a sequence ends after one of these
+  /// Sequences decoded at once (0: all prompts). With fewer slots than prompts, a slot whose
+  /// sequence ends takes the next prompt (continuous batching).
+  int max_batch = 0;
+  /// Called with the number of finished sequences whenever one finishes (progress reports).
+  std::function<void(int64_t)> on_finished;
 };
 
 /// One sequence's output and measurements.
@@ -26,16 +32,17 @@ struct SequenceResult {
   std::vector<int> accepted;    // per verify step: draft tokens accepted (0 .. B-1); empty without drafter
   bool stopped = false;         // ended on a stop token (else on max_new_tokens or the context limit)
   bool hit_context_limit = false;
+  double ttft_ms = 0;    // wall time from the prefill step's start to the first token
+  double decode_ms = 0;  // wall time from the first token to the last
 };
 
 struct GenerateResult {
-  std::vector<SequenceResult> seqs;
-  double ttft_ms = 0;    // wall time of the prefill and the first token (the whole batch)
-  double decode_ms = 0;  // wall time after it
+  std::vector<SequenceResult> seqs;  // in prompt order
+  double wall_ms = 0;                // the whole call
 };
 
-/// Generates for every prompt at once (the batch advances in lockstep; finished sequences stop
-/// feeding). `drafter` null: plain decoding, one target forward per token. Generation also stops
+/// Generates for every prompt, o.max_batch sequences at a time in lockstep (one target forward per
+/// step over all of them). `drafter` null: plain decoding, one token per step. Generation also stops
 /// when the next step would pass the target's max_position_embeddings. Throws std::invalid_argument
 /// naming the prompt for an empty prompt, an id outside the vocabulary or a prompt that leaves no room
 /// below max_position_embeddings, and for a drafter that does not fit the target.

@@ -17,6 +17,7 @@ class OracleDrafter final : public BlockDrafter {
       : c_(std::move(c)), streams_(std::move(streams)), corrupt_(corrupt) {}
   const DrafterConfig& config() const override { return c_; }
   void reset(int n) override { len_.assign(size_t(n), 0); }
+  void clear(int s) override { len_.at(size_t(s)) = 0; }
   void append_context(int s, const Tensor& taps) override { len_[size_t(s)] += taps.dim(0); }
   std::vector<std::vector<int32_t>> draft(const std::vector<int32_t>& last) override {
     std::vector<std::vector<int32_t>> r(last.size());

@@ -79,6 +79,28 @@ TEST_P(SpecFixture, GreedyIsLosslessWithARandomDrafter) {
   EXPECT_LE(a.tau, double(kB));
 }
 
+// Continuous batching: with fewer slots than prompts, finished slots take the next prompt (its
+// prefill joins the others' decode step); the outputs do not change.
+TEST_P(SpecFixture, ContinuousBatchingChangesNothing) {
+  GenerateOptions o;
+  o.max_new_tokens = 25;
+  const auto all = generate(*decoder, nullptr, ps, o);
+  auto drafter = make_cpu_drafter(cfg, init_drafter_weights(cfg, 3), model->embed_tokens(), model->lm_head());
+  int64_t finished = 0;
+  o.on_finished = [&](int64_t k) { finished = k; };
+  for (int slots : {1, 2}) {
+    o.max_batch = slots;
+    const auto plain = generate(*decoder, nullptr, ps, o);
+    const auto spec = generate(*decoder, drafter.get(), ps, o);
+    for (size_t s = 0; s < ps.size(); ++s) {
+      EXPECT_EQ(plain.seqs[s].tokens, all.seqs[s].tokens) << slots << " slots, prompt " << s;
+      EXPECT_EQ(spec.seqs[s].tokens, all.seqs[s].tokens) << slots << " slots, prompt " << s << " (drafter)";
+      EXPECT_GT(spec.seqs[s].ttft_ms, 0.0);
+    }
+    EXPECT_EQ(finished, int64_t(ps.size()));
+  }
+}
+
 TEST_P(SpecFixture, GreedyIsLosslessForEveryAcceptanceLength) {
   GenerateOptions o;
   o.max_new_tokens = 40;
@@ -150,7 +172,7 @@ TEST(SpeculativeSampling, KeepsTheTargetDistribution) {
     all.back().push_back(t);
   }
   decoder->reset(int(all.size()));
-  const auto out = decoder->feed(all, false);
+  const auto out = decoder->feed(all, false, true);
   std::vector<double> exact(static_cast<size_t>(V), 0.0);
   const std::vector<double> p1 = softmax(out[0].logits.row(2));
   for (int64_t t = 0; t < V; ++t) {
@@ -163,6 +185,7 @@ TEST(SpeculativeSampling, KeepsTheTargetDistribution) {
     Fixed(DrafterConfig c, int32_t t) : c_(std::move(c)), t_(t) {}
     const DrafterConfig& config() const override { return c_; }
     void reset(int) override {}
+    void clear(int) override {}
     void append_context(int, const Tensor&) override {}
     std::vector<std::vector<int32_t>> draft(const std::vector<int32_t>& last) override {
       std::vector<std::vector<int32_t>> r(last.size());

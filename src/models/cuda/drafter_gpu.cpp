@@ -22,6 +22,7 @@ namespace dflash {
 using cuda::bf16;
 using cuda::DeviceArray;
 using cuda::StreamBuffer;
+using cuda::upload;
 
 namespace {
 
@@ -34,13 +35,6 @@ DeviceArray<bf16> upload_bf16(const std::vector<float>& v, cudaStream_t s) {
     DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));
   }
   return d;
-}
-
-template <typename T>
-StreamBuffer<T> upload(const std::vector<T>& v, cudaStream_t s) {
-  StreamBuffer<T> b(v.size(), s);
-  if (!v.empty()) DFLASH_CUDA_CHECK(cudaMemcpyAsync(b.data(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice, s));
-  return b;
 }
 
 /// CUDA events around named stages of a step; totals per name after the stream is synchronized.

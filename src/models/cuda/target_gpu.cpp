@@ -7,6 +7,7 @@
 #include <functional>
 #include <stdexcept>
 
+#include "ops/cuda/cross_entropy.h"
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/masked_attention.h"
@@ -182,23 +183,38 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
     C.reserve(need, s);
   }
   // Positions continue each cached sequence. Cached keys of sequence q sit at rows q * cap + j of
-  // the layer's cache; new keys are scattered there and queries see their sequence's rows up to
-  // their own position.
+  // the layer's cache; new keys are scattered there. For the attention, each sequence's queries
+  // start a fresh 64-row tile (rows `qrow`, Tq in all): a tile then spans one sequence's keys only.
   std::vector<int64_t> pos(static_cast<size_t>(T));
-  std::vector<int32_t> dest(cached ? static_cast<size_t>(T) : 0);
-  std::vector<cuda::KvRange32> rg = cached ? std::vector<cuda::KvRange32>(static_cast<size_t>(T)) : cuda::causal_ranges(cu);
-  for (size_t q = 0; q + 1 < cu.size(); ++q)
+  std::vector<int32_t> dest, qrow;
+  std::vector<cuda::KvRange32> rg;
+  if (cached) {
+    dest.resize(size_t(T));
+    qrow.resize(size_t(T));
+  } else {
+    rg = cuda::causal_ranges(cu);
+  }
+  int64_t Tq = 0;
+  for (size_t q = 0; q + 1 < cu.size(); ++q) {
     for (int64_t t = cu[q]; t < cu[q + 1]; ++t) {
       pos[size_t(t)] = t - cu[q] + (cached ? C.len[q] : 0);
       if (!cached) continue;
       const int64_t base = int64_t(q) * C.cap;
       dest[size_t(t)] = int32_t(base + pos[size_t(t)]);
-      rg[size_t(t)] = {int32_t(base), int32_t(base + pos[size_t(t)] + 1), 0, 0};
+      qrow[size_t(t)] = int32_t(Tq + t - cu[q]);
     }
-  DeviceArray<int64_t> d_pos(pos, s);
-  DeviceArray<int32_t> d_ids(ids, s);
-  DeviceArray<int32_t> d_dest(dest, s);
-  DeviceArray<cuda::KvRange32> ranges(rg, s);
+    if (!cached) continue;
+    rg.resize(size_t(Tq + (cu[q + 1] - cu[q] + 63) / 64 * 64));
+    for (int64_t t = cu[q]; t < cu[q + 1]; ++t)
+      rg[size_t(qrow[size_t(t)])] = {int32_t(int64_t(q) * C.cap), int32_t(int64_t(q) * C.cap + pos[size_t(t)] + 1), 0, 0};
+    Tq = int64_t(rg.size());
+  }
+  auto d_pos = cuda::upload(pos, s);
+  auto d_ids = cuda::upload(ids, s);
+  auto d_dest = cuda::upload(dest, s), d_qrow = cuda::upload(qrow, s);
+  auto ranges = cuda::upload(rg, s);
+  StreamBuffer<bf16> qpad(cached ? size_t(Tq * H * Dh) : 0, s), opad(cached ? size_t(Tq * H * Dh) : 0, s);
+  if (cached) DFLASH_CUDA_CHECK(cudaMemsetAsync(qpad.data(), 0, qpad.size() * 2, s));  // padding rows: defined
   StreamBuffer<float> cs(size_t(T * rot / 2), s), sn(size_t(T * rot / 2), s);
   cuda::rope_table(d_pos.data(), I.inv_freq.data(), T, rot, cs.data(), sn.data(), s);
   StreamBuffer<float> x(size_t(T * D), s);  // the residual stream, fp32 (only GEMM inputs are bf16)
@@ -226,8 +242,10 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
     if (cached) {
       cuda::scatter_rows(k.data(), T, Hkv * Dh, d_dest.data(), C.k[size_t(i)].data(), s);
       cuda::scatter_rows(v.data(), T, Hkv * Dh, d_dest.data(), C.v[size_t(i)].data(), s);
-      cuda::masked_attention_forward(q.data(), C.k[size_t(i)].data(), C.v[size_t(i)].data(), ranges.data(), T,
-                                     C.n * C.cap, int(H), int(Hkv), int(Dh), scale, o.data(), nullptr, s);
+      cuda::scatter_rows(q.data(), T, H * Dh, d_qrow.data(), qpad.data(), s);  // unused rows: empty ranges
+      cuda::masked_attention_forward(qpad.data(), C.k[size_t(i)].data(), C.v[size_t(i)].data(), ranges.data(), Tq,
+                                     C.n * C.cap, int(H), int(Hkv), int(Dh), scale, opad.data(), nullptr, s);
+      cuda::embedding_gather(opad.data(), Tq, H * Dh, d_qrow.data(), T, o.data(), nullptr, s);
     } else {
       cuda::masked_attention_forward(q.data(), k.data(), v.data(), ranges.data(), T, T, int(H), int(Hkv), int(Dh),
                                      scale, o.data(), nullptr, s);
@@ -266,24 +284,23 @@ void TargetGpu::truncate_cache(int s, int64_t length) {
 int64_t TargetGpu::cached_length(int s) const { return impl_->cache.len.at(size_t(s)); }
 
 ForwardOutput TargetGpu::forward_cached(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu,
-                                        const ForwardOptions& opt) {
-  if (!opt.logits) throw std::invalid_argument("forward_cached: logits must be requested (every layer runs)");
-  return forward_impl(ids, cu, opt, true);
+                                        const ForwardOptions& opt, std::vector<int32_t>* argmax) {
+  return forward_impl(ids, cu, opt, true, argmax);
 }
 
 ForwardOutput TargetGpu::forward(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu,
                                  const ForwardOptions& opt) {
-  return forward_impl(ids, cu, opt, false);
+  return forward_impl(ids, cu, opt, false, nullptr);
 }
 
 ForwardOutput TargetGpu::forward_impl(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu,
-                                      const ForwardOptions& opt, bool cached) {
+                                      const ForwardOptions& opt, bool cached, std::vector<int32_t>* argmax) {
   Impl& I = *impl_;
   const ModelSpec& sp = spec_;
   const int64_t T = int64_t(ids.size()), D = sp.hidden_size, L = sp.num_hidden_layers;
   for (int j : opt.hidden_states)
     if (j < 0 || j > L) throw std::invalid_argument("hidden state index " + std::to_string(j) + " outside 0.." + std::to_string(L));
-  int64_t last = opt.logits ? L - 1 : -1;
+  int64_t last = opt.logits || argmax || cached ? L - 1 : -1;  // a cache needs every layer
   for (int j : opt.hidden_states) last = std::max<int64_t>(last, j == L ? L - 1 : j - 1);
   ForwardOutput out;
   auto want = [&](int64_t j) { return std::find(opt.hidden_states.begin(), opt.hidden_states.end(), j) != opt.hidden_states.end(); };
@@ -295,16 +312,17 @@ ForwardOutput TargetGpu::forward_impl(const std::vector<int32_t>& ids, const std
     out.hidden_states[int(j)] = std::move(t);
   };
   StreamBuffer<float> x = run_layers(ids, cu, last, keep, cached);
-  if (last == L - 1) finish_forward(x, T, opt, out);
+  if (last == L - 1) finish_forward(x, T, opt, out, argmax);
   return out;
 }
 
-void TargetGpu::finish_forward(StreamBuffer<float>& x, int64_t T, const ForwardOptions& opt, ForwardOutput& out) {
+void TargetGpu::finish_forward(StreamBuffer<float>& x, int64_t T, const ForwardOptions& opt, ForwardOutput& out,
+                               std::vector<int32_t>* argmax) {
   Impl& I = *impl_;
   const ModelSpec& sp = spec_;
-  const int64_t D = sp.hidden_size, L = sp.num_hidden_layers;
+  const int64_t D = sp.hidden_size, L = sp.num_hidden_layers, V = sp.vocab_size;
   const bool want_L = std::find(opt.hidden_states.begin(), opt.hidden_states.end(), int(L)) != opt.hidden_states.end();
-  if (!opt.logits && !want_L) return;
+  if (!opt.logits && !want_L && !argmax) return;
   StreamBuffer<bf16> hf(size_t(T * D), I.s);
   cuda::rms_norm_forward(x.data(), I.norm.data(), hf.data(), nullptr, T, D, sp.rms_norm_eps, sp.zero_centered_norm(), I.s);
   if (want_L) {
@@ -317,6 +335,19 @@ void TargetGpu::finish_forward(StreamBuffer<float>& x, int64_t T, const ForwardO
     I.gemm.gemm({T, sp.vocab_size, D, false, true}, hf.data(), I.lm_head.data(), lg.data());
     out.logits = Tensor({T, sp.vocab_size});
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(out.logits.data.data(), lg.data(), lg.size() * 4, cudaMemcpyDeviceToHost, I.s));
+    DFLASH_CUDA_CHECK(cudaStreamSynchronize(I.s));
+  }
+  if (argmax && T > 0) {
+    // The cross entropy's row statistics against dummy targets: the argmax without [T, V] logits.
+    const int64_t rc = std::min(T, cuda::cross_entropy_row_chunk(V));
+    StreamBuffer<char> ws(size_t(cuda::cross_entropy_workspace_bytes(rc, V)), I.s);
+    StreamBuffer<int32_t> targets(size_t(T), I.s), amax(size_t(T), I.s);
+    StreamBuffer<float> lse(size_t(T), I.s), tl(size_t(T), I.s);
+    DFLASH_CUDA_CHECK(cudaMemsetAsync(targets.data(), 0, size_t(T) * 4, I.s));
+    cuda::cross_entropy(I.gemm, hf.data(), I.lm_head.data(), T, D, V, targets.data(), nullptr, rc, ws.data(),
+                        {lse.data(), tl.data(), amax.data()}, nullptr);
+    argmax->resize(size_t(T));
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(argmax->data(), amax.data(), size_t(T) * 4, cudaMemcpyDeviceToHost, I.s));
     DFLASH_CUDA_CHECK(cudaStreamSynchronize(I.s));
   }
 }

@@ -47,11 +47,13 @@ class TargetGpu {
   /// Drops any earlier cache and starts `n_seq` empty sequences.
   void reset_cache(int n_seq);
   /// As TargetModel::forward with a TargetCache: cu_seqlens [n_seq + 1] gives each cached sequence
-  /// its new tokens (positions continue from its length); every layer runs (opt.logits must be set);
-  /// logits and hidden states come back to the host as float32. Throws std::invalid_argument for bad
-  /// ids or cu_seqlens, std::runtime_error when the cache cannot grow (out of memory).
+  /// its new tokens (positions continue from its length); every layer runs;
+  /// logits (when opt.logits) and hidden states come back to the host as float32, and, when
+  /// `argmax` is given, the most likely token of every row (computed on the GPU without the logits
+  /// leaving it). Throws std::invalid_argument for bad ids or cu_seqlens, std::runtime_error when the
+  /// cache cannot grow (out of memory).
   ForwardOutput forward_cached(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu_seqlens,
-                               const ForwardOptions& opt);
+                               const ForwardOptions& opt, std::vector<int32_t>* argmax = nullptr);
   /// Keeps the first `length` tokens of cached sequence s (rollback; attention layers only).
   void truncate_cache(int s, int64_t length);
   int64_t cached_length(int s) const;
@@ -66,9 +68,10 @@ class TargetGpu {
                                        const std::function<void(int64_t, const float*)>& on_hidden,
                                        bool cached = false);
   ForwardOutput forward_impl(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu,
-                             const ForwardOptions& opt, bool cached);
-  /// Final norm, hidden_states[L] and logits of x [T, D] into out (forward / forward_cached).
-  void finish_forward(cuda::StreamBuffer<float>& x, int64_t T, const ForwardOptions& opt, ForwardOutput& out);
+                             const ForwardOptions& opt, bool cached, std::vector<int32_t>* argmax);
+  /// Final norm, hidden_states[L], logits and argmax of x [T, D] into out / argmax.
+  void finish_forward(cuda::StreamBuffer<float>& x, int64_t T, const ForwardOptions& opt, ForwardOutput& out,
+                      std::vector<int32_t>* argmax);
 
   std::unique_ptr<Impl> impl_;
   ModelSpec spec_;

@@ -116,6 +116,16 @@ class StreamBuffer {
   cudaStream_t stream_ = nullptr;
 };
 
+/// A stream-ordered device copy of host values (the copy is enqueued on `stream`; pageable host
+/// memory is staged before the call returns, so `v` may go away afterwards).
+template <typename T>
+StreamBuffer<T> upload(const std::vector<T>& v, cudaStream_t stream) {
+  StreamBuffer<T> b(v.size(), stream);
+  if (!v.empty())
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(b.data(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice, stream));
+  return b;
+}
+
 /// out[i] = bf16(in[i]) (round to nearest even), n elements.
 void f32_to_bf16(const float* in, bf16* out, int64_t n, cudaStream_t stream);
 /// out[i] = float(in[i]), n elements.

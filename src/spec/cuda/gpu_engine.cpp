@@ -33,7 +33,8 @@ class GpuDecoder final : public TargetDecoder {
   ~GpuDecoder() override { cudaStreamDestroy(s_); }
   const ModelSpec& spec() const override { return gpu_.spec(); }
   void reset(int n) override { gpu_.reset_cache(n); }
-  std::vector<DecodeOutput> feed(const std::vector<std::vector<int32_t>>& tokens, bool) override {
+  void clear(int s) override { gpu_.truncate_cache(s, 0); }
+  std::vector<DecodeOutput> feed(const std::vector<std::vector<int32_t>>& tokens, bool, bool logits) override {
     std::vector<int32_t> ids;
     std::vector<int64_t> cu{0};
     for (const auto& t : tokens) {
@@ -41,12 +42,15 @@ class GpuDecoder final : public TargetDecoder {
       cu.push_back(int64_t(ids.size()));
     }
     ForwardOptions fo;
+    fo.logits = logits;
     fo.hidden_states = tap_hidden_states(taps_);
-    const ForwardOutput f = gpu_.forward_cached(ids, cu, fo);
+    std::vector<int32_t> amax;
+    const ForwardOutput f = gpu_.forward_cached(ids, cu, fo, &amax);
     const Tensor all_taps = concat_taps(f, taps_);
     std::vector<DecodeOutput> r(tokens.size());
     for (size_t q = 0; q < tokens.size(); ++q) {
-      r[q].logits = slice_rows(f.logits, cu[q], cu[q + 1]);
+      r[q].argmax.assign(amax.begin() + cu[q], amax.begin() + cu[q + 1]);
+      if (logits) r[q].logits = slice_rows(f.logits, cu[q], cu[q + 1]);
       if (all_taps.numel()) r[q].taps = slice_rows(all_taps, cu[q], cu[q + 1]);
     }
     return r;
@@ -72,6 +76,7 @@ class GpuDrafter final : public BlockDrafter {
   ~GpuDrafter() override { cudaStreamDestroy(s_); }
   const DrafterConfig& config() const override { return gpu_.config(); }
   void reset(int n) override { ctx_.assign(size_t(n), {}); }
+  void clear(int s) override { ctx_.at(size_t(s)).clear(); }
   void append_context(int s, const Tensor& taps) override {
     const int64_t width = int64_t(config().target_layer_ids.size()) * config().hidden_size;
     if (taps.ndim() != 2 || taps.dim(1) != width)
