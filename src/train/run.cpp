@@ -83,14 +83,15 @@ std::string memory_str([[maybe_unused]] const std::string& device) {
 struct StageWindow {
   double target_ms = 0, drafter_ms = 0, queue_ms = 0, optimizer_ms = 0, wall_s = 0;  // per replica
   int64_t steps = 0;
+  bool overlap = false;  // target and drafter on separate GPUs, running at the same time
 };
 
-/// The stage breakdown line (per replica, % of wall time; with several GPUs the target and drafter
-/// sides overlap) and the bottleneck in words.
+/// The stage breakdown line (per replica, % of wall time) and the bottleneck in words. Colocated,
+/// the stages follow each other; disaggregated (overlap), the target side runs beside the drafter's.
 std::string stage_report(const StageWindow& w, const std::string& device) {
   const double wall = std::max(w.wall_s * 1e3, 1e-9);
   const double t = w.target_ms / wall, d = w.drafter_ms / wall, q = w.queue_ms / wall, o = w.optimizer_ms / wall;
-  const double other = std::max(0.0, 1.0 - std::max(t, d + q) - o);
+  const double other = std::max(0.0, 1.0 - (w.overlap ? std::max(t, d + q) : t + d + q) - o);
   std::string verdict;
   if (q >= 0.15)
     verdict = fmt::format("drafter GPUs wait {:.0f}% on the target: add target GPUs (--target-gpus), or shorten "
@@ -394,7 +395,9 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
   std::vector<int64_t> win_correct(size_t(dc.block_size), 0), win_count(size_t(dc.block_size), 0);
   double win_loss = 0;
   int64_t win_loss_n = 0;
+  const bool disaggregated = !c.target_gpus.empty();
   StageWindow stages;
+  stages.overlap = disaggregated;
   auto t_win = Clock::now(), t_stage = Clock::now();
   while (tr.step_count() < total) {
     const TrainStepStats st = tr.step([&](int64_t i) {
@@ -478,6 +481,7 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
       stages.wall_s = secs_since(t_stage);
       if (leader) fmt::print("{}\n", stage_report(stages, tr.backend().device()));
       stages = {};
+      stages.overlap = disaggregated;
       t_stage = Clock::now();
     }
     if (s != last_saved && s % c.save_every == 0 && s < total) {
