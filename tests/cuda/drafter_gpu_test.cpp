@@ -140,4 +140,29 @@ TEST(CudaDrafter, StepMatchesTheCpuReference) {
   DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
 }
 
+// NaN / Inf in the taps is flagged by the step itself (the trainer then skips the step naming the
+// example), for a NaN and an Inf anywhere in the taps, and never for finite taps.
+TEST(CudaDrafter, FlagsNonFiniteTaps) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  Tiny t;
+  cudaStream_t s;
+  DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
+  {
+    DrafterGpu gpu(t.cfg, t.w, t.embed, t.lm_head, s);
+    std::vector<uint16_t> tb(t.taps.data.size());
+    for (size_t i = 0; i < tb.size(); ++i) tb[i] = f32_to_bf16(t.taps.data[i]);
+    for (const auto& [at, bits] : std::vector<std::pair<size_t, uint16_t>>{{0, 0}, {tb.size() - 1, 0x7FC0}, {777, 0xFF80}}) {
+      std::vector<uint16_t> bad = tb;
+      if (bits) bad[at] = bits;  // quiet NaN / -Inf
+      cuda::DeviceArray<cuda::bf16> taps(bad.size());
+      DFLASH_CUDA_CHECK(cudaMemcpy(taps.data(), bad.data(), bad.size() * 2, cudaMemcpyHostToDevice));
+      DrafterGpuSequence gs{taps.data(), t.seq.ids, t.seq.loss_mask, t.seq.anchors, t.seq.num_blocks, t.seq.gamma};
+      DrafterGpuStepOptions opt;
+      opt.backward = false;
+      EXPECT_EQ(gpu.step(gs, opt).nonfinite_taps, bits != 0) << "element " << at;
+    }
+  }
+  cudaStreamDestroy(s);
+}
+
 #endif

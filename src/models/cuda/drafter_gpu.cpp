@@ -319,8 +319,9 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   cuda::rms_norm_forward(fc_out.data(), I.F("hidden_norm.weight"), ctx.data(), inv_ctx.data(), S, d, c.rms_norm_eps,
                          false, s);
   StreamBuffer<bf16> x(size_t(Q * d), s);
-  StreamBuffer<int> bad(1, s);
-  DFLASH_CUDA_CHECK(cudaMemsetAsync(bad.data(), 0, sizeof(int), s));
+  StreamBuffer<int> bad(2, s);  // [mask token outside the embedding, non-finite taps]
+  DFLASH_CUDA_CHECK(cudaMemsetAsync(bad.data(), 0, 2 * sizeof(int), s));
+  cuda::flag_nonfinite(seq.taps, S * K * d, bad.data() + 1, s);
   cuda::embedding_gather(I.embed.data(), I.V, d, d_ids.data(), Q, x.data(), bad.data(), s);
   // One draft layer's forward from a.x_in: fills every saved activation of `a`, returns the output.
   auto forward_layer = [&](int64_t i, Saved& a) {
@@ -426,11 +427,12 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(h_amax.data(), amax.data(), size_t(Qc) * 4, cudaMemcpyDeviceToHost, s));
   }
   timer.end("cross_entropy");
-  int h_bad = 0;
-  DFLASH_CUDA_CHECK(cudaMemcpyAsync(&h_bad, bad.data(), sizeof(int), cudaMemcpyDeviceToHost, s));
+  int h_bad[2] = {0, 0};
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(h_bad, bad.data(), 2 * sizeof(int), cudaMemcpyDeviceToHost, s));
   DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));
-  if (h_bad) throw std::invalid_argument("DrafterGpu::step: mask_token_id outside the embedding");
+  if (h_bad[0]) throw std::invalid_argument("DrafterGpu::step: mask_token_id outside the embedding");
   DrafterGpuStepResult res;
+  res.nonfinite_taps = h_bad[1] != 0;
   res.weight_sum = wsum;
   res.slot_correct.assign(size_t(B), 0);
   res.slot_count.assign(size_t(B), 0);

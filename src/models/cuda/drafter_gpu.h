@@ -45,6 +45,7 @@ struct DrafterGpuStepResult {
   /// them), "cross_entropy" (fused forward + backward).
   std::vector<std::pair<std::string, double>> stage_ms;
   std::vector<int32_t> argmax;  // [num_blocks * B] with argmax_all_rows: the most likely token of each row
+  bool nonfinite_taps = false;  // the taps held NaN / Inf (the loss and gradients are then meaningless)
 };
 
 /// Parameters of a drafter on the GPU (order and names: DrafterWeights::named()) and the frozen

@@ -122,7 +122,20 @@ __global__ void normal_kernel(T* x, int64_t n, uint64_t seed, float mean, float 
   }
 }
 
+__global__ void nonfinite_kernel(const uint16_t* x, int64_t n, int* flag) {
+  bool bad = false;
+  DFLASH_GRID_STRIDE(i, n) bad = bad || (x[i] & 0x7F80u) == 0x7F80u;  // exponent all ones: Inf or NaN
+  if (__syncthreads_or(bad) && threadIdx.x == 0) *flag = 1;
+}
+
 }  // namespace
+
+void flag_nonfinite(const bf16* x, int64_t n, int* flag, cudaStream_t stream) {
+  if (n < 0) throw std::invalid_argument("flag_nonfinite: negative size");
+  if (n == 0) return;
+  nonfinite_kernel<<<grid_for(n), 256, 0, stream>>>(reinterpret_cast<const uint16_t*>(x), n, flag);
+  DFLASH_CUDA_CHECK_LAUNCH();
+}
 
 void fill_normal(float* x, int64_t n, uint64_t seed, float mean, float sd, cudaStream_t stream) {
   if (n <= 0) return;

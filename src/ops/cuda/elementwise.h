@@ -25,6 +25,10 @@ void embedding_gather(const bf16* table, int64_t V, int64_t d, const int32_t* id
 /// by the caller). Other rows of out are left as they are. The inverse of embedding_gather.
 void scatter_rows(const bf16* rows, int64_t n, int64_t d, const int32_t* ids, bf16* out, cudaStream_t stream);
 
+/// Sets *flag (device int) to 1 when any of x [n] (bf16) is NaN or Inf; leaves it alone otherwise
+/// (the caller zeroes it). For the training taps: bad numbers are named before they reach a loss.
+void flag_nonfinite(const bf16* x, int64_t n, int* flag, cudaStream_t stream);
+
 /// y [n] += x [n] (bf16, fp32 add, rounded once).
 void add_inplace(bf16* y, const bf16* x, int64_t n, cudaStream_t stream);
 

@@ -91,6 +91,7 @@ struct DrafterReplica {
       const DrafterGpuStepResult d = drafter.step(seq, so);
       r.loss = d.loss, r.weight_sum = d.weight_sum;
       r.slot_correct = d.slot_correct, r.slot_count = d.slot_count;
+      r.nonfinite_taps = d.nonfinite_taps;
     } else {
       r.slot_correct.assign(size_t(B), 0);
       r.slot_count.assign(size_t(B), 0);
@@ -377,7 +378,7 @@ class MultiGpuBackend final : public DrafterBackend {
   /// [done, loss, weight sum, times, error rank + 1, slot counts] per micro-batch; each process fills
   /// its own). A micro-batch that failed elsewhere throws here too, so that all processes stop.
   void exchange(const std::vector<MicroBatch>& mbs, std::vector<MicroResult>* res, const std::vector<std::exception_ptr>& err) {
-    const size_t n = mbs.size(), B = size_t(cfg_.block_size), m = 7 + 2 * B;
+    const size_t n = mbs.size(), B = size_t(cfg_.block_size), m = 8 + 2 * B;
     std::vector<double> h(n * m, 0.0);
     for (size_t j = 0; j < n; ++j) {
       const MicroResult& r = (*res)[j];
@@ -389,6 +390,7 @@ class MultiGpuBackend final : public DrafterBackend {
       if (r.slot_count.size() != B) continue;  // not this process's
       e[0] = 1, e[1] = r.loss, e[2] = r.weight_sum, e[3] = r.target_ms, e[4] = r.drafter_ms, e[5] = r.queue_ms;
       for (size_t k = 0; k < B; ++k) e[7 + k] = double(r.slot_correct[k]), e[7 + B + k] = double(r.slot_count[k]);
+      e[7 + 2 * B] = r.nonfinite_taps;
     }
     all_reduce(&h, ncclFloat64, ncclSum);
     bool local_error = false;
@@ -406,6 +408,7 @@ class MultiGpuBackend final : public DrafterBackend {
       r.loss = e[1], r.weight_sum = e[2], r.target_ms = e[3], r.drafter_ms = e[4], r.queue_ms = e[5];
       r.slot_correct.assign(B, 0), r.slot_count.assign(B, 0);
       for (size_t k = 0; k < B; ++k) r.slot_correct[k] = int64_t(e[7 + k]), r.slot_count[k] = int64_t(e[7 + B + k]);
+      r.nonfinite_taps = e[7 + 2 * B] > 0;
     }
   }
 
