@@ -11,10 +11,7 @@ namespace {
 class CpuDecoder final : public TargetDecoder {
  public:
   CpuDecoder(const TargetModel& m, std::vector<int64_t> taps) : m_(m), taps_(std::move(taps)), cache_(m.spec(), 0) {
-    for (int64_t id : taps_)
-      if (id < 0 || id >= m.spec().num_hidden_layers)
-        throw std::invalid_argument("decoder: tap layer id " + std::to_string(id) + " is outside the target's " +
-                                    std::to_string(m.spec().num_hidden_layers) + " layers");
+    check_tap_layer_ids(m.spec(), taps_);
   }
   const ModelSpec& spec() const override { return m_.spec(); }
   void reset(int n) override { cache_ = TargetCache(m_.spec(), n); }
@@ -26,25 +23,12 @@ class CpuDecoder final : public TargetDecoder {
       throw std::invalid_argument("decoder: fed " + std::to_string(tokens.size()) + " sequences, the batch has " +
                                   std::to_string(cache_.num_seqs()));
     std::vector<int32_t> ids;
-    std::vector<int64_t> cu{0};
-    for (const auto& t : tokens) {
-      ids.insert(ids.end(), t.begin(), t.end());
-      cu.push_back(int64_t(ids.size()));
-    }
+    std::vector<int64_t> cu;
+    pack_feed(tokens, &ids, &cu);
     ForwardOptions fo;
     fo.hidden_states = tap_hidden_states(taps_);
     fo.keep_rollback = keep_rollback;
-    const ForwardOutput f = m_.forward(ids, cu, fo, &cache_);
-    const Tensor all_taps = concat_taps(f, taps_);
-    std::vector<DecodeOutput> r(tokens.size());
-    const int64_t V = f.logits.dim(1);
-    for (size_t s = 0; s < tokens.size(); ++s) {
-      for (int64_t t = cu[s]; t < cu[s + 1]; ++t)
-        r[s].argmax.push_back(int32_t(std::max_element(f.logits.row(t), f.logits.row(t) + V) - f.logits.row(t)));
-      if (logits) r[s].logits = slice_rows(f.logits, cu[s], cu[s + 1]);
-      if (all_taps.numel()) r[s].taps = slice_rows(all_taps, cu[s], cu[s + 1]);
-    }
-    return r;
+    return split_feed_output(m_.forward(ids, cu, fo, &cache_), cu, taps_, nullptr, logits);
   }
   void rollback(int s, int64_t length) override { cache_.rollback(s, length); }
   int64_t length(int s) const override { return cache_.length(s); }
@@ -116,6 +100,41 @@ class CpuDrafter final : public BlockDrafter {
 };
 
 }  // namespace
+
+void check_tap_layer_ids(const ModelSpec& s, const std::vector<int64_t>& taps) {
+  for (int64_t id : taps)
+    if (id < 0 || id >= s.num_hidden_layers)
+      throw std::invalid_argument("decoder: tap layer id " + std::to_string(id) + " is outside the target's " +
+                                  std::to_string(s.num_hidden_layers) + " layers");
+}
+
+void pack_feed(const std::vector<std::vector<int32_t>>& tokens, std::vector<int32_t>* ids, std::vector<int64_t>* cu) {
+  ids->clear();
+  *cu = {0};
+  for (const auto& t : tokens) {
+    ids->insert(ids->end(), t.begin(), t.end());
+    cu->push_back(int64_t(ids->size()));
+  }
+}
+
+std::vector<DecodeOutput> split_feed_output(const ForwardOutput& f, const std::vector<int64_t>& cu,
+                                            const std::vector<int64_t>& taps, const std::vector<int32_t>* argmax,
+                                            bool logits) {
+  const Tensor all_taps = concat_taps(f, taps);
+  std::vector<DecodeOutput> r(cu.size() - 1);
+  for (size_t s = 0; s + 1 < cu.size(); ++s) {
+    if (argmax) {
+      r[s].argmax.assign(argmax->begin() + cu[s], argmax->begin() + cu[s + 1]);
+    } else {
+      const int64_t V = f.logits.dim(1);
+      for (int64_t t = cu[s]; t < cu[s + 1]; ++t)
+        r[s].argmax.push_back(int32_t(std::max_element(f.logits.row(t), f.logits.row(t) + V) - f.logits.row(t)));
+    }
+    if (logits) r[s].logits = slice_rows(f.logits, cu[s], cu[s + 1]);
+    if (all_taps.numel()) r[s].taps = slice_rows(all_taps, cu[s], cu[s + 1]);
+  }
+  return r;
+}
 
 std::unique_ptr<TargetDecoder> make_cpu_decoder(const TargetModel& model, std::vector<int64_t> tap_layer_ids) {
   return std::make_unique<CpuDecoder>(model, std::move(tap_layer_ids));

@@ -87,6 +87,17 @@ std::unique_ptr<TargetDecoder> make_gpu_decoder(const TargetModel& model, std::v
 std::unique_ptr<BlockDrafter> make_gpu_drafter(const DrafterConfig& cfg, const DrafterWeights<float>& weights,
                                                const Tensor& embed, const Tensor& lm_head, int device);
 
+// Pieces shared by the engines (src/spec/cpu_engine.cpp).
+/// Throws std::invalid_argument for a tap layer id outside [0, num_hidden_layers) of `s`.
+void check_tap_layer_ids(const ModelSpec& s, const std::vector<int64_t>& tap_layer_ids);
+/// The per-sequence token lists of a feed, packed: ids back to back and cu_seqlens.
+void pack_feed(const std::vector<std::vector<int32_t>>& tokens, std::vector<int32_t>* ids, std::vector<int64_t>* cu);
+/// Splits a packed forward's output by cu_seqlens into DecodeOutputs: argmax from `argmax` [T] when
+/// given, else from f.logits; logits kept when `logits`; taps concatenated from tap_layer_ids.
+std::vector<DecodeOutput> split_feed_output(const ForwardOutput& f, const std::vector<int64_t>& cu,
+                                            const std::vector<int64_t>& tap_layer_ids,
+                                            const std::vector<int32_t>* argmax, bool logits);
+
 /// Checks that a drafter fits a target before any work: hidden size, vocabulary (mask_token_id inside
 /// it) and target_layer_ids within the target's layers. Throws std::invalid_argument naming both.
 void check_drafter_fits(const DrafterConfig& d, const ModelSpec& target, const std::string& drafter_path);

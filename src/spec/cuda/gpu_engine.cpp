@@ -25,35 +25,21 @@ class GpuDecoder final : public TargetDecoder {
  public:
   GpuDecoder(const TargetModel& m, std::vector<int64_t> taps, int device)
       : s_(stream_on(device)), gpu_(m, s_), taps_(std::move(taps)) {
-    for (int64_t id : taps_)
-      if (id < 0 || id >= m.spec().num_hidden_layers)
-        throw std::invalid_argument("decoder: tap layer id " + std::to_string(id) + " is outside the target's " +
-                                    std::to_string(m.spec().num_hidden_layers) + " layers");
+    check_tap_layer_ids(m.spec(), taps_);
   }
   ~GpuDecoder() override { cudaStreamDestroy(s_); }
   const ModelSpec& spec() const override { return gpu_.spec(); }
   void reset(int n) override { gpu_.reset_cache(n); }
   void clear(int s) override { gpu_.truncate_cache(s, 0); }
   std::vector<DecodeOutput> feed(const std::vector<std::vector<int32_t>>& tokens, bool, bool logits) override {
-    std::vector<int32_t> ids;
-    std::vector<int64_t> cu{0};
-    for (const auto& t : tokens) {
-      ids.insert(ids.end(), t.begin(), t.end());
-      cu.push_back(int64_t(ids.size()));
-    }
+    std::vector<int32_t> ids, amax;
+    std::vector<int64_t> cu;
+    pack_feed(tokens, &ids, &cu);
     ForwardOptions fo;
     fo.logits = logits;
     fo.hidden_states = tap_hidden_states(taps_);
-    std::vector<int32_t> amax;
     const ForwardOutput f = gpu_.forward_cached(ids, cu, fo, &amax);
-    const Tensor all_taps = concat_taps(f, taps_);
-    std::vector<DecodeOutput> r(tokens.size());
-    for (size_t q = 0; q < tokens.size(); ++q) {
-      r[q].argmax.assign(amax.begin() + cu[q], amax.begin() + cu[q + 1]);
-      if (logits) r[q].logits = slice_rows(f.logits, cu[q], cu[q + 1]);
-      if (all_taps.numel()) r[q].taps = slice_rows(all_taps, cu[q], cu[q + 1]);
-    }
-    return r;
+    return split_feed_output(f, cu, taps_, &amax, logits);
   }
   void rollback(int s, int64_t length) override { gpu_.truncate_cache(s, length); }
   int64_t length(int s) const override { return gpu_.cached_length(s); }
