@@ -40,7 +40,7 @@ void add_bench_drafter_step(CLI::App& bench, Runner& run) {
 #ifdef DFLASH_HAVE_CUDA
       return run_drafter_step_bench({preset, seq, anchors, steps, warmup, results, !no_record, recompute});
 #else
-      fmt::print(stderr, "dflash bench drafter-step: this build has no CUDA backend (configure with nvcc present)\n");
+      fmt::print(stderr, "dflash bench drafter-step: this build has no CUDA backend (it was configured with -DDFLASH_CUDA=OFF or without nvcc; reconfigure on a machine with the CUDA toolkit)\n");
       return 2;
 #endif
     };
@@ -85,7 +85,7 @@ void add_bench_pipeline(CLI::App& bench, Runner& run) {
       po.drafter_gpus = gpus.empty() ? drafter_gpus : gpus;
       return run_pipeline_bench(po);
 #else
-      fmt::print(stderr, "dflash bench pipeline: this build has no CUDA backend (configure with nvcc present)\n");
+      fmt::print(stderr, "dflash bench pipeline: this build has no CUDA backend (it was configured with -DDFLASH_CUDA=OFF or without nvcc; reconfigure on a machine with the CUDA toolkit)\n");
       return 2;
 #endif
     };

@@ -49,7 +49,7 @@ void add_eval(CLI::App& app, Runner& run) {
       if (!no_baseline) plain = run_chat(*e.target, nullptr, *e.tok, e.family, convs, co, progress_printer("eval: baseline"));
       for (const auto& s : spec.skipped) fmt::print(stderr, "skipped {}:{}: {}\n", s.file, s.line, s.reason);
       const int64_t B = e.drafter->config().block_size;
-      const EvalReport rep = make_eval_report(spec, no_baseline ? nullptr : &plain, B);
+      const EvalReport rep = make_eval_report(convs, spec, no_baseline ? nullptr : &plain, B);
       fmt::print("{}", rep.table());
       if (co.gen.temperature == 0 && rep.identical >= 0 && rep.identical < rep.turns)
         fmt::print("note: {} of {} answers differ from plain greedy decoding (floating-point ties or near-ties between "

@@ -57,7 +57,7 @@ void add_forward(CLI::App& app, Runner& run) {
     run = [] {
 #ifndef DFLASH_HAVE_CUDA
       if (device != "cpu")
-        throw std::runtime_error("--device " + device + ": this build has no CUDA backend (configure with nvcc present)");
+        throw std::runtime_error("--device " + device + ": this build has no CUDA backend (it was configured with -DDFLASH_CUDA=OFF or without nvcc; reconfigure on a machine with the CUDA toolkit)");
 #endif
       namespace fs = std::filesystem;
       if (fs::is_directory(out)) throw std::runtime_error("--out " + out + " is a directory; give a .safetensors file path");

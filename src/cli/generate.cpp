@@ -33,6 +33,7 @@ void add_generate(CLI::App& app, Runner& run) {
         if (prompt.empty()) throw std::runtime_error("--raw needs --prompt");
         const GenerateResult g = generate(*e.target, e.drafter.get(), {e.tok->encode(prompt, false)}, co.gen);
         fmt::print("{}\n", e.tok->decode(g.seqs[0].tokens));
+        if (!g.seqs[0].stopped) fmt::print(stderr, "generate: [cut at --max-new-tokens {}]\n", co.gen.max_new_tokens);
         seqs = g.seqs;
         wall = g.wall_ms;
       } else {
@@ -46,6 +47,7 @@ void add_generate(CLI::App& app, Runner& run) {
             fmt::print("--- {}:{} turn {}: {}\n", convs[t.conversation].file, convs[t.conversation].line, t.turn + 1,
                        convs[t.conversation].user_turns[t.turn]);
           fmt::print("{}\n", t.text);
+          if (!t.result.stopped) fmt::print(stderr, "generate: [cut at --max-new-tokens {}]\n", co.gen.max_new_tokens);
           seqs.push_back(t.result);
         }
         wall = r.wall_ms;

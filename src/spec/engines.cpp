@@ -13,6 +13,7 @@ namespace fs = std::filesystem;
 
 std::string resolve_drafter_dir(const std::string& path) {
   const fs::path p(path);
+  if (!fs::exists(p)) throw std::runtime_error(path + ": no such file or directory (--drafter)");
   if (fs::exists(p / "config.json")) return path;
   if (fs::exists(p / "final" / "config.json")) return (p / "final").string();
   // An unfinished run: its newest checkpoint.
@@ -36,7 +37,7 @@ Engines open_engines(const EngineOptions& o) {
   Engines e;
 #ifndef DFLASH_HAVE_CUDA
   if (o.device != "cpu")
-    throw std::runtime_error("--device " + o.device + ": this build has no CUDA backend (configure with nvcc present)");
+    throw std::runtime_error("--device " + o.device + ": this build has no CUDA backend (it was configured with -DDFLASH_CUDA=OFF or without nvcc; reconfigure on a machine with the CUDA toolkit)");
 #endif
   const std::string tok_path = o.tokenizer.empty() ? o.target : o.tokenizer;
   if (!fs::is_regular_file(tok_path) && !fs::exists(fs::path(tok_path) / "tokenizer.json"))

@@ -34,8 +34,11 @@ std::vector<PromptConversation> load_prompts(const std::vector<std::string>& fil
   if (r.empty()) {
     std::string names;
     for (const auto& f : files) names += (names.empty() ? "" : ", ") + f;
-    throw std::runtime_error(names + ": no prompt to run (" + std::to_string(sk.size()) + " records skipped" +
-                             (sk.empty() ? "" : ", the first: line " + std::to_string(sk[0].line) + ": " + sk[0].reason) +
+    throw std::runtime_error(names + ": no prompt to run (" +
+                             (sk.empty() ? std::string("no records")
+                                         : std::to_string(sk.size()) + (sk.size() == 1 ? " record" : " records") +
+                                               " skipped, the first: " + sk[0].file + ":" + std::to_string(sk[0].line) +
+                                               ": " + sk[0].reason) +
                              ")");
   }
   return r;
@@ -132,13 +135,22 @@ std::pair<double, double> ttft_tpot_ms(const ChatRunResult& r) {
 }
 }  // namespace
 
-EvalReport make_eval_report(const ChatRunResult& spec, const ChatRunResult* plain, int64_t B) {
+EvalReport make_eval_report(const std::vector<PromptConversation>& convs, const ChatRunResult& spec,
+                            const ChatRunResult* plain, int64_t B) {
   EvalReport e;
   std::vector<SequenceResult> seqs;
+  std::vector<std::string> files;
+  std::vector<std::vector<SequenceResult>> by_file;
   for (const auto& t : spec.turns) {
     seqs.push_back(t.result);
     e.generated_tokens += int64_t(t.result.tokens.size());
+    const std::string& f = convs.at(t.conversation).file;
+    const size_t k = size_t(std::find(files.begin(), files.end(), f) - files.begin());
+    if (k == files.size()) files.push_back(f), by_file.emplace_back();
+    by_file[k].push_back(t.result);
   }
+  for (size_t k = 0; k < files.size(); ++k)
+    e.per_file.push_back({files[k], acceptance_stats(by_file[k], B), int64_t(by_file[k].size())});
   e.turns = int64_t(spec.turns.size());
   e.acceptance = acceptance_stats(seqs, B);
   std::tie(e.ttft_ms, e.tpot_ms) = ttft_tpot_ms(spec);
@@ -162,6 +174,10 @@ nlohmann::json EvalReport::to_json() const {
                    {"generated_tokens", generated_tokens},
                    {"ttft_ms", ttft_ms},
                    {"tpot_ms", tpot_ms}};
+  j["per_file"] = nlohmann::json::array();
+  for (const auto& f : per_file)
+    j["per_file"].push_back({{"file", f.file}, {"tau", f.acceptance.tau}, {"turns", f.turns},
+                             {"verify_steps", f.acceptance.steps}});
   if (identical >= 0) {
     j["plain_ttft_ms"] = plain_ttft_ms;
     j["plain_tpot_ms"] = plain_tpot_ms;
@@ -175,6 +191,10 @@ std::string EvalReport::table() const {
   const auto& a = acceptance;
   std::string s = fmt::format("acceptance length tau  {:.3f}  ({} verify steps, block size {}, {} turns, {} tokens)\n",
                               a.tau, a.steps, a.block_size, turns, generated_tokens);
+  if (per_file.size() > 1)
+    for (const auto& f : per_file)
+      s += fmt::format("  {}: tau {:.3f} ({} turns, {} verify steps)\n", f.file, f.acceptance.tau, f.turns,
+                       f.acceptance.steps);
   s += "tokens committed per step (accepted + 1):\n";
   for (int64_t j = 1; j < int64_t(a.histogram.size()); ++j)
     s += fmt::format("  {:>2}  {:>7}  {:5.1f} %\n", j, a.histogram[size_t(j)],

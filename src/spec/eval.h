@@ -72,10 +72,18 @@ struct EvalReport {
   double plain_ttft_ms = 0, plain_tpot_ms = 0;  // plain run (0 when not run)
   double speedup = 0;                         // plain_tpot / tpot (0 when no plain run)
   int64_t identical = -1;                     // turns whose output equals the plain run's (-1: not compared)
+  struct PerFile {
+    std::string file;
+    AcceptanceStats acceptance;
+    int64_t turns = 0;
+  };
+  std::vector<PerFile> per_file;              // one per data file, in order (tau of each dataset)
   nlohmann::json to_json() const;
   /// A readable table (tau, histogram, per-slot acceptance, timings).
   std::string table() const;
 };
-EvalReport make_eval_report(const ChatRunResult& spec, const ChatRunResult* plain, int64_t block_size);
+/// `convs` are the conversations both runs answered (for the per-file breakdown).
+EvalReport make_eval_report(const std::vector<PromptConversation>& convs, const ChatRunResult& spec,
+                            const ChatRunResult* plain, int64_t block_size);
 
 }  // namespace dflash

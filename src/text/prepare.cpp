@@ -33,7 +33,7 @@ PrepareReport write_prepared(const Tokenizer& tok, ChatFamily family, const Prep
     };
     read_chat_file(file, o.strict, [&](Conversation&& c) {
       if (c.prompt_only) {
-        skip(c, "prompt-only record (no assistant turn): its responses must be generated first");
+        skip(c, "prompt-only record (no assistant turn): have the target answer it first (dflash prepare --regenerate --target MODEL)");
         return;
       }
       bool truncated = false;

@@ -183,7 +183,7 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
     for (const auto* l : {&c.target_devices(), &c.drafter_devices()})
       for (int g : *l) cuda::require_device("train --device cuda", g);
 #else
-  if (c.device == "cuda") throw std::runtime_error("--device cuda: this build has no CUDA backend (configure with nvcc present)");
+  if (c.device == "cuda") throw std::runtime_error("--device cuda: this build has no CUDA backend (it was configured with -DDFLASH_CUDA=OFF or without nvcc; reconfigure on a machine with the CUDA toolkit)");
 #endif
   if (!c.target_layer_ids.empty()) c.num_taps = int64_t(c.target_layer_ids.size());
   const fs::path out(c.out), ckdir = out / "checkpoints";
@@ -329,7 +329,7 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
     backend = make_gpu_backend(dc, w0, *target, c.target_devices(), c.drafter_devices(),
                                GpuTrainOptions{c.recompute, c.target_batch_tokens, pg});
 #else
-    throw std::runtime_error("--device cuda: this build has no CUDA backend (configure with nvcc present)");
+    throw std::runtime_error("--device cuda: this build has no CUDA backend (it was configured with -DDFLASH_CUDA=OFF or without nvcc; reconfigure on a machine with the CUDA toolkit)");
 #endif
   }
   DrafterTrainer tr(dc, std::move(backend), n, to);

@@ -88,6 +88,9 @@ TEST(EvalCli, RegenerateTrainEvalOnSmolLM2) {
   EXPECT_GE(rep["tau"].get<double>(), 1.0);
   EXPECT_LE(rep["tau"].get<double>(), 4.0);
   EXPECT_EQ(rep["accept_length_histogram"].size(), 5u);
+  ASSERT_EQ(rep["per_file"].size(), 2u);  // tau of each data file
+  EXPECT_EQ(rep["per_file"][1]["turns"], 2);
+  EXPECT_NE(log.find("mt.jsonl: tau"), std::string::npos) << log;
   EXPECT_GT(rep["verify_steps"].get<int64_t>(), 0);
   std::ifstream rec(tmp / "results" / "eval.jsonl");
   ASSERT_TRUE(std::getline(rec, line));
@@ -114,6 +117,11 @@ TEST(EvalCli, RegenerateTrainEvalOnSmolLM2) {
             0);
   EXPECT_NE(log.find("no prompt to run"), std::string::npos) << log;
   EXPECT_NE(test::run_command(bin() + "eval --target " + g + " --drafter " + (tmp / "nothing").string() + " --data " +
+                                  (tmp / "train.jsonl").string(),
+                              &log),
+            0);
+  EXPECT_NE(log.find("no such file or directory (--drafter)"), std::string::npos) << log;
+  EXPECT_NE(test::run_command(bin() + "eval --target " + g + " --drafter " + (tmp / "prep").string() + " --data " +
                                   (tmp / "train.jsonl").string(),
                               &log),
             0);
