@@ -211,6 +211,25 @@ BlockLayout block_layout(const std::vector<int64_t>& ids, const std::vector<int6
   return l;
 }
 
+namespace {
+bool is_sliding(const DrafterConfig& cfg, int64_t i) {
+  return size_t(i) < cfg.layer_types.size() && cfg.layer_types[size_t(i)] == "sliding_attention";
+}
+/// k_norm + RoPE keys [n, Hkv, hd] and values of the rows `in` [n, d] at `pos` (layer lw).
+void keys_values(const DrafterConfig& cfg, const DrafterLayerWeights<float>& lw, const Tensor& in,
+                 const std::vector<int64_t>& pos, Tensor* k, Tensor* v) {
+  const int64_t n = in.dim(0), hd = cfg.head_dim, Hkv = cfg.num_key_value_heads;
+  *k = cpu::rms_norm_forward(reshaped(cpu::linear(in, lw.k_proj, "drafter k_proj"), {n, Hkv, hd}), lw.k_norm,
+                             cfg.rms_norm_eps, nullptr);
+  Rope<float>(pos, hd, cfg.rope_theta).apply(*k, 1.f);
+  *v = reshaped(cpu::linear(in, lw.v_proj, "drafter v_proj"), {n, Hkv, hd});
+}
+void append_rows(Tensor& to, const Tensor& rows) {
+  to.data.insert(to.data.end(), rows.data.begin(), rows.data.end());
+  to.shape[0] += rows.dim(0);
+}
+}  // namespace
+
 template <typename T>
 DrafterStepResult<T> drafter_step(const DrafterConfig& cfg, const DrafterWeights<T>& w, const DrafterSequence<T>& seq,
                                   const DrafterStepOptions& opt) {
@@ -247,8 +266,7 @@ DrafterStepResult<T> drafter_step(const DrafterConfig& cfg, const DrafterWeights
   const double scale = 1.0 / std::sqrt(double(hd));
   std::vector<std::vector<KvRanges>> ranges(static_cast<size_t>(L));
   for (int64_t i = 0; i < L; ++i) {
-    const bool sliding = size_t(i) < cfg.layer_types.size() && cfg.layer_types[size_t(i)] == "sliding_attention";
-    ranges[size_t(i)] = dflash_kv_ranges(seq.anchors, N, B, S, sliding ? cfg.sliding_window : 0);
+    ranges[size_t(i)] = dflash_kv_ranges(seq.anchors, N, B, S, is_sliding(cfg, i) ? cfg.sliding_window : 0);
   }
 
   // ---- forward ----
@@ -349,6 +367,63 @@ DrafterStepResult<T> drafter_step(const DrafterConfig& cfg, const DrafterWeights
   rms_norm_backward(fc_out, w.hidden_norm, inv_ctx, dctx, &dfc, &gr.hidden_norm);
   linear_backward(*seq.taps, w.fc, dfc, nullptr, &gr.fc, "drafter fc");
   return res;
+}
+
+
+void drafter_extend_context(const DrafterConfig& cfg, const DrafterWeights<float>& w, DrafterContextCache& c,
+                            const Tensor& taps) {
+  const int64_t d = cfg.hidden_size, m = taps.ndim() == 2 ? taps.dim(0) : -1;
+  check_shape("context taps", taps.shape, {m, int64_t(cfg.target_layer_ids.size()) * d});
+  if (c.k.empty()) {
+    c.k.assign(size_t(cfg.num_hidden_layers), Tensor({0, cfg.num_key_value_heads, cfg.head_dim}));
+    c.v = c.k;
+  }
+  const Tensor ctx = cpu::rms_norm_forward(cpu::linear(taps, w.fc, "drafter fc"), w.hidden_norm, cfg.rms_norm_eps, nullptr);
+  std::vector<int64_t> pos(static_cast<size_t>(m));
+  for (int64_t j = 0; j < m; ++j) pos[size_t(j)] = c.length + j;
+  for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) {
+    Tensor k, v;
+    keys_values(cfg, w.layers[size_t(i)], ctx, pos, &k, &v);
+    append_rows(c.k[size_t(i)], k);
+    append_rows(c.v[size_t(i)], v);
+  }
+  c.length += m;
+}
+
+Tensor drafter_draft_logits(const DrafterConfig& cfg, const DrafterWeights<float>& w, const DrafterContextCache& c,
+                            int32_t last_token, const Tensor& embed, const Tensor& lm_head) {
+  using namespace dflash::cpu;
+  const int64_t d = cfg.hidden_size, hd = cfg.head_dim, H = cfg.num_attention_heads, B = cfg.block_size;
+  const int64_t p = c.length, V = embed.dim(0);
+  if (last_token < 0 || last_token >= V) throw std::invalid_argument("drafter: token id outside the vocabulary");
+  std::vector<int64_t> pos(static_cast<size_t>(B));
+  Tensor x({B, d});
+  for (int64_t k = 0; k < B; ++k) {
+    pos[size_t(k)] = p + k;
+    const int64_t id = k == 0 ? last_token : cfg.mask_token_id;
+    std::copy(embed.row(id), embed.row(id) + d, x.row(k));
+  }
+  const Rope<float> rope(pos, hd, cfg.rope_theta);
+  for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) {
+    const auto& lw = w.layers[size_t(i)];
+    const Tensor hn = rms_norm_forward(x, lw.input_layernorm, cfg.rms_norm_eps, nullptr);
+    Tensor q = rms_norm_forward(reshaped(linear(hn, lw.q_proj, "drafter q_proj"), {B, H, hd}), lw.q_norm,
+                                cfg.rms_norm_eps, nullptr);
+    rope.apply(q, 1.f);
+    Tensor kb, vb;  // keys / values: the context's (cached), then the block's
+    keys_values(cfg, lw, hn, pos, &kb, &vb);
+    Tensor k = p ? c.k[size_t(i)] : Tensor({0, cfg.num_key_value_heads, hd}), v = p ? c.v[size_t(i)] : k;
+    append_rows(k, kb);
+    append_rows(v, vb);
+    const auto ranges = dflash_kv_ranges({p}, 1, B, p, is_sliding(cfg, i) ? cfg.sliding_window : 0);
+    const Tensor o = masked_attention_forward(q, k, v, ranges, 1.0 / std::sqrt(double(hd)), nullptr);
+    add_into(x, linear(reshaped(o, {B, H * hd}), lw.o_proj, "drafter o_proj"));
+    const Tensor hp = rms_norm_forward(x, lw.post_attention_layernorm, cfg.rms_norm_eps, nullptr);
+    Tensor g = linear(hp, lw.gate_proj, "drafter gate_proj");
+    swiglu(g, linear(hp, lw.up_proj, "drafter up_proj"));
+    add_into(x, linear(g, lw.down_proj, "drafter down_proj"));
+  }
+  return linear(rms_norm_forward(x, w.norm, cfg.rms_norm_eps, nullptr), lm_head, "lm_head");
 }
 
 template struct DrafterWeights<float>;

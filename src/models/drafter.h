@@ -111,4 +111,25 @@ template <typename T>
 DrafterStepResult<T> drafter_step(const DrafterConfig& cfg, const DrafterWeights<T>& w, const DrafterSequence<T>& seq,
                                   const DrafterStepOptions& opt = {});
 
+/// Drafting with a cache of context features (../shared/docs/dflash.md "Serving loop"): for each draft
+/// layer the keys (k_proj, k_norm, RoPE at their positions) and values of the context rows, grown as
+/// tokens are committed, so a draft projects only its own block.
+struct DrafterContextCache {
+  int64_t length = 0;        // context rows (positions 0 .. length - 1)
+  std::vector<Tensor> k, v;  // per layer [length, Hkv, hd]
+};
+
+/// Appends the context rows of positions c.length .. c.length + m - 1 from their target taps [m, K*d]:
+/// ctx = hidden_norm(fc(taps)), then each layer's keys and values of ctx. Throws std::invalid_argument
+/// on shapes.
+void drafter_extend_context(const DrafterConfig& cfg, const DrafterWeights<float>& w, DrafterContextCache& c,
+                            const Tensor& taps);
+
+/// Logits [B, V] of the block [last_token, MASK x (B-1)] at positions c.length .. c.length + B - 1 (its
+/// anchor is the last committed token, whose own features the mask hides): the same computation as
+/// drafter_step's logits for one block anchored at c.length, with the context from the cache.
+/// embed / lm_head [V, d]. Throws std::invalid_argument for a token outside the vocabulary.
+Tensor drafter_draft_logits(const DrafterConfig& cfg, const DrafterWeights<float>& w, const DrafterContextCache& c,
+                            int32_t last_token, const Tensor& embed, const Tensor& lm_head);
+
 }  // namespace dflash

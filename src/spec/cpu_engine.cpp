@@ -45,58 +45,28 @@ class CpuDrafter final : public BlockDrafter {
   CpuDrafter(const DrafterConfig& c, DrafterWeights<float> w, const Tensor& embed, const Tensor& lm_head)
       : c_(c), w_(std::move(w)), embed_(embed), lm_head_(lm_head) {}
   const DrafterConfig& config() const override { return c_; }
-  void reset(int n) override { ctx_.assign(size_t(n), empty()); }
-  void clear(int s) override { ctx_.at(size_t(s)) = empty(); }
-
-  void append_context(int s, const Tensor& taps) override {
-    Tensor& c = ctx_.at(size_t(s));
-    if (taps.ndim() != 2 || taps.dim(1) != c.dim(1))
-      throw std::invalid_argument("drafter: context taps " + shape_str(taps.shape) + ", expected [m, " +
-                                  std::to_string(c.dim(1)) + "]");
-    c.data.insert(c.data.end(), taps.data.begin(), taps.data.end());
-    c.shape[0] += taps.dim(0);
-  }
-
+  void reset(int n) override { ctx_.assign(size_t(n), DrafterContextCache{}); }
+  void clear(int s) override { ctx_.at(size_t(s)) = DrafterContextCache{}; }
+  void append_context(int s, const Tensor& taps) override { drafter_extend_context(c_, w_, ctx_.at(size_t(s)), taps); }
   std::vector<std::vector<int32_t>> draft(const std::vector<int32_t>& last) override {
     std::vector<std::vector<int32_t>> r(last.size());
     for (size_t s = 0; s < last.size(); ++s) {
       if (last[s] < 0) continue;
-      // The anchor is the last committed token at position p = context length; its own features
-      // are not known yet and the mask hides them, so row p of the taps is zero.
-      const Tensor& c = ctx_.at(s);
-      const int64_t p = c.dim(0), B = c_.block_size;
-      Tensor taps({p + 1, c.dim(1)});
-      std::copy(c.data.begin(), c.data.end(), taps.ptr());
-      DrafterSequence<float> seq;
-      seq.taps = &taps;
-      seq.ids.assign(size_t(p + 1), 0);
-      seq.ids[size_t(p)] = last[s];
-      seq.loss_mask.assign(size_t(p + 1), 0);
-      seq.anchors = {p};
-      seq.num_blocks = 1;
-      seq.embed = &embed_;
-      seq.lm_head = &lm_head_;
-      DrafterStepOptions o;
-      o.backward = false;
-      o.keep_logits = true;
-      const auto res = drafter_step(c_, w_, seq, o);  // logits [B, V]
-      const int64_t V = res.logits.dim(1);
-      for (int64_t k = 1; k < B; ++k) {
-        const float* row = res.logits.row(k);
-        r[s].push_back(int32_t(std::max_element(row, row + V) - row));
-      }
+      const Tensor logits = drafter_draft_logits(c_, w_, ctx_.at(s), last[s], embed_, lm_head_);  // [B, V]
+      const int64_t V = logits.dim(1);
+      for (int64_t k = 1; k < c_.block_size; ++k)
+        r[s].push_back(int32_t(std::max_element(logits.row(k), logits.row(k) + V) - logits.row(k)));
     }
     return r;
   }
-  std::string describe() const override { return "cpu reference drafter (drafter_step forward, fp32)"; }
+  std::string describe() const override { return "cpu reference drafter (fp32, context keys / values cached)"; }
 
  private:
-  Tensor empty() const { return Tensor({0, int64_t(c_.target_layer_ids.size()) * c_.hidden_size}); }
   DrafterConfig c_;
   DrafterWeights<float> w_;
   const Tensor& embed_;
   const Tensor& lm_head_;
-  std::vector<Tensor> ctx_;  // per sequence [p, K*d]
+  std::vector<DrafterContextCache> ctx_;  // per sequence
 };
 
 }  // namespace

@@ -70,10 +70,10 @@ class BlockDrafter {
   virtual std::string describe() const = 0;
 };
 
-/// The CPU reference drafter: drafter_step (src/models/drafter.h, the training forward) with the
-/// block's anchor at the last committed position, so drafting is exactly the trained computation.
-/// It recomputes the context projection every draft (no cache): a reference, not a fast path.
-/// `embed` / `lm_head` [V, d] (the target's) must outlive it.
+/// The CPU reference drafter: drafter_draft_logits over a DrafterContextCache (src/models/drafter.h;
+/// the training forward's computation for one block anchored at the last committed position, the
+/// context's keys / values cached as tokens are committed). `embed` / `lm_head` [V, d] (the
+/// target's) must outlive it.
 std::unique_ptr<BlockDrafter> make_cpu_drafter(const DrafterConfig& cfg, DrafterWeights<float> weights,
                                                const Tensor& embed, const Tensor& lm_head);
 

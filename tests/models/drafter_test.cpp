@@ -246,3 +246,37 @@ TEST(Drafter, LoadsShardedPrefixedCheckpoints) {
   ASSERT_EQ(a.size(), b.size());
   for (size_t k = 0; k < a.size(); ++k) EXPECT_EQ(a[k].second->data, b[k].second->data) << a[k].first;
 }
+
+// Drafting from a context cache (keys / values of context rows computed once, as tokens are
+// committed, in pieces) gives the logits of the training forward for one block anchored at the
+// context's length: full and sliding-window layers, an empty context, contexts grown piece by piece.
+TEST(Drafter, DraftFromTheContextCacheEqualsTheTrainingForward) {
+  Problem<float> p;  // 23 positions of taps, a sliding layer (tests/fixtures/drafter)
+  DrafterContextCache cache;
+  int64_t done = 0;
+  for (int64_t len : {0, 1, 2, 7, 15, 22}) {
+    if (len > done) drafter_extend_context(p.cfg, p.w, cache, slice_rows(p.taps, done, len));
+    done = len;
+    ASSERT_EQ(cache.length, len);
+    const int32_t last = int32_t(p.seq.ids[size_t(len)]);
+    const Tensor got = drafter_draft_logits(p.cfg, p.w, cache, last, p.embed, p.lm_head);
+    Tensor taps({len + 1, p.taps.dim(1)});  // row `len` (the anchor's own features) is hidden by the mask
+    std::copy_n(p.taps.ptr(), len * p.taps.dim(1), taps.ptr());
+    DrafterSequence<float> seq;
+    seq.taps = &taps, seq.embed = &p.embed, seq.lm_head = &p.lm_head;
+    seq.ids.assign(size_t(len + 1), 0);
+    seq.ids[size_t(len)] = last;
+    seq.loss_mask.assign(size_t(len + 1), 0);
+    seq.anchors = {len};
+    seq.num_blocks = 1;
+    DrafterStepOptions o;
+    o.backward = false;
+    o.keep_logits = true;
+    const auto want = drafter_step(p.cfg, p.w, seq, o);
+    ASSERT_EQ(got.shape, want.logits.shape);
+    EXPECT_LE(test::rel_l2(got.data, want.logits.data), test::kTolF32) << "context length " << len;
+  }
+  EXPECT_THROW(drafter_extend_context(p.cfg, p.w, cache, Tensor({2, 5})), std::invalid_argument);
+  EXPECT_THROW(drafter_draft_logits(p.cfg, p.w, cache, int32_t(p.embed.dim(0)), p.embed, p.lm_head),
+               std::invalid_argument);
+}
