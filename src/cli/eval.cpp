@@ -43,6 +43,13 @@ void add_eval(CLI::App& app, Runner& run) {
       fmt::print(stderr, "eval: {} conversations ({} turns) from {}; target {} ({}); drafter {} ({})\n", convs.size(),
                  turns, fmt::format("{}", fmt::join(data, ", ")), eo.target, e.target->describe(), e.drafter_dir,
                  e.drafter->describe());
+      {  // warm-up (GPU libraries, caches, memory pools), untimed: both runs start warm
+        ChatRunOptions w = co;
+        w.gen.max_new_tokens = std::min<int64_t>(co.gen.max_new_tokens, 8);
+        const std::vector<PromptConversation> first{{convs[0].system, {convs[0].user_turns[0]}, convs[0].file, convs[0].line}};
+        run_chat(*e.target, e.drafter.get(), *e.tok, e.family, first, w);
+        run_chat(*e.target, nullptr, *e.tok, e.family, first, w);
+      }
       const ChatRunResult spec =
           run_chat(*e.target, e.drafter.get(), *e.tok, e.family, convs, co, progress_printer("eval: with the drafter"));
       ChatRunResult plain;

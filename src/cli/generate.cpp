@@ -26,6 +26,10 @@ void add_generate(CLI::App& app, Runner& run) {
       finish_chat_run_options(co, thinking, e);
       fmt::print(stderr, "generate: target {} ({}), {}\n", eo.target, e.target->describe(),
                  e.drafter ? "drafter " + e.drafter_dir + " (" + e.drafter->describe() + ")" : std::string("no drafter"));
+      auto cut_note = [](const SequenceResult& r) {
+        if (r.hit_context_limit) fmt::print(stderr, "generate: [cut at the target's max_position_embeddings]\n");
+        else if (!r.stopped) fmt::print(stderr, "generate: [cut at --max-new-tokens {}]\n", co.gen.max_new_tokens);
+      };
       std::vector<SequenceResult> seqs;
       double wall = 0;
       int64_t tokens = 0;
@@ -33,7 +37,7 @@ void add_generate(CLI::App& app, Runner& run) {
         if (prompt.empty()) throw std::runtime_error("--raw needs --prompt");
         const GenerateResult g = generate(*e.target, e.drafter.get(), {e.tok->encode(prompt, false)}, co.gen);
         fmt::print("{}\n", e.tok->decode(g.seqs[0].tokens));
-        if (!g.seqs[0].stopped) fmt::print(stderr, "generate: [cut at --max-new-tokens {}]\n", co.gen.max_new_tokens);
+        cut_note(g.seqs[0]);
         seqs = g.seqs;
         wall = g.wall_ms;
       } else {
@@ -47,7 +51,7 @@ void add_generate(CLI::App& app, Runner& run) {
             fmt::print("--- {}:{} turn {}: {}\n", convs[t.conversation].file, convs[t.conversation].line, t.turn + 1,
                        convs[t.conversation].user_turns[t.turn]);
           fmt::print("{}\n", t.text);
-          if (!t.result.stopped) fmt::print(stderr, "generate: [cut at --max-new-tokens {}]\n", co.gen.max_new_tokens);
+          cut_note(t.result);
           seqs.push_back(t.result);
         }
         wall = r.wall_ms;

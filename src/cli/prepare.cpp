@@ -70,6 +70,7 @@ void add_prepare(CLI::App& app, Runner& run) {
         eo.chat_template = chat_template;
         engines = std::make_unique<Engines>(open_engines(eo));
         finish_chat_run_options(co, thinking, *engines);
+        co.gen.should_stop = [] { return g_interrupted.load(); };
       }
       const auto tok = regenerate ? std::move(engines->tok) : Tokenizer::load(tok_path);
       const ChatFamily family = chat_family_for(*tok, chat_template, regenerate && tok_path.empty() ? eo.target : tok_path);

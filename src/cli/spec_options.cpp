@@ -38,12 +38,14 @@ std::function<void(int64_t, int64_t)> progress_printer(const std::string& what, 
   using clock = std::chrono::steady_clock;
   auto t0 = std::make_shared<clock::time_point>(clock::now());
   auto last = std::make_shared<clock::time_point>(clock::time_point{});
+  auto ended = std::make_shared<bool>(false);
   // A terminal gets one line rewritten every second; a log file a new line every 15 seconds.
   const bool tty = ::isatty(2);
   return [=](int64_t done, int64_t total) {
     if (check) check();
     const auto now = clock::now();
-    if (done < total && now - *last < std::chrono::seconds(tty ? 1 : 15)) return;
+    if (*ended || (done < total && now - *last < std::chrono::seconds(tty ? 1 : 15))) return;
+    *ended = done >= total;
     *last = now;
     const double s = std::chrono::duration<double>(now - *t0).count(), rate = s > 0 ? double(done) / s : 0;
     const double eta = rate > 0 ? double(total - done) / rate : 0;

@@ -26,7 +26,8 @@ void write_file_atomic(const std::string& path, const std::string& text) {
   {
     std::ofstream f(tmp, std::ios::binary);
     f << text;
-    if (!f.flush()) {
+    f.close();
+    if (!f) {
       std::error_code ec;
       std::filesystem::remove(tmp, ec);
       throw std::runtime_error("cannot write " + tmp);

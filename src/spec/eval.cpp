@@ -3,6 +3,7 @@
 #include <fmt/core.h>
 
 #include <algorithm>
+#include <map>
 #include <stdexcept>
 
 namespace dflash {
@@ -98,6 +99,7 @@ ChatRunResult run_chat(TargetDecoder& target, BlockDrafter* drafter, const Token
     // One round: every conversation's next turn, o.batch_size at a time (continuous batching).
     GenerateOptions g = o.gen;
     g.max_batch = o.batch_size;
+    g.seed = o.gen.seed + 0x9E3779B97F4A7C15ull * turn;  // other sampling streams for each turn
     if (progress) g.on_finished = [&, base = done](int64_t k) { progress(base + k, total); };
     const GenerateResult res = generate(target, drafter, prompts, g);
     r.wall_ms += res.wall_ms;
@@ -115,6 +117,7 @@ ChatRunResult run_chat(TargetDecoder& target, BlockDrafter* drafter, const Token
     }
     done += int64_t(who.size());
   }
+  if (progress && done < total) progress(total, total);  // the last conversations were skipped
   std::sort(r.turns.begin(), r.turns.end(), [](const auto& a, const auto& b) {
     return std::tie(a.conversation, a.turn) < std::tie(b.conversation, b.turn);
   });
@@ -158,8 +161,12 @@ EvalReport make_eval_report(const std::vector<PromptConversation>& convs, const 
     std::tie(e.plain_ttft_ms, e.plain_tpot_ms) = ttft_tpot_ms(*plain);
     e.speedup = e.tpot_ms > 0 ? e.plain_tpot_ms / e.tpot_ms : 0;
     e.identical = 0;
-    for (size_t i = 0; i < spec.turns.size() && i < plain->turns.size(); ++i)
-      e.identical += spec.turns[i].result.tokens == plain->turns[i].result.tokens;
+    std::map<std::pair<size_t, size_t>, const std::vector<int32_t>*> by_turn;  // (conversation, turn)
+    for (const auto& t : plain->turns) by_turn[{t.conversation, t.turn}] = &t.result.tokens;
+    for (const auto& t : spec.turns) {
+      auto it = by_turn.find({t.conversation, t.turn});
+      e.identical += it != by_turn.end() && *it->second == t.result.tokens;
+    }
   }
   return e;
 }

@@ -2,7 +2,7 @@
 
 #include <stdexcept>
 
-#include "io/json_file.h"
+#include <fstream>
 
 namespace dflash {
 
@@ -34,7 +34,10 @@ RegenerateReport regenerate_to_jsonl(TargetDecoder& target, const Tokenizer& tok
   if (rep.conversations == 0)
     throw std::runtime_error("regenerate: no prompt could be answered (" + std::to_string(rep.skipped.size()) +
                              " skipped)");
-  write_file_atomic(path, text);
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f << text;
+  f.close();
+  if (!f) throw std::runtime_error("cannot write " + path);
   return rep;
 }
 

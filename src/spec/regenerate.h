@@ -17,7 +17,7 @@ struct RegenerateReport {
 
 /// Answers every conversation's user turns with `target` (plain decoding; greedy or sampled as
 /// o.gen says) and writes one JSONL record {"messages": [system?, user, assistant, ...]} per
-/// conversation to `path` (atomically). A conversation whose first prompt cannot run is skipped
+/// conversation to `path` (the caller's temporary file: prepare moves it into place). A conversation whose first prompt cannot run is skipped
 /// and listed; one whose later turn cannot run keeps the turns answered before it.
 /// Throws std::runtime_error when nothing could be answered.
 RegenerateReport regenerate_to_jsonl(TargetDecoder& target, const Tokenizer& tok, ChatFamily family,

@@ -20,7 +20,7 @@ class Chooser {
  public:
   Chooser(double temperature, uint64_t seed, int n) : t_(temperature) {
     for (int s = 0; s < n; ++s) {
-      std::seed_seq seq{seed, uint64_t(s)};
+      std::seed_seq seq{seed, uint64_t(s)};  // one stream per prompt, whatever the batching
       rng_.emplace_back(seq);
     }
   }
@@ -140,11 +140,14 @@ GenerateResult generate(TargetDecoder& target, BlockDrafter* drafter, const std:
   if (drafter) drafter->reset(S);
   std::vector<std::vector<int32_t>> feed(static_cast<size_t>(S)), drafts;
   std::vector<int32_t> want(static_cast<size_t>(S));
+  // A slot near max_position_embeddings steps one token at a time (no draft) until the limit.
+  auto drafting = [&](int i) { return drafter && target.length(i) + B <= limit; };
   while (true) {
+    if (o.should_stop && o.should_stop()) throw std::runtime_error("interrupted");
     bool any = false;
     for (int i = 0; i < S; ++i) {
       Slot& sl = slots[size_t(i)];
-      if (sl.seq >= 0 && !sl.prefill && target.length(i) + B > limit) {  // no room for another step
+      if (sl.seq >= 0 && !sl.prefill && target.length(i) + 1 > limit) {  // no room for another token
         r.seqs[size_t(sl.seq)].hit_context_limit = true;
         finish(sl);
       }
@@ -154,23 +157,35 @@ GenerateResult generate(TargetDecoder& target, BlockDrafter* drafter, const std:
         if (drafter) drafter->clear(i);
       }
       any = any || sl.seq >= 0;
-      want[size_t(i)] = sl.seq >= 0 && !sl.prefill ? sl.last : -1;
+      want[size_t(i)] = sl.seq >= 0 && !sl.prefill && drafting(i) ? sl.last : -1;
     }
     if (!any) break;
     if (drafter) drafts = drafter->draft(want);
+    // Prompts (prefill) and blocks are fed apart: only a block keeps what a rollback needs (for
+    // GatedDeltaNet layers a state per token, far too much for a whole prompt).
+    std::vector<std::vector<int32_t>> pre(static_cast<size_t>(S));
+    bool any_pre = false, any_step = false;
     for (int i = 0; i < S; ++i) {
       const Slot& sl = slots[size_t(i)];
       std::vector<int32_t>& f = feed[size_t(i)];
       f.clear();
       if (sl.seq < 0) continue;
       if (sl.prefill) {
-        f = prompts[size_t(sl.seq)];
+        pre[size_t(i)] = prompts[size_t(sl.seq)];
+        any_pre = true;
         continue;
       }
+      any_step = true;
       f.push_back(sl.last);
-      if (drafter) f.insert(f.end(), drafts[size_t(i)].begin(), drafts[size_t(i)].end());
+      if (want[size_t(i)] >= 0) f.insert(f.end(), drafts[size_t(i)].begin(), drafts[size_t(i)].end());
     }
-    const std::vector<DecodeOutput> out = target.feed(feed, drafter != nullptr, !chooser.greedy());
+    std::vector<DecodeOutput> out = any_step ? target.feed(feed, drafter != nullptr, !chooser.greedy())
+                                             : std::vector<DecodeOutput>(static_cast<size_t>(S));
+    if (any_pre) {
+      std::vector<DecodeOutput> po = target.feed(pre, false, !chooser.greedy());
+      for (int i = 0; i < S; ++i)
+        if (!pre[size_t(i)].empty()) out[size_t(i)] = std::move(po[size_t(i)]), feed[size_t(i)] = pre[size_t(i)];
+    }
     for (int i = 0; i < S; ++i) {
       Slot& sl = slots[size_t(i)];
       if (sl.seq < 0) continue;
@@ -186,7 +201,8 @@ GenerateResult generate(TargetDecoder& target, BlockDrafter* drafter, const std:
         commit(sl, {first});
         continue;
       }
-      if (!drafter) {
+      if (feed[size_t(i)].size() == 1) {  // a plain step (no drafter, or no room for a block)
+        if (drafter) drafter->append_context(i, d.taps);
         commit(sl, {chooser.choose(sl.seq, d, 0)});
         continue;
       }

@@ -24,6 +24,8 @@ struct GenerateOptions {
   int max_batch = 0;
   /// Called with the number of finished sequences whenever one finishes (progress reports).
   std::function<void(int64_t)> on_finished;
+  /// Polled before every step; true ends generate() with std::runtime_error("interrupted").
+  std::function<bool()> should_stop;
 };
 
 /// One sequence's output and measurements.
@@ -42,8 +44,9 @@ struct GenerateResult {
 };
 
 /// Generates for every prompt, o.max_batch sequences at a time in lockstep (one target forward per
-/// step over all of them). `drafter` null: plain decoding, one token per step. Generation also stops
-/// when the next step would pass the target's max_position_embeddings. Throws std::invalid_argument
+/// step over all of them). `drafter` null: plain decoding, one token per step. Near the target's
+/// max_position_embeddings a sequence steps one token at a time (no draft) and stops at the limit.
+/// Throws std::invalid_argument
 /// naming the prompt for an empty prompt, an id outside the vocabulary or a prompt that leaves no room
 /// below max_position_embeddings, and for a drafter that does not fit the target.
 GenerateResult generate(TargetDecoder& target, BlockDrafter* drafter, const std::vector<std::vector<int32_t>>& prompts,

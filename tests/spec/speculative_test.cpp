@@ -237,6 +237,11 @@ TEST(Speculative, BadPromptsAndDraftersGiveClearErrors) {
   const auto r = generate(*decoder, nullptr, {std::vector<int32_t>(250, 1)}, o);
   EXPECT_TRUE(r.seqs[0].hit_context_limit);
   EXPECT_EQ(r.seqs[0].tokens.size(), 7u);  // the last one at position 256 is never fed
+  // With a drafter, the last blocks that would not fit become one-token steps: the same output.
+  auto drafter = make_cpu_drafter(cfg, init_drafter_weights(cfg, 3), model->embed_tokens(), model->lm_head());
+  const auto rs = generate(*decoder, drafter.get(), {std::vector<int32_t>(250, 1)}, o);
+  EXPECT_EQ(rs.seqs[0].tokens, r.seqs[0].tokens);
+  EXPECT_TRUE(rs.seqs[0].hit_context_limit);
   DrafterConfig wide = cfg;
   wide.hidden_size += 1;
   EXPECT_THROW(check_drafter_fits(wide, model->spec(), "d"), std::invalid_argument);

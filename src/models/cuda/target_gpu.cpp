@@ -61,14 +61,16 @@ struct KvCache {
   void reserve(int64_t need, cudaStream_t s) {
     if (need <= cap) return;
     const int64_t ncap = std::max<int64_t>({need, 2 * cap, 256});
-    for (auto* layer : {&k, &v})
-      for (DeviceArray<bf16>& a : *layer) {
-        DeviceArray<bf16> b(size_t(n * ncap * row));
-        if (cap)
-          DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(b.data(), size_t(ncap * row) * 2, a.data(), size_t(cap * row) * 2,
-                                              size_t(cap * row) * 2, size_t(n), cudaMemcpyDeviceToDevice, s));
-        a = std::move(b);  // the stream-ordered copy finishes before the old buffer's cudaFree returns
-      }
+    // All new buffers first: out of memory leaves the cache as it was.
+    std::vector<DeviceArray<bf16>> nk(k.size()), nv(v.size());
+    for (auto* layer : {&nk, &nv})
+      for (DeviceArray<bf16>& b : *layer) b = DeviceArray<bf16>(size_t(n * ncap * row));
+    for (size_t i = 0; cap && i < k.size(); ++i)
+      for (auto [from, to] : {std::pair{&k[i], &nk[i]}, std::pair{&v[i], &nv[i]}})
+        DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(to->data(), size_t(ncap * row) * 2, from->data(), size_t(cap * row) * 2,
+                                            size_t(cap * row) * 2, size_t(n), cudaMemcpyDeviceToDevice, s));
+    k = std::move(nk);  // the stream-ordered copies finish before the old buffers' cudaFree returns
+    v = std::move(nv);
     cap = ncap;
   }
 };
