@@ -7,13 +7,11 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/clock.h"
+
 namespace dflash {
 
 namespace {
-
-double ms_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
 
 /// Chooses tokens from logit rows: argmax at temperature 0, else samples softmax(logits / T).
 class Chooser {
@@ -120,7 +118,7 @@ GenerateResult generate(TargetDecoder& target, BlockDrafter* drafter, const std:
   int64_t finished = 0;
   auto finish = [&](Slot& sl) {
     SequenceResult& q = r.seqs[size_t(sl.seq)];
-    q.decode_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - sl.t_first).count();
+    q.decode_ms = ms_since(sl.t_first);
     sl.seq = -1;
     if (o.on_finished) o.on_finished(++finished);
   };

@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "train/backend.h"
+#include "common/clock.h"
 
 namespace dflash {
 
@@ -32,10 +33,6 @@ std::string first_nonfinite(const DrafterWeights<float>& w) {
 }
 
 namespace {
-
-double ms_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
 
 class CpuBackend final : public DrafterBackend {
  public:

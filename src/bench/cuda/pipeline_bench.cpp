@@ -9,14 +9,11 @@
 #include "models/cuda/target_gpu.h"
 #include "train/cuda/gpu_backend.h"
 #include "train/trainer.h"
+#include "common/clock.h"
 
 namespace dflash {
 
 namespace {
-double ms_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
-
 void record_pipeline(const PipelineBenchOptions& o, const std::string& preset, double samples_per_s, int64_t S,
                      double peak_gb, const nlohmann::json& extra) {
   emit_bench_records("pipeline", preset,

@@ -14,16 +14,13 @@
 #include "models/cuda/target_gpu.h"
 #include "train/distributed.h"
 #include "train/pipeline.h"
+#include "common/clock.h"
 
 namespace dflash {
 
 namespace {
 
 using cuda::bf16;
-
-double ms_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
 
 #define DFLASH_NCCL_CHECK(call)                                                                                  \
   do {                                                                                                           \
