@@ -82,8 +82,8 @@ std::unique_ptr<BlockDrafter> make_cpu_drafter(const DrafterConfig& cfg, Drafter
 /// for a model the GPU backend does not run, std::runtime_error without that GPU.
 std::unique_ptr<TargetDecoder> make_gpu_decoder(const TargetModel& model, std::vector<int64_t> tap_layer_ids,
                                                 int device);
-/// The GPU drafter (CUDA builds): DrafterGpu's forward over the context and the block, argmax of
-/// every slot. head_dim 64 or 128.
+/// The GPU drafter (CUDA builds): DrafterGpu drafting from its context key / value cache, all
+/// sequences' blocks in one forward (DrafterGpu::draft). head_dim 64 or 128.
 std::unique_ptr<BlockDrafter> make_gpu_drafter(const DrafterConfig& cfg, const DrafterWeights<float>& weights,
                                                const Tensor& embed, const Tensor& lm_head, int device);
 

@@ -1,6 +1,6 @@
 // Decoding on the GPU: the KV-cached forward against the full forward (fed piece by piece, packed
 // batches, after rollbacks), speculative decoding on the GPU engine equal to its plain greedy
-// decoding, and the GPU drafter's drafts against the CPU reference drafter's logits.
+// decoding, and the GPU drafter's batched drafts from its context cache against the CPU reference.
 #include <gtest/gtest.h>
 
 #ifdef DFLASH_HAVE_CUDA
@@ -113,55 +113,74 @@ TEST(CudaDecode, SpeculativeEqualsPlainGreedyOnTheGpuEngine) {
   for (int64_t j = 1; j <= cfg.block_size; ++j) EXPECT_GT(a.histogram[size_t(j)], 0) << j;
 }
 
-// The GPU drafter's draft of each slot equals the CPU reference's argmax wherever the reference's
-// top-two logits are apart by more than the bf16 error could bridge.
+// The GPU drafter's drafts (context cache, every sequence's block in one forward) against the CPU
+// reference drafter (drafter_draft_logits, itself tested equal to the training forward): each
+// slot's token equals the reference's argmax wherever the reference's top-two logits are apart by
+// more than the bf16 error could bridge. Contexts arrive in pieces, one sequence is idle, layer 0
+// is a sliding-window layer (window 6, shorter than most contexts), and a context is cleared and
+// regrown.
 TEST(CudaDecode, GpuDrafterDraftsAsTheReference) {
   if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
   const auto m = hd64();
-  const DrafterConfig cfg = drafter_for(m->spec());
+  DrafterOverrides ov;
+  ov.num_hidden_layers = 2;
+  ov.block_size = 4;
+  ov.mask_token_id = m->spec().vocab_size - 1;
+  ov.target_layer_ids = std::vector<int64_t>{0, m->spec().num_hidden_layers - 1};
+  ov.sliding_window = 6;
+  ov.sliding_layers = {0};
+  const DrafterConfig cfg = derive_drafter_config(m->spec(), nullptr, ov);
   const DrafterWeights<float> w = init_drafter_weights(cfg, 9, 0.2);  // larger weights: well separated logits
   auto gpu = make_gpu_drafter(cfg, w, m->embed_tokens(), m->lm_head(), 0);
-  const int64_t width = int64_t(cfg.target_layer_ids.size()) * cfg.hidden_size;
+  const int64_t width = int64_t(cfg.target_layer_ids.size()) * cfg.hidden_size, B = cfg.block_size;
   std::mt19937_64 rng(3);
   std::normal_distribution<float> nd(0.f, 1.f);
+  auto random_taps = [&](int64_t rows) {
+    Tensor t({rows, width});
+    for (float& x : t.data) x = bf16_to_f32(f32_to_bf16(nd(rng)));
+    return t;
+  };
+  const int n = 4;
+  std::vector<DrafterContextCache> ref(n);
+  gpu->reset(n);
   int compared = 0;
-  for (int64_t p : {1, 17, 90}) {
-    Tensor ctx({p, width});
-    for (float& x : ctx.data) x = bf16_to_f32(f32_to_bf16(nd(rng)));
-    gpu->reset(1);
-    gpu->append_context(0, ctx);
-    const int32_t last = int32_t(p % 50);
-    const std::vector<int32_t> drafts = gpu->draft({last})[0];
-    ASSERT_EQ(int64_t(drafts.size()), cfg.block_size - 1);
-    Tensor taps({p + 1, width});
-    std::copy(ctx.data.begin(), ctx.data.end(), taps.ptr());
-    DrafterSequence<float> seq;
-    seq.taps = &taps;
-    seq.ids.assign(size_t(p + 1), 0);
-    seq.ids[size_t(p)] = last;
-    seq.loss_mask.assign(size_t(p + 1), 0);
-    seq.anchors = {p};
-    seq.num_blocks = 1;
-    seq.embed = &m->embed_tokens();
-    seq.lm_head = &m->lm_head();
-    DrafterStepOptions so;
-    so.backward = false;
-    so.keep_logits = true;
-    const auto ref = drafter_step(cfg, w, seq, so);
-    const int64_t V = ref.logits.dim(1);
-    for (int64_t k = 1; k < cfg.block_size; ++k) {
-      std::vector<float> row(ref.logits.row(k), ref.logits.row(k) + V);
-      std::vector<float> sorted = row;
-      std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
-      float scale = 0;
-      for (float x : row) scale = std::max(scale, std::abs(x));
-      if (sorted[0] - sorted[1] < 0.05f * scale) continue;  // a near tie: bf16 may pick either
-      ++compared;
-      EXPECT_EQ(drafts[size_t(k - 1)], int32_t(std::max_element(row.begin(), row.end()) - row.begin()))
-          << "context " << p << " slot " << k;
+  auto append = [&](int q, int64_t rows) {
+    const Tensor t = random_taps(rows);
+    gpu->append_context(q, t);
+    drafter_extend_context(cfg, w, ref[size_t(q)], t);
+  };
+  auto check = [&](const std::vector<int32_t>& last, const std::string& round) {
+    const auto drafts = gpu->draft(last);
+    ASSERT_EQ(drafts.size(), last.size());
+    for (int q = 0; q < n; ++q) {
+      if (last[size_t(q)] < 0) {
+        EXPECT_TRUE(drafts[size_t(q)].empty()) << round << ": idle sequence " << q << " got a draft";
+        continue;
+      }
+      ASSERT_EQ(int64_t(drafts[size_t(q)].size()), B - 1);
+      const Tensor lg = drafter_draft_logits(cfg, w, ref[size_t(q)], last[size_t(q)], m->embed_tokens(), m->lm_head());
+      const int64_t V = lg.dim(1);
+      for (int64_t k = 1; k < B; ++k) {
+        std::vector<float> row(lg.row(k), lg.row(k) + V), sorted = row;
+        std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
+        float scale = 0;
+        for (float x : row) scale = std::max(scale, std::abs(x));
+        if (sorted[0] - sorted[1] < 0.05f * scale) continue;  // a near tie: bf16 may pick either
+        ++compared;
+        EXPECT_EQ(drafts[size_t(q)][size_t(k - 1)], int32_t(std::max_element(row.begin(), row.end()) - row.begin()))
+            << round << ": sequence " << q << " (context " << ref[size_t(q)].length << ") slot " << k;
+      }
     }
-  }
-  EXPECT_GE(compared, 4) << "too few well-separated slots to compare";
+  };
+  append(0, 1), append(1, 10), append(3, 60);  // sequence 2 stays empty: a block at position 0
+  check({5, 7, 11, 13}, "first");
+  append(1, 7), append(3, 30), append(0, 300);  // past the cache's first capacity (256 rows)
+  check({17, -1, 19, 23}, "second");
+  gpu->clear(3);
+  ref[3] = DrafterContextCache{};
+  append(3, 5);
+  check({29, 31, -1, 37}, "after clear");
+  EXPECT_GE(compared, 12) << "too few well-separated slots to compare";
 }
 
 #endif  // DFLASH_HAVE_CUDA

@@ -7,6 +7,7 @@
 #include <map>
 #include <stdexcept>
 
+#include "models/cuda/drafter_gpu_impl.h"
 #include "ops/cuda/adamw.h"
 #include "ops/cuda/cross_entropy.h"
 #include "ops/cuda/elementwise.h"
@@ -91,25 +92,6 @@ struct Saved {
 
 }  // namespace
 
-struct DrafterGpu::Impl {
-  cudaStream_t s;
-  cuda::GemmContext gemm;
-  int64_t n = 0;                                  // parameters
-  DeviceArray<float> master, grad, m, v;          // flat fp32 [n]
-  DeviceArray<bf16> wb;                           // flat bf16 copy [n]
-  std::map<std::string, int64_t> offset;          // parameter name -> flat offset
-  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
-  DeviceArray<bf16> embed, lm_head;               // [V, d]
-  int64_t V = 0;
-  DeviceArray<double> sumsq, norm, sumsq_ws;
-  DeviceArray<float> coef;
-
-  explicit Impl(cudaStream_t st) : s(st), gemm(st) {}
-  const bf16* W(const std::string& name) const { return wb.data() + offset.at(name); }
-  const float* F(const std::string& name) const { return master.data() + offset.at(name); }
-  float* G(const std::string& name) { return grad.data() + offset.at(name); }
-};
-
 DrafterGpu::DrafterGpu(const DrafterConfig& cfg, const DrafterWeights<float>& w, const Tensor& embed,
                        const Tensor& lm_head, cudaStream_t stream)
     : impl_(new Impl(stream)), cfg_(cfg) {
@@ -159,6 +141,11 @@ void DrafterGpu::allocate(int64_t V) {
   I.norm = DeviceArray<double>(1);
   I.sumsq_ws = DeviceArray<double>(size_t(cuda::grad_sumsq_workspace_doubles()));
   I.coef = DeviceArray<float>(1);
+  const int64_t hd = cfg_.head_dim;
+  std::vector<double> inv_freq(static_cast<size_t>(hd / 2));
+  for (int64_t i = 0; i < hd / 2; ++i) inv_freq[size_t(i)] = 1.0 / std::pow(cfg_.rope_theta, double(2 * i) / double(hd));
+  I.inv_freq = DeviceArray<double>(inv_freq.size());
+  DFLASH_CUDA_CHECK(cudaMemcpy(I.inv_freq.data(), inv_freq.data(), inv_freq.size() * 8, cudaMemcpyHostToDevice));
 }
 
 DrafterGpu::DrafterGpu(const DrafterConfig& cfg, int64_t V, uint64_t seed, cudaStream_t stream)
@@ -287,25 +274,21 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   const std::vector<int32_t>& labels = lay.labels;
   const std::vector<double>& wts = lay.weights;
   const double wsum = lay.weight_sum;
-  std::vector<double> inv_freq(static_cast<size_t>(hd / 2));
-  for (int64_t i = 0; i < hd / 2; ++i) inv_freq[size_t(i)] = 1.0 / std::pow(c.rope_theta, double(2 * i) / double(hd));
   const auto full = cuda::to_kv_range32(cpu::dflash_kv_ranges(seq.anchors, N, B, S, 0));
   const auto slide = cuda::to_kv_range32(cpu::dflash_kv_ranges(seq.anchors, N, B, S, c.sliding_window));
 
   auto d_ids = upload(lay.block_ids, s);
   auto d_pq = upload(lay.pos_q, s), d_pkv = upload(lay.pos_kv, s);
-  auto d_inv = upload(inv_freq, s);
   auto d_full = upload(full, s), d_slide = upload(slide, s);
   StreamBuffer<float> cq(size_t(Q * hd / 2), s), sq(size_t(Q * hd / 2), s), ckv(size_t(SQ * hd / 2), s),
       skv(size_t(SQ * hd / 2), s);
-  cuda::rope_table(d_pq.data(), d_inv.data(), Q, hd, cq.data(), sq.data(), s);
-  cuda::rope_table(d_pkv.data(), d_inv.data(), SQ, hd, ckv.data(), skv.data(), s);
+  cuda::rope_table(d_pq.data(), I.inv_freq.data(), Q, hd, cq.data(), sq.data(), s);
+  cuda::rope_table(d_pkv.data(), I.inv_freq.data(), SQ, hd, ckv.data(), skv.data(), s);
   const float scale = float(1.0 / std::sqrt(double(hd)));
   auto layer_ranges = [&](int64_t i) {
     const bool sliding = size_t(i) < c.layer_types.size() && c.layer_types[size_t(i)] == "sliding_attention";
     return sliding ? d_slide.data() : d_full.data();
   };
-  auto lname = [](int64_t i, const char* w) { return "layers." + std::to_string(i) + "." + w; };
   auto linear = [&](const bf16* x, int64_t rows, int64_t in, int64_t out, const std::string& w, bf16* y, float beta) {
     I.gemm.gemm({rows, out, in, false, true}, x, I.W(w), y, 1.f, beta);
   };
@@ -329,24 +312,24 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(a.kv_in.data(), ctx.data(), size_t(S * d) * 2, cudaMemcpyDeviceToDevice, s));
     bf16* hn = a.kv_in.data() + S * d;
     a.inv_in = StreamBuffer<float>(size_t(Q), s);
-    cuda::rms_norm_forward(a.x_in.data(), I.F(lname(i, "input_layernorm.weight")), hn, a.inv_in.data(), Q, d,
+    cuda::rms_norm_forward(a.x_in.data(), I.F(layer_param(i, "input_layernorm.weight")), hn, a.inv_in.data(), Q, d,
                            c.rms_norm_eps, false, s);
     a.q_pre = StreamBuffer<bf16>(size_t(Q * H * hd), s);
     a.q_rot = StreamBuffer<bf16>(size_t(Q * H * hd), s);
     a.q_inv = StreamBuffer<float>(size_t(Q * H), s);
-    linear(hn, Q, d, H * hd, lname(i, "self_attn.q_proj.weight"), a.q_pre.data(), 0.f);
-    cuda::rms_norm_forward(a.q_pre.data(), I.F(lname(i, "self_attn.q_norm.weight")), a.q_rot.data(), a.q_inv.data(),
+    linear(hn, Q, d, H * hd, layer_param(i, "self_attn.q_proj.weight"), a.q_pre.data(), 0.f);
+    cuda::rms_norm_forward(a.q_pre.data(), I.F(layer_param(i, "self_attn.q_norm.weight")), a.q_rot.data(), a.q_inv.data(),
                            Q * H, hd, c.rms_norm_eps, false, s);
     cuda::rope_apply(a.q_rot.data(), Q, H, hd, hd, cq.data(), sq.data(), false, s);
     a.k_pre = StreamBuffer<bf16>(size_t(SQ * Hkv * hd), s);
     a.k_rot = StreamBuffer<bf16>(size_t(SQ * Hkv * hd), s);
     a.k_inv = StreamBuffer<float>(size_t(SQ * Hkv), s);
     a.v = StreamBuffer<bf16>(size_t(SQ * Hkv * hd), s);
-    linear(a.kv_in.data(), SQ, d, Hkv * hd, lname(i, "self_attn.k_proj.weight"), a.k_pre.data(), 0.f);
-    cuda::rms_norm_forward(a.k_pre.data(), I.F(lname(i, "self_attn.k_norm.weight")), a.k_rot.data(), a.k_inv.data(),
+    linear(a.kv_in.data(), SQ, d, Hkv * hd, layer_param(i, "self_attn.k_proj.weight"), a.k_pre.data(), 0.f);
+    cuda::rms_norm_forward(a.k_pre.data(), I.F(layer_param(i, "self_attn.k_norm.weight")), a.k_rot.data(), a.k_inv.data(),
                            SQ * Hkv, hd, c.rms_norm_eps, false, s);
     cuda::rope_apply(a.k_rot.data(), SQ, Hkv, hd, hd, ckv.data(), skv.data(), false, s);
-    linear(a.kv_in.data(), SQ, d, Hkv * hd, lname(i, "self_attn.v_proj.weight"), a.v.data(), 0.f);
+    linear(a.kv_in.data(), SQ, d, Hkv * hd, layer_param(i, "self_attn.v_proj.weight"), a.v.data(), 0.f);
     a.o = StreamBuffer<bf16>(size_t(Q * H * hd), s);
     a.lse = StreamBuffer<float>(size_t(Q * H), s);
     timer.begin("attention_fwd");
@@ -355,20 +338,20 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
     timer.end("attention_fwd");
     a.x_mid = StreamBuffer<bf16>(size_t(Q * d), s);  // x_in + o_proj(o)
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(a.x_mid.data(), a.x_in.data(), size_t(Q * d) * 2, cudaMemcpyDeviceToDevice, s));
-    linear(a.o.data(), Q, H * hd, d, lname(i, "self_attn.o_proj.weight"), a.x_mid.data(), 1.f);
+    linear(a.o.data(), Q, H * hd, d, layer_param(i, "self_attn.o_proj.weight"), a.x_mid.data(), 1.f);
     a.hp = StreamBuffer<bf16>(size_t(Q * d), s);
     a.inv_post = StreamBuffer<float>(size_t(Q), s);
-    cuda::rms_norm_forward(a.x_mid.data(), I.F(lname(i, "post_attention_layernorm.weight")), a.hp.data(),
+    cuda::rms_norm_forward(a.x_mid.data(), I.F(layer_param(i, "post_attention_layernorm.weight")), a.hp.data(),
                            a.inv_post.data(), Q, d, c.rms_norm_eps, false, s);
     a.g = StreamBuffer<bf16>(size_t(Q * Im), s);
     a.u = StreamBuffer<bf16>(size_t(Q * Im), s);
     a.act = StreamBuffer<bf16>(size_t(Q * Im), s);
-    linear(a.hp.data(), Q, d, Im, lname(i, "mlp.gate_proj.weight"), a.g.data(), 0.f);
-    linear(a.hp.data(), Q, d, Im, lname(i, "mlp.up_proj.weight"), a.u.data(), 0.f);
+    linear(a.hp.data(), Q, d, Im, layer_param(i, "mlp.gate_proj.weight"), a.g.data(), 0.f);
+    linear(a.hp.data(), Q, d, Im, layer_param(i, "mlp.up_proj.weight"), a.u.data(), 0.f);
     cuda::swiglu_forward(a.g.data(), a.u.data(), a.act.data(), Q * Im, s);
     StreamBuffer<bf16> out(size_t(Q * d), s);  // x_mid + down_proj(act)
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(out.data(), a.x_mid.data(), size_t(Q * d) * 2, cudaMemcpyDeviceToDevice, s));
-    linear(a.act.data(), Q, Im, d, lname(i, "mlp.down_proj.weight"), out.data(), 1.f);
+    linear(a.act.data(), Q, Im, d, layer_param(i, "mlp.down_proj.weight"), out.data(), 1.f);
     return out;
   };
   std::vector<Saved> sv(static_cast<size_t>(L));
@@ -475,20 +458,20 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
     if (opt.recompute) forward_layer(i, a);  // the same kernels on the same input: bitwise the same activations
     const bf16* hn = a.kv_in.data() + S * d;
     // MLP: x_out = x_mid + down(silu(gate(hp)) * up(hp))
-    dgrad(dx.data(), Q, d, Im, lname(i, "mlp.down_proj.weight"), dact.data(), 0.f);
-    wgrad(dx.data(), a.act.data(), Q, d, Im, lname(i, "mlp.down_proj.weight"));
+    dgrad(dx.data(), Q, d, Im, layer_param(i, "mlp.down_proj.weight"), dact.data(), 0.f);
+    wgrad(dx.data(), a.act.data(), Q, d, Im, layer_param(i, "mlp.down_proj.weight"));
     cuda::swiglu_backward(a.g.data(), a.u.data(), dact.data(), a.g.data(), a.u.data(), Q * Im, s);  // in place: dg, du
-    dgrad(a.g.data(), Q, Im, d, lname(i, "mlp.gate_proj.weight"), dhp.data(), 0.f);
-    dgrad(a.u.data(), Q, Im, d, lname(i, "mlp.up_proj.weight"), dhp.data(), 1.f);
-    wgrad(a.g.data(), a.hp.data(), Q, Im, d, lname(i, "mlp.gate_proj.weight"));
-    wgrad(a.u.data(), a.hp.data(), Q, Im, d, lname(i, "mlp.up_proj.weight"));
-    cuda::rms_norm_backward(a.x_mid.data(), I.F(lname(i, "post_attention_layernorm.weight")), a.inv_post.data(),
-                            dhp.data(), tmp.data(), I.G(lname(i, "post_attention_layernorm.weight")), nws.data(), Q, d,
+    dgrad(a.g.data(), Q, Im, d, layer_param(i, "mlp.gate_proj.weight"), dhp.data(), 0.f);
+    dgrad(a.u.data(), Q, Im, d, layer_param(i, "mlp.up_proj.weight"), dhp.data(), 1.f);
+    wgrad(a.g.data(), a.hp.data(), Q, Im, d, layer_param(i, "mlp.gate_proj.weight"));
+    wgrad(a.u.data(), a.hp.data(), Q, Im, d, layer_param(i, "mlp.up_proj.weight"));
+    cuda::rms_norm_backward(a.x_mid.data(), I.F(layer_param(i, "post_attention_layernorm.weight")), a.inv_post.data(),
+                            dhp.data(), tmp.data(), I.G(layer_param(i, "post_attention_layernorm.weight")), nws.data(), Q, d,
                             false, s);
     cuda::add_inplace(dx.data(), tmp.data(), Q * d, s);  // d loss / d x_mid
     // attention: x_mid = x_in + o_proj(attn(q, k, v))
-    dgrad(dx.data(), Q, d, H * hd, lname(i, "self_attn.o_proj.weight"), dof.data(), 0.f);
-    wgrad(dx.data(), a.o.data(), Q, d, H * hd, lname(i, "self_attn.o_proj.weight"));
+    dgrad(dx.data(), Q, d, H * hd, layer_param(i, "self_attn.o_proj.weight"), dof.data(), 0.f);
+    wgrad(dx.data(), a.o.data(), Q, d, H * hd, layer_param(i, "self_attn.o_proj.weight"));
     timer.begin("attention_bwd");
     cuda::masked_attention_backward(a.q_rot.data(), a.k_rot.data(), a.v.data(), a.o.data(), a.lse.data(), dof.data(),
                                     layer_ranges(i), Q, SQ, int(H), int(Hkv), int(hd), scale, dq.data(), dk.data(),
@@ -496,12 +479,12 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
     timer.end("attention_bwd");
     cuda::rope_apply(dq.data(), Q, H, hd, hd, cq.data(), sq.data(), true, s);
     cuda::rope_apply(dk.data(), SQ, Hkv, hd, hd, ckv.data(), skv.data(), true, s);
-    cuda::rms_norm_backward(a.q_pre.data(), I.F(lname(i, "self_attn.q_norm.weight")), a.q_inv.data(), dq.data(),
-                            dq.data(), I.G(lname(i, "self_attn.q_norm.weight")), nws.data(), Q * H, hd, false, s);
-    cuda::rms_norm_backward(a.k_pre.data(), I.F(lname(i, "self_attn.k_norm.weight")), a.k_inv.data(), dk.data(),
-                            dk.data(), I.G(lname(i, "self_attn.k_norm.weight")), nws.data(), SQ * Hkv, hd, false, s);
-    const std::string wq = lname(i, "self_attn.q_proj.weight"), wk = lname(i, "self_attn.k_proj.weight"),
-                      wv = lname(i, "self_attn.v_proj.weight");
+    cuda::rms_norm_backward(a.q_pre.data(), I.F(layer_param(i, "self_attn.q_norm.weight")), a.q_inv.data(), dq.data(),
+                            dq.data(), I.G(layer_param(i, "self_attn.q_norm.weight")), nws.data(), Q * H, hd, false, s);
+    cuda::rms_norm_backward(a.k_pre.data(), I.F(layer_param(i, "self_attn.k_norm.weight")), a.k_inv.data(), dk.data(),
+                            dk.data(), I.G(layer_param(i, "self_attn.k_norm.weight")), nws.data(), SQ * Hkv, hd, false, s);
+    const std::string wq = layer_param(i, "self_attn.q_proj.weight"), wk = layer_param(i, "self_attn.k_proj.weight"),
+                      wv = layer_param(i, "self_attn.v_proj.weight");
     wgrad(dq.data(), hn, Q, H * hd, d, wq);
     wgrad(dk.data(), a.kv_in.data(), SQ, Hkv * hd, d, wk);
     wgrad(dv.data(), a.kv_in.data(), SQ, Hkv * hd, d, wv);
@@ -510,8 +493,8 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
     dgrad(dv.data() + S * Hkv * hd, Q, Hkv * hd, d, wv, dhn.data(), 1.f);
     dgrad(dk.data(), S, Hkv * hd, d, wk, dctx.data(), 1.f);
     dgrad(dv.data(), S, Hkv * hd, d, wv, dctx.data(), 1.f);
-    cuda::rms_norm_backward(a.x_in.data(), I.F(lname(i, "input_layernorm.weight")), a.inv_in.data(), dhn.data(),
-                            tmp.data(), I.G(lname(i, "input_layernorm.weight")), nws.data(), Q, d, false, s);
+    cuda::rms_norm_backward(a.x_in.data(), I.F(layer_param(i, "input_layernorm.weight")), a.inv_in.data(), dhn.data(),
+                            tmp.data(), I.G(layer_param(i, "input_layernorm.weight")), nws.data(), Q, d, false, s);
     cuda::add_inplace(dx.data(), tmp.data(), Q * d, s);  // d loss / d x_in (dropped after layer 0: embeddings are frozen)
     sv[size_t(i)] = Saved();                              // free this layer's activations
   }

@@ -81,6 +81,24 @@ class DrafterGpu {
   /// Replaces masters (and their bf16 copy) and moments (resume). Throws std::invalid_argument on sizes.
   void set_state(const DrafterWeights<float>& w, const std::vector<std::vector<float>>& exp_avg,
                  const std::vector<std::vector<float>>& exp_avg_sq);
+  // Drafting (src/spec/decoder.h; ../shared/docs/dflash.md "Serving loop"): for each of n sequences
+  // a device cache of every draft layer's context keys (k_proj, k_norm, RoPE at their positions) and
+  // values, as the CPU DrafterContextCache (src/models/drafter.h), so a draft projects only its block.
+  /// Drops any earlier context cache and starts n empty sequences.
+  void reset_context(int n);
+  /// Appends context rows: sequence q gets rows cu[q] .. cu[q + 1] - 1 of taps [T, K*d] (device bf16,
+  /// target taps in target_layer_ids order) at positions context_length(q) onwards; cu [n + 1].
+  /// Throws std::invalid_argument for a bad cu, std::runtime_error when the cache cannot grow.
+  void extend_context(const cuda::bf16* taps, const std::vector<int64_t>& cu);
+  /// Keeps the first `length` context rows of sequence q (0 clears it).
+  void truncate_context(int q, int64_t length);
+  int64_t context_length(int q) const;
+  /// Greedy drafts, one forward for all sequences: for each q with last[q] >= 0 the block
+  /// [last[q], MASK x (B-1)] at positions context_length(q) .. + B - 1 (as drafter_draft_logits);
+  /// returns the argmax tokens of slots 1 .. B-1 (nothing for last[q] < 0). last [n]. Throws
+  /// std::invalid_argument for a token outside the vocabulary or a wrong number of sequences.
+  std::vector<std::vector<int32_t>> draft(const std::vector<int32_t>& last);
+
   int64_t num_params() const;
   /// The flat fp32 gradient [num_params()] on the device (for a data-parallel all-reduce) and the
   /// stream every method of this object runs on.
@@ -88,9 +106,10 @@ class DrafterGpu {
   cudaStream_t stream() const;
   const DrafterConfig& config() const { return cfg_; }
 
+  struct Impl;
+
  private:
   void allocate(int64_t V);
-  struct Impl;
   std::unique_ptr<Impl> impl_;
   DrafterConfig cfg_;
 };

@@ -7,6 +7,7 @@
 #include <functional>
 #include <stdexcept>
 
+#include "models/cuda/kv_cache.h"
 #include "ops/cuda/cross_entropy.h"
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/gemm.h"
@@ -50,30 +51,6 @@ std::vector<float> host_f32(const StreamBuffer<bf16>& b, int64_t n, cudaStream_t
 }
 
 }  // namespace
-
-/// Keys / values of every layer for n sequences x cap tokens: layer l's keys [n, cap, Hkv, Dh].
-struct KvCache {
-  int n = 0;
-  int64_t cap = 0, row = 0;  // row = Hkv * Dh
-  std::vector<int64_t> len;
-  std::vector<DeviceArray<bf16>> k, v;
-  /// Makes room for `need` tokens per sequence (capacity doubles; rows are copied over).
-  void reserve(int64_t need, cudaStream_t s) {
-    if (need <= cap) return;
-    const int64_t ncap = std::max<int64_t>({need, 2 * cap, 256});
-    // All new buffers first: out of memory leaves the cache as it was.
-    std::vector<DeviceArray<bf16>> nk(k.size()), nv(v.size());
-    for (auto* layer : {&nk, &nv})
-      for (DeviceArray<bf16>& b : *layer) b = DeviceArray<bf16>(size_t(n * ncap * row));
-    for (size_t i = 0; cap && i < k.size(); ++i)
-      for (auto [from, to] : {std::pair{&k[i], &nk[i]}, std::pair{&v[i], &nv[i]}})
-        DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(to->data(), size_t(ncap * row) * 2, from->data(), size_t(cap * row) * 2,
-                                            size_t(cap * row) * 2, size_t(n), cudaMemcpyDeviceToDevice, s));
-    k = std::move(nk);  // the stream-ordered copies finish before the old buffers' cudaFree returns
-    v = std::move(nv);
-    cap = ncap;
-  }
-};
 
 struct TargetGpu::Impl {
   cudaStream_t s;
@@ -268,12 +245,7 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
 void TargetGpu::reset_cache(int n_seq) {
   if (n_seq < 0) throw std::invalid_argument("reset_cache: negative number of sequences");
   KvCache& C = impl_->cache;
-  C = KvCache();
-  C.n = n_seq;
-  C.row = spec_.num_key_value_heads * spec_.head_dim;
-  C.len.assign(size_t(n_seq), 0);
-  C.k.resize(size_t(spec_.num_hidden_layers));
-  C.v.resize(size_t(spec_.num_hidden_layers));
+  C = KvCache(n_seq, spec_.num_hidden_layers, spec_.num_key_value_heads * spec_.head_dim);
 }
 
 void TargetGpu::truncate_cache(int s, int64_t length) {
@@ -339,19 +311,7 @@ void TargetGpu::finish_forward(StreamBuffer<float>& x, int64_t T, const ForwardO
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(out.logits.data.data(), lg.data(), lg.size() * 4, cudaMemcpyDeviceToHost, I.s));
     DFLASH_CUDA_CHECK(cudaStreamSynchronize(I.s));
   }
-  if (argmax && T > 0) {
-    // The cross entropy's row statistics against dummy targets: the argmax without [T, V] logits.
-    const int64_t rc = std::min(T, cuda::cross_entropy_row_chunk(V));
-    StreamBuffer<char> ws(size_t(cuda::cross_entropy_workspace_bytes(rc, V)), I.s);
-    StreamBuffer<int32_t> targets(size_t(T), I.s), amax(size_t(T), I.s);
-    StreamBuffer<float> lse(size_t(T), I.s), tl(size_t(T), I.s);
-    DFLASH_CUDA_CHECK(cudaMemsetAsync(targets.data(), 0, size_t(T) * 4, I.s));
-    cuda::cross_entropy(I.gemm, hf.data(), I.lm_head.data(), T, D, V, targets.data(), nullptr, rc, ws.data(),
-                        {lse.data(), tl.data(), amax.data()}, nullptr);
-    argmax->resize(size_t(T));
-    DFLASH_CUDA_CHECK(cudaMemcpyAsync(argmax->data(), amax.data(), size_t(T) * 4, cudaMemcpyDeviceToHost, I.s));
-    DFLASH_CUDA_CHECK(cudaStreamSynchronize(I.s));
-  }
+  if (argmax) *argmax = cuda::lm_head_argmax(I.gemm, hf.data(), I.lm_head.data(), T, D, V);
 }
 
 void TargetGpu::forward_taps(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu,

@@ -144,4 +144,22 @@ void cross_entropy(GemmContext& gemm, const bf16* h, const bf16* W, int64_t rows
   }
 }
 
+std::vector<int32_t> lm_head_argmax(GemmContext& gemm, const bf16* h, const bf16* W, int64_t rows, int64_t d,
+                                    int64_t V) {
+  std::vector<int32_t> r(static_cast<size_t>(std::max<int64_t>(rows, 0)));
+  if (rows <= 0) return r;
+  cudaStream_t s = gemm.stream();
+  // Row statistics against dummy targets (0): only the argmax is kept.
+  const int64_t rc = std::min(rows, cross_entropy_row_chunk(V));
+  StreamBuffer<char> ws(size_t(cross_entropy_workspace_bytes(rc, V)), s);
+  StreamBuffer<int32_t> targets(size_t(rows), s), amax(size_t(rows), s);
+  StreamBuffer<float> lse(size_t(rows), s), tl(size_t(rows), s);
+  DFLASH_CUDA_CHECK(cudaMemsetAsync(targets.data(), 0, size_t(rows) * 4, s));
+  cross_entropy(gemm, h, W, rows, d, V, targets.data(), nullptr, rc, ws.data(), {lse.data(), tl.data(), amax.data()},
+                nullptr);
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(r.data(), amax.data(), size_t(rows) * 4, cudaMemcpyDeviceToHost, s));
+  DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));
+  return r;
+}
+
 }  // namespace dflash::cuda

@@ -4,6 +4,7 @@
 // one GEMM for d h. Reference: src/ops/cpu/chunked_ce.cpp (chunked_cross_entropy).
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include "ops/cuda/gemm.h"
 
@@ -29,5 +30,11 @@ int64_t cross_entropy_workspace_bytes(int64_t row_chunk, int64_t V);
 void cross_entropy(GemmContext& gemm, const bf16* h, const bf16* W, int64_t rows, int64_t d, int64_t V,
                    const int32_t* targets, const float* coef, int64_t row_chunk, void* workspace, CeRowStats stats,
                    bf16* dh);
+
+/// The most likely token of each row: argmax_v (h [rows, d] @ W [V, d]^T)[r, v] (first on ties), from
+/// the cross entropy's row statistics (the [rows, V] logits never exist at once). Runs on
+/// gemm.stream() and synchronizes it (the result is copied to the host).
+std::vector<int32_t> lm_head_argmax(GemmContext& gemm, const bf16* h, const bf16* W, int64_t rows, int64_t d,
+                                    int64_t V);
 
 }  // namespace dflash::cuda

@@ -1,6 +1,5 @@
-// The GPU decoding engine (dense targets: TargetGpu with its KV cache) and the GPU drafter (the
-// DrafterGpu forward with the block's anchor at the last committed position, as the CPU reference
-// drafter; it re-projects the whole context every draft: no context cache yet).
+// The GPU decoding engine (dense targets: TargetGpu with its KV cache) and the GPU drafter (DrafterGpu
+// drafting from its context key / value cache, as the CPU reference drafter).
 #include <stdexcept>
 
 #include "models/cuda/drafter_gpu.h"
@@ -54,6 +53,8 @@ class GpuDecoder final : public TargetDecoder {
   std::vector<int64_t> taps_;
 };
 
+/// DrafterGpu's context cache and batched drafts. Context taps arrive per sequence (host float32)
+/// and are projected into the cache in one batch when the next draft needs them.
 class GpuDrafter final : public BlockDrafter {
  public:
   GpuDrafter(const DrafterConfig& c, const DrafterWeights<float>& w, const Tensor& embed, const Tensor& lm_head,
@@ -61,48 +62,47 @@ class GpuDrafter final : public BlockDrafter {
       : s_(stream_on(device)), gpu_(c, w, embed, lm_head, s_) {}
   ~GpuDrafter() override { cudaStreamDestroy(s_); }
   const DrafterConfig& config() const override { return gpu_.config(); }
-  void reset(int n) override { ctx_.assign(size_t(n), {}); }
-  void clear(int s) override { ctx_.at(size_t(s)).clear(); }
+  void reset(int n) override {
+    gpu_.reset_context(n);
+    pending_.assign(size_t(n), {});
+  }
+  void clear(int s) override {
+    gpu_.truncate_context(s, 0);
+    pending_.at(size_t(s)).clear();
+  }
   void append_context(int s, const Tensor& taps) override {
     const int64_t width = int64_t(config().target_layer_ids.size()) * config().hidden_size;
     if (taps.ndim() != 2 || taps.dim(1) != width)
       throw std::invalid_argument("drafter: context taps " + shape_str(taps.shape) + ", expected [m, " +
                                   std::to_string(width) + "]");
-    std::vector<uint16_t>& c = ctx_.at(size_t(s));
+    std::vector<uint16_t>& c = pending_.at(size_t(s));
     for (float x : taps.data) c.push_back(f32_to_bf16(x));
   }
   std::vector<std::vector<int32_t>> draft(const std::vector<int32_t>& last) override {
-    const DrafterConfig& c = config();
-    const int64_t width = int64_t(c.target_layer_ids.size()) * c.hidden_size, B = c.block_size;
-    std::vector<std::vector<int32_t>> r(last.size());
-    for (size_t q = 0; q < last.size(); ++q) {
-      if (last[q] < 0) continue;
-      const std::vector<uint16_t>& h = ctx_[q];
-      const int64_t p = int64_t(h.size()) / width;  // the anchor: row p of the taps is hidden by the mask
-      cuda::StreamBuffer<cuda::bf16> taps(size_t((p + 1) * width), s_);
-      DFLASH_CUDA_CHECK(cudaMemsetAsync(taps.data(), 0, taps.size() * 2, s_));
-      if (p) DFLASH_CUDA_CHECK(cudaMemcpyAsync(taps.data(), h.data(), h.size() * 2, cudaMemcpyHostToDevice, s_));
-      DrafterGpuSequence seq;
-      seq.taps = taps.data();
-      seq.ids.assign(size_t(p + 1), 0);
-      seq.ids[size_t(p)] = last[q];
-      seq.loss_mask.assign(size_t(p + 1), 0);
-      seq.anchors = {p};
-      seq.num_blocks = 1;
-      DrafterGpuStepOptions o;
-      o.backward = false;
-      o.argmax_all_rows = true;
-      const DrafterGpuStepResult res = gpu_.step(seq, o);
-      r[q].assign(res.argmax.begin() + 1, res.argmax.begin() + B);
-    }
-    return r;
+    flush();
+    return gpu_.draft(last);
   }
-  std::string describe() const override { return "cuda drafter (bf16, DrafterGpu forward, context re-projected per draft)"; }
+  std::string describe() const override { return "cuda drafter (bf16, context key / value cache, batched drafts)"; }
 
  private:
+  /// Projects every sequence's pending context rows into the cache, one batch.
+  void flush() {
+    std::vector<uint16_t> all;
+    std::vector<int64_t> cu{0};
+    const int64_t width = int64_t(config().target_layer_ids.size()) * config().hidden_size;
+    for (std::vector<uint16_t>& p : pending_) {
+      all.insert(all.end(), p.begin(), p.end());
+      cu.push_back(int64_t(all.size()) / width);
+      p.clear();
+    }
+    if (all.empty()) return;
+    const cuda::StreamBuffer<uint16_t> taps = cuda::upload(all, s_);
+    gpu_.extend_context(reinterpret_cast<const cuda::bf16*>(taps.data()), cu);
+  }
+
   cudaStream_t s_;
   DrafterGpu gpu_;
-  std::vector<std::vector<uint16_t>> ctx_;  // per sequence: taps [p, K*d] bf16 bits
+  std::vector<std::vector<uint16_t>> pending_;  // per sequence: context taps [m, K*d] not yet projected (bf16 bits)
 };
 
 }  // namespace

@@ -1,0 +1,39 @@
+// DrafterGpu's state, shared by its training step (drafter_gpu.cpp) and its drafting
+// (drafter_gpu_draft.cpp). Internal to src/models/cuda.
+#pragma once
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "models/cuda/drafter_gpu.h"
+#include "models/cuda/kv_cache.h"
+#include "ops/cuda/gemm.h"
+
+namespace dflash {
+
+struct DrafterGpu::Impl {
+  cudaStream_t s;
+  cuda::GemmContext gemm;
+  int64_t n = 0;                                  // parameters
+  cuda::DeviceArray<float> master, grad, m, v;    // flat fp32 [n]
+  cuda::DeviceArray<cuda::bf16> wb;               // flat bf16 copy [n]
+  std::map<std::string, int64_t> offset;          // parameter name -> flat offset
+  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+  cuda::DeviceArray<cuda::bf16> embed, lm_head;   // [V, d]
+  int64_t V = 0;
+  cuda::DeviceArray<double> sumsq, norm, sumsq_ws;
+  cuda::DeviceArray<float> coef;
+  cuda::DeviceArray<double> inv_freq;             // RoPE [head_dim / 2], computed in double as the reference
+  KvCache ctx;                                    // drafting: each layer's context keys / values per sequence
+
+  explicit Impl(cudaStream_t st) : s(st), gemm(st) {}
+  const cuda::bf16* W(const std::string& name) const { return wb.data() + offset.at(name); }
+  const float* F(const std::string& name) const { return master.data() + offset.at(name); }
+  float* G(const std::string& name) { return grad.data() + offset.at(name); }
+};
+
+/// "layers.<i>.<w>": the name of draft layer i's parameter w.
+inline std::string layer_param(int64_t i, const char* w) { return "layers." + std::to_string(i) + "." + w; }
+
+}  // namespace dflash
