@@ -16,6 +16,8 @@ What it writes (one directory per model, each made from scratch):
   qwen3_5/       Qwen3_5ForConditionalGeneration (model_type qwen3_5): weights under model.language_model.*,
                  model.visual.* (tiny vision tower), lm_head.weight, plus a fake mtp.fc.weight that loaders
                  must ignore
+  qwen3_5_text_hd64/, qwen3_5_hd64/  the two Qwen3.5 formats above with attention head_dim 64 (the GPU
+                 attention kernels' smallest) and GatedDeltaNet heads dk 32 / dv 48, GVA 2: the GPU hybrid path
 Each directory gets config.json, the safetensors weights (float32), and golden.safetensors with, for
 sequences i = 0, 1, 2 of lengths 1, 37, 100 (random ids, fixed seed), each run ALONE (batch 1, no padding,
 no attention mask, no cache):
@@ -219,12 +221,42 @@ def build_qwen3_5():
     return Qwen3_5ForConditionalGeneration, cfg
 
 
+def hd64_text_kwargs():
+    return qwen35_text_kwargs(
+        vocab=300, hidden=64, inter=96, layer_types=[LIN, FULL, LIN, LIN], heads=2, kv_heads=1,
+        head_dim=64, lk_heads=2, lv_heads=4, lk_dim=32, lv_dim=48,
+        mrope_section=[3, 3, 2],  # rotary_dim 16 -> 8 frequencies
+    )
+
+
+def build_qwen3_5_text_hd64():
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    return Qwen3_5ForCausalLM, Qwen3_5TextConfig(**hd64_text_kwargs(), attn_implementation="eager")
+
+
+def build_qwen3_5_hd64():
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, in_channels=3, patch_size=2,
+                  temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=16)
+    cfg = Qwen3_5Config(text_config=hd64_text_kwargs(), vision_config=vision, tie_word_embeddings=False,
+                        attn_implementation="eager")
+    return Qwen3_5ForConditionalGeneration, cfg
+
+
+TEXT_ONLY = ("llama", "qwen3", "qwen3_hd64", "qwen3_5_text", "qwen3_5_text_hd64")
+WRAPPERS = ("qwen3_5", "qwen3_5_hd64")
+
+
 MODELS = {
     "llama": build_llama,
     "qwen3": build_qwen3,
     "qwen3_hd64": build_qwen3_hd64,
     "qwen3_5_text": build_qwen3_5_text,
     "qwen3_5": build_qwen3_5,
+    "qwen3_5_text_hd64": build_qwen3_5_text_hd64,
+    "qwen3_5_hd64": build_qwen3_5_hd64,
 }
 
 
@@ -381,7 +413,7 @@ def check_layout(name, keys, cfg_text, tied):
     L = cfg_text.num_hidden_layers
     for k, (dt, shape, fn) in keys.items():
         check(dt in ("F32", "float32", "torch.float32"), f"{k} has dtype {dt}, wanted F32")
-    if name in ("llama", "qwen3", "qwen3_hd64", "qwen3_5_text"):
+    if name in TEXT_ONLY:
         pre = "model."
         bad = [k for k in keys if not (k.startswith("model.") or k == "lm_head.weight")]
         check(not bad, f"unexpected keys (want model.* / lm_head.weight): {bad[:8]}")
@@ -542,7 +574,7 @@ def build_one(name, out_root):
         save_sharded(model, d)
     else:
         model.save_pretrained(str(d))
-    if name == "qwen3_5":
+    if name in WRAPPERS:
         add_fake_mtp(d, ct.hidden_size)
     files, idx = list_weight_files(d)
     keys = read_all_keys(d)
@@ -550,7 +582,7 @@ def build_one(name, out_root):
     cfg_json = json.loads((d / "config.json").read_text())
     print(f"  config.json: model_type={cfg_json.get('model_type')} architectures={cfg_json.get('architectures')}")
     exp_type = {"llama": "llama", "qwen3": "qwen3", "qwen3_hd64": "qwen3", "qwen3_5_text": "qwen3_5_text",
-                "qwen3_5": "qwen3_5"}[name]
+                "qwen3_5": "qwen3_5", "qwen3_5_text_hd64": "qwen3_5_text", "qwen3_5_hd64": "qwen3_5"}[name]
     check(cfg_json.get("model_type") == exp_type, f"config model_type {cfg_json.get('model_type')} != {exp_type}")
 
     # reload exactly as a user would and compare every weight with the in-memory model

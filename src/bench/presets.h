@@ -30,8 +30,8 @@ struct PipelineBenchPreset {
 
 /// "qwen3-8b": the dense Qwen3-8B target (36 layers, hidden 4096, 32 / 8 heads of 128, MLP 12288,
 /// vocab 151936, rope theta 1e6, rms eps 1e-6); "tiny": an 8-layer Qwen3 of d 256 (smoke test).
-/// Throws std::invalid_argument for an unknown name, and for "qwen3.6-27b" with the reason the GPU
-/// backend cannot run its target (gpu_unsupported_reason: GatedDeltaNet layers have no GPU kernel yet).
+/// "qwen3.6-27b": the Qwen3.6-27B hybrid (48 GatedDeltaNet + 16 gated attention layers). Throws
+/// std::invalid_argument for an unknown name or a target the GPU backend cannot run (with the reason).
 PipelineBenchPreset pipeline_bench_preset(const std::string& name);
 
 }  // namespace dflash

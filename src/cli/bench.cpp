@@ -1,5 +1,5 @@
-// `dflash bench target-forward`: times a target's forward pass and appends the result to
-// bench/results/target-forward.jsonl (see src/bench/record.h).
+// `dflash bench`: target-forward (CPU: a checkpoint; GPU: random weights of a preset), gdn,
+// drafter-step, pipeline, tokenize; results appended to bench/results/<bench>.jsonl (src/bench/record.h).
 #include <fmt/core.h>
 
 #include <algorithm>
@@ -13,12 +13,44 @@
 #include "models/target.h"
 #ifdef DFLASH_HAVE_CUDA
 #include "bench/cuda/drafter_step_bench.h"
+#include "bench/cuda/forward_bench.h"
 #include "bench/cuda/pipeline_bench.h"
 #endif
 
 namespace dflash::cli {
 
 namespace {
+
+#ifndef DFLASH_HAVE_CUDA
+int no_cuda_backend(const char* bench) {
+  fmt::print(stderr,
+             "dflash bench {}: this build has no CUDA backend (it was configured with -DDFLASH_CUDA=OFF or without "
+             "nvcc; reconfigure on a machine with the CUDA toolkit)\n",
+             bench);
+  return 2;
+}
+#endif
+
+void add_bench_gdn(CLI::App& bench, Runner& run) {
+  auto* cmd = bench.add_subcommand("gdn", "Time the GatedDeltaNet kernels on GPU 0 (Hk 16, Hv 48, d 128: T 4096, "
+                                          "T 16384, 8 x 512 packed)");
+  static std::string results = "bench/results";
+  static int steps = 20, warmup = 5;
+  static bool no_record = false;
+  cmd->add_option("--steps", steps, "Timed runs (the median is recorded)")->capture_default_str()->check(CLI::Range(1, 10000));
+  cmd->add_option("--warmup", warmup, "Untimed runs first")->capture_default_str()->check(CLI::Range(0, 1000));
+  cmd->add_option("--results", results, "Directory of the JSONL records")->capture_default_str();
+  cmd->add_flag("--no-record", no_record, "Print only; append nothing to the results");
+  cmd->callback([&run] {
+    run = [] {
+#ifdef DFLASH_HAVE_CUDA
+      return run_gdn_bench({steps, warmup, results, !no_record});
+#else
+      return no_cuda_backend("gdn");
+#endif
+    };
+  });
+}
 
 void add_bench_drafter_step(CLI::App& bench, Runner& run) {
   auto* cmd = bench.add_subcommand("drafter-step",
@@ -40,8 +72,7 @@ void add_bench_drafter_step(CLI::App& bench, Runner& run) {
 #ifdef DFLASH_HAVE_CUDA
       return run_drafter_step_bench({preset, seq, anchors, steps, warmup, results, !no_record, recompute});
 #else
-      fmt::print(stderr, "dflash bench drafter-step: this build has no CUDA backend (it was configured with -DDFLASH_CUDA=OFF or without nvcc; reconfigure on a machine with the CUDA toolkit)\n");
-      return 2;
+      return no_cuda_backend("drafter-step");
 #endif
     };
   });
@@ -85,8 +116,7 @@ void add_bench_pipeline(CLI::App& bench, Runner& run) {
       po.drafter_gpus = gpus.empty() ? drafter_gpus : gpus;
       return run_pipeline_bench(po);
 #else
-      fmt::print(stderr, "dflash bench pipeline: this build has no CUDA backend (it was configured with -DDFLASH_CUDA=OFF or without nvcc; reconfigure on a machine with the CUDA toolkit)\n");
-      return 2;
+      return no_cuda_backend("pipeline");
 #endif
     };
   });
@@ -101,17 +131,33 @@ void add_bench(CLI::App& app, Runner& run) {
   add_bench_tokenize(*bench, run);
   add_bench_drafter_step(*bench, run);
   add_bench_pipeline(*bench, run);
+  add_bench_gdn(*bench, run);
   static std::string model, preset, results = "bench/results", device = "cpu";
-  static int64_t tokens = 256;
+  static int64_t tokens = 0, layers = 0;
   static int repeat = 3;
-  tf->add_option("--model", model, "Checkpoint directory or .gguf file")->required();
-  tf->add_option("--tokens", tokens, "Sequence length T")->capture_default_str()->check(CLI::Range(int64_t(1), int64_t(1) << 20));
+  static bool no_record = false;
+  tf->add_option("--model", model, "Checkpoint directory or .gguf file (CPU); with --device cuda, random weights of --preset");
+  tf->add_option("--tokens", tokens, "Sequence length T (default 256 on the CPU, 4096 with --device cuda)")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   tf->add_option("--repeat", repeat, "Timed runs (the median is recorded)")->capture_default_str()->check(CLI::Range(1, 1000));
-  tf->add_option("--preset", preset, "Preset name in the record (default: the model's file name)");
-  tf->add_option("--device", device, "Device")->check(CLI::IsMember({"cpu"}));
+  tf->add_option("--preset", preset, "Preset name in the record (default: the model's file name); with --device cuda: "
+                                     "qwen3.6-27b | qwen3-8b | tiny");
+  tf->add_option("--layers", layers, "--device cuda: only the preset's first N layers")->check(CLI::Range(int64_t(1), int64_t(1024)));
+  tf->add_option("--device", device, "Device")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   tf->add_option("--results", results, "Directory of the JSONL records")->capture_default_str();
+  tf->add_flag("--no-record", no_record, "--device cuda: print only; append nothing to the results");
   tf->callback([&run] {
     run = [] {
+      if (device == "cuda") {
+        if (preset.empty() || !model.empty())
+          throw std::invalid_argument("bench target-forward --device cuda: give --preset (random weights), not --model");
+#ifdef DFLASH_HAVE_CUDA
+        return run_target_forward_gpu_bench({preset, tokens ? tokens : 4096, layers, repeat, 2, results, !no_record});
+#else
+        return no_cuda_backend("target-forward");
+#endif
+      }
+      if (model.empty()) throw std::invalid_argument("bench target-forward: --model is required on the CPU");
+      if (!tokens) tokens = 256;
       auto target = TargetModel::load(model);
       std::mt19937 rng(1234);
       std::uniform_int_distribution<int32_t> tok(0, int32_t(target->spec().vocab_size - 1));

@@ -226,14 +226,16 @@ Tensor concat_taps(const ForwardOutput& f, const std::vector<int64_t>& ids) {
 }
 
 std::string gpu_unsupported_reason(const ModelSpec& s) {
-  for (LayerKind k : s.layer_types)
-    if (k != LayerKind::Attention)
-      return "the model has GatedDeltaNet layers, which have no GPU kernel yet (Qwen3.5 / 3.6 hybrids run on the "
-             "CPU reference only)";
-  if (s.attn_output_gate()) return "attention output gates have no GPU kernel yet";
-  if (s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256)
+  const bool attention = std::count(s.layer_types.begin(), s.layer_types.end(), LayerKind::Attention) > 0;
+  const bool gdn = std::count(s.layer_types.begin(), s.layer_types.end(), LayerKind::GatedDeltaNet) > 0;
+  if (attention && s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256)
     return "head_dim " + std::to_string(s.head_dim) + " (the GPU attention kernels take 64, 128 or 256)";
-  if (s.rotary_dim() % 2) return "odd rotary dimension";
+  if (attention && s.rotary_dim() % 2) return "odd rotary dimension";
+  if (gdn && (s.linear_key_head_dim > 128 || s.linear_value_head_dim > 128))
+    return "GatedDeltaNet head dims " + std::to_string(s.linear_key_head_dim) + " / " +
+           std::to_string(s.linear_value_head_dim) + " (the GPU kernels take up to 128)";
+  if (gdn && s.linear_conv_kernel_dim > 8)
+    return "conv kernel size " + std::to_string(s.linear_conv_kernel_dim) + " (the GPU kernel takes up to 8)";
   return "";
 }
 
@@ -246,8 +248,12 @@ std::vector<KernelChoice> layer_kernels(const ModelSpec& s, LayerKind kind) {
   const std::string why = gpu_unsupported_reason(s);
   if (why.empty())
     r.push_back({"cuda",
-                 "cuda::masked_attention_forward<head_dim " + std::to_string(s.head_dim) +
-                     "> (causal varlen, mma.sync bf16, fp32 softmax) + cuBLASLt bf16 GEMMs",
+                 kind == LayerKind::Attention
+                     ? "cuda::masked_attention_forward<head_dim " + std::to_string(s.head_dim) +
+                           "> (causal varlen, mma.sync bf16, fp32 softmax)" +
+                           (s.attn_output_gate() ? " + sigmoid output gate" : "") + " + cuBLASLt bf16 GEMMs"
+                     : "cuda::causal_conv1d_silu + gated_delta_rule_chunked (chunk 64, WY/UT form, fp32 state) + "
+                       "gated_rms_norm + cuBLASLt bf16 GEMMs",
                  ""});
   else
     r.push_back({"cuda", "", why});  // no fallback is offered

@@ -152,8 +152,8 @@ class TargetModel {
 /// CPU; with CUDA, the GPU kernels or the reason the GPU backend refuses the model).
 std::vector<KernelChoice> layer_kernels(const ModelSpec& s, LayerKind kind);
 
-/// Why the GPU backend cannot run model `s` ("" when it can): GatedDeltaNet layers, attention output
-/// gates, head_dim outside {64, 128, 256}, an odd rotary dimension.
+/// Why the GPU backend cannot run model `s` ("" when it can): attention head_dim outside {64, 128,
+/// 256}, an odd rotary dimension, GatedDeltaNet head dims above 128 or a conv kernel above 8.
 std::string gpu_unsupported_reason(const ModelSpec& s);
 
 /// Opens the weights of MODEL (directory or .gguf) and reads its spec, without loading tensors.

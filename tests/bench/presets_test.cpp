@@ -1,6 +1,5 @@
 // The GPU benchmarks' presets, checked on the host: the pipeline's target has the real shapes and
-// fits its drafter (the drafter-step preset of the same name), and a target the GPU backend cannot
-// run (Qwen3.6-27B: GatedDeltaNet layers) is refused with the reason, not faked.
+// fits its drafter (the drafter-step preset of the same name), Qwen3.6-27B's is the hybrid.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -43,17 +42,13 @@ TEST(BenchPresets, PipelineTargetHasTheRealShapesAndFitsItsDrafter) {
   }
 }
 
-TEST(BenchPresets, PipelineRefusesAHybridTargetAndSaysWhy) {
-  try {
-    pipeline_bench_preset("qwen3.6-27b");
-    FAIL() << "qwen3.6-27b must be refused while GatedDeltaNet has no GPU kernel";
-  } catch (const std::invalid_argument& e) {
-    const std::string m = e.what();
-    EXPECT_NE(m.find("qwen3.6-27b"), std::string::npos) << m;
-    EXPECT_NE(m.find("GatedDeltaNet layers, which have no GPU kernel yet"), std::string::npos) << m;
-  }
-  // Its drafter alone is benchmarked by drafter-step.
-  EXPECT_EQ(drafter_bench_preset("qwen3.6-27b", "test").cfg.hidden_size, 5120);
+TEST(BenchPresets, PipelineQwen36IsTheHybridTarget) {
+  const PipelineBenchPreset p = pipeline_bench_preset("qwen3.6-27b");
+  EXPECT_EQ(gpu_unsupported_reason(p.target), "");
+  EXPECT_EQ(std::count(p.target.layer_types.begin(), p.target.layer_types.end(), LayerKind::GatedDeltaNet), 48);
+  EXPECT_EQ(std::count(p.target.layer_types.begin(), p.target.layer_types.end(), LayerKind::Attention), 16);
+  EXPECT_EQ(p.target.linear_num_value_heads, 48);
+  EXPECT_EQ(p.drafter.cfg.hidden_size, 5120);
 }
 
 TEST(BenchPresets, UnknownNamesAreRefusedWithTheChoices) {

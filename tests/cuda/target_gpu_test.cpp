@@ -1,5 +1,6 @@
-// The dense target forward on the GPU (bf16) against transformers' goldens (tests/fixtures/qwen3_hd64,
-// head_dim 64: the smallest head the GPU attention takes), single sequences and a packed batch; the
+// The target forward on the GPU (bf16) against transformers' goldens (tests/fixtures/qwen3_hd64 and the
+// Qwen3.5 hybrids qwen3_5_text_hd64 / qwen3_5_hd64, head_dim 64: the smallest head the GPU attention
+// takes), single sequences and a packed batch; the
 // training taps equal the forward's hidden states; models the GPU backend cannot run are refused
 // with the reason.
 #include <gtest/gtest.h>
@@ -23,47 +24,56 @@ ForwardOptions all_outputs(int L) {
   for (int j = 0; j <= L; ++j) o.hidden_states.push_back(j);
   return o;
 }
+
+/// The GPU forward of fixture `name` against its transformers goldens: every sequence alone (logits
+/// and every hidden state) and the three packed longest first. Returns the worst logits error.
+double check_against_golden(const std::string& name, TargetGpu& gpu, const TargetModel& model) {
+  const test::TargetGolden g = test::load_target_golden(test::fixtures_dir() / name);
+  EXPECT_EQ(g.ids.size(), 3u);
+  const int L = g.num_layers;
+  double worst = 0;
+  for (size_t q = 0; q < g.ids.size(); ++q) {
+    const auto out = gpu.forward(g.ids[q], {0, int64_t(g.ids[q].size())}, all_outputs(L));
+    const double e = test::rel_l2(out.logits.data, g.logits[q].data);
+    worst = std::max(worst, e);
+    EXPECT_LE(e, kTolBf16Target) << name << " seq" << q << " logits";
+    for (int j = 0; j <= L; ++j)
+      EXPECT_LE(test::rel_l2(out.hidden_states.at(j).data, g.hidden[q][size_t(j)].data), kTolBf16Target)
+          << name << " seq" << q << " hidden_states." << j;
+  }
+  // Packed: longest first; each sequence's rows must match its own golden.
+  std::vector<int32_t> ids;
+  std::vector<int64_t> cu{0};
+  for (size_t q : {size_t(2), size_t(0), size_t(1)}) {
+    ids.insert(ids.end(), g.ids[q].begin(), g.ids[q].end());
+    cu.push_back(int64_t(ids.size()));
+  }
+  const auto packed = gpu.forward(ids, cu, all_outputs(L));
+  const int64_t V = model.spec().vocab_size;
+  size_t part = 0;
+  for (size_t q : {size_t(2), size_t(0), size_t(1)}) {
+    const std::vector<float> rows(packed.logits.data.begin() + cu[part] * V, packed.logits.data.begin() + cu[part + 1] * V);
+    const double e = test::rel_l2(rows, g.logits[q].data);
+    worst = std::max(worst, e);
+    EXPECT_LE(e, kTolBf16Target) << name << " packed seq" << q;
+    ++part;
+  }
+  std::printf("[gpu target] %s worst logits rel L2 vs transformers (bf16 GPU path): %.2e\n", name.c_str(), worst);
+  return worst;
+}
 }  // namespace
 
 TEST(CudaTarget, Qwen3MatchesTransformersInBf16) {
   if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
   const auto dir = test::fixtures_dir() / "qwen3_hd64";
   const test::TargetGolden g = test::load_target_golden(dir);
-  ASSERT_EQ(g.ids.size(), 3u);
   const auto model = TargetModel::load(dir.string());
   cudaStream_t s;
   DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
   {
     TargetGpu gpu(*model, s);
     const int L = g.num_layers;
-    double worst = 0;
-    for (size_t q = 0; q < g.ids.size(); ++q) {
-      const auto out = gpu.forward(g.ids[q], {0, int64_t(g.ids[q].size())}, all_outputs(L));
-      const double e = test::rel_l2(out.logits.data, g.logits[q].data);
-      worst = std::max(worst, e);
-      EXPECT_LE(e, kTolBf16Target) << "seq" << q << " logits";
-      for (int j = 0; j <= L; ++j)
-        EXPECT_LE(test::rel_l2(out.hidden_states.at(j).data, g.hidden[q][size_t(j)].data), kTolBf16Target)
-            << "seq" << q << " hidden_states." << j;
-    }
-    // Packed: longest first; each sequence's rows must match its own golden.
-    std::vector<int32_t> ids;
-    std::vector<int64_t> cu{0};
-    for (size_t q : {size_t(2), size_t(0), size_t(1)}) {
-      ids.insert(ids.end(), g.ids[q].begin(), g.ids[q].end());
-      cu.push_back(int64_t(ids.size()));
-    }
-    const auto packed = gpu.forward(ids, cu, all_outputs(L));
-    const int64_t V = model->spec().vocab_size;
-    size_t part = 0;
-    for (size_t q : {size_t(2), size_t(0), size_t(1)}) {
-      const std::vector<float> rows(packed.logits.data.begin() + cu[part] * V, packed.logits.data.begin() + cu[part + 1] * V);
-      const double e = test::rel_l2(rows, g.logits[q].data);
-      worst = std::max(worst, e);
-      EXPECT_LE(e, kTolBf16Target) << "packed seq" << q;
-      ++part;
-    }
-    std::printf("[gpu target] qwen3_hd64 worst logits rel L2 vs transformers (bf16 GPU path): %.2e\n", worst);
+    check_against_golden("qwen3_hd64", gpu, *model);
 
     // Taps of layers {1, 0} for the 100-token sequence: layer 1 (the last) is hidden_states[2], after
     // the final norm as in transformers; layer 0 equals hidden_states[1] rounded to bf16.
@@ -86,9 +96,29 @@ TEST(CudaTarget, Qwen3MatchesTransformersInBf16) {
   DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
 }
 
+// Qwen3.5 hybrids (GatedDeltaNet + gated attention with partial RoPE and zero-centered norms), text
+// and multimodal wrapper formats, head_dim 64: the whole forward on the GPU against transformers.
+TEST(CudaTarget, Qwen3_5HybridsMatchTransformersInBf16) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  cudaStream_t s;
+  DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
+  for (const char* name : {"qwen3_5_text_hd64", "qwen3_5_hd64"}) {
+    const auto model = TargetModel::load((test::fixtures_dir() / name).string());
+    TargetGpu gpu(*model, s);
+    check_against_golden(name, gpu, *model);
+    EXPECT_THROW(gpu.reset_cache(1), std::invalid_argument) << "GPU decoding of hybrids is not built yet";
+  }
+  DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
+}
+
 TEST(CudaTarget, RefusesWhatItCannotRunAndSaysWhy) {
   const auto hybrid = TargetModel::load((test::fixtures_dir() / "qwen3_5_text").string());
-  EXPECT_NE(gpu_unsupported_reason(hybrid->spec()).find("GatedDeltaNet"), std::string::npos);
+  EXPECT_NE(gpu_unsupported_reason(hybrid->spec()).find("head_dim 16"), std::string::npos);
+  ModelSpec wide = hybrid->spec();
+  wide.head_dim = 64;
+  EXPECT_EQ(gpu_unsupported_reason(wide), "");
+  wide.linear_value_head_dim = 256;
+  EXPECT_NE(gpu_unsupported_reason(wide).find("GatedDeltaNet head dims"), std::string::npos);
   const auto small_heads = TargetModel::load((test::fixtures_dir() / "qwen3").string());
   EXPECT_NE(gpu_unsupported_reason(small_heads->spec()).find("head_dim 16"), std::string::npos);
   const auto ok = TargetModel::load((test::fixtures_dir() / "qwen3_hd64").string());

@@ -9,6 +9,8 @@
 #include <string>
 
 #include "bench/record.h"
+#include "ops/cuda/elementwise.h"
+#include "ops/cuda/gemm.h"
 #include "train/anchors.h"
 
 namespace dflash {
@@ -97,6 +99,35 @@ double PeakMemory::peak_gb() const {
   uint64_t pool_high = 0;
   DFLASH_CUDA_CHECK(cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrReservedMemHigh, &pool_high));
   return (double(free0_ - free1_) + double(pool_high)) / 1e9;
+}
+
+std::vector<double> time_runs(cudaStream_t s, int warmup, int runs, const std::function<void()>& f) {
+  cudaEvent_t e0, e1;
+  DFLASH_CUDA_CHECK(cudaEventCreate(&e0));
+  DFLASH_CUDA_CHECK(cudaEventCreate(&e1));
+  std::vector<double> t;
+  for (int i = 0; i < warmup + runs; ++i) {
+    DFLASH_CUDA_CHECK(cudaEventRecord(e0, s));
+    f();
+    DFLASH_CUDA_CHECK(cudaEventRecord(e1, s));
+    DFLASH_CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    DFLASH_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    if (i >= warmup) t.push_back(ms);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return t;
+}
+
+double gemm_peak_tflops(cudaStream_t s) {
+  const int64_t n = 8192;
+  cuda::GemmContext g(s);
+  cuda::DeviceArray<cuda::bf16> a(size_t(n * n)), b(size_t(n * n)), c(size_t(n * n));
+  cuda::fill_normal(a.data(), n * n, 1, 0.f, 1.f, s);
+  cuda::fill_normal(b.data(), n * n, 2, 0.f, 1.f, s);
+  const auto t = time_runs(s, 3, 10, [&] { g.gemm({n, n, n, false, true}, a.data(), b.data(), c.data()); });
+  return 2.0 * double(n) * n * n / (median(t) * 1e-3) / 1e12;
 }
 
 }  // namespace dflash

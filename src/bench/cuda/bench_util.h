@@ -1,7 +1,8 @@
-// Pieces shared by the GPU benchmarks (drafter-step, pipeline): the training sample, the drafter's
+// Pieces shared by the GPU benchmarks (drafter-step, pipeline, gdn, target-forward): the training sample, the drafter's
 // training step as they time it, and the peak-memory measurement.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -17,6 +18,13 @@ namespace dflash {
 void emit_bench_records(const std::string& bench, const std::string& preset,
                         const std::vector<std::tuple<std::string, double, std::string>>& metrics,
                         const nlohmann::json& extra, const std::string& results, bool record);
+
+/// Milliseconds of each of `runs` calls of f (work enqueued on `s`, timed by CUDA events around
+/// it) after `warmup` untimed ones.
+std::vector<double> time_runs(cudaStream_t s, int warmup, int runs, const std::function<void()>& f);
+
+/// bf16 GEMM throughput (TFLOP/s) of cuBLASLt at 8192^3 on `s`, median of 10 after 3 warm-ups.
+double gemm_peak_tflops(cudaStream_t s);
 
 /// The upper median of v (v not empty).
 double median(std::vector<double> v);

@@ -14,31 +14,6 @@ namespace dflash {
 
 namespace {
 
-/// bf16 GEMM throughput (TFLOP/s) of cuBLASLt at 8192^3, median of 10 after 3 warm-ups.
-double gemm_peak_tflops(cudaStream_t s) {
-  const int64_t n = 8192;
-  cuda::GemmContext g(s);
-  cuda::DeviceArray<cuda::bf16> a(size_t(n * n)), b(size_t(n * n)), c(size_t(n * n));
-  cuda::fill_normal(a.data(), n * n, 1, 0.f, 1.f, s);
-  cuda::fill_normal(b.data(), n * n, 2, 0.f, 1.f, s);
-  cudaEvent_t e0, e1;
-  DFLASH_CUDA_CHECK(cudaEventCreate(&e0));
-  DFLASH_CUDA_CHECK(cudaEventCreate(&e1));
-  std::vector<double> t;
-  for (int i = 0; i < 13; ++i) {
-    DFLASH_CUDA_CHECK(cudaEventRecord(e0, s));
-    g.gemm({n, n, n, false, true}, a.data(), b.data(), c.data());
-    DFLASH_CUDA_CHECK(cudaEventRecord(e1, s));
-    DFLASH_CUDA_CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    DFLASH_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    if (i >= 3) t.push_back(ms);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  return 2.0 * double(n) * n * n / (median(t) * 1e-3) / 1e12;
-}
-
 /// Model FLOPs of one training step (the count anchors.md uses): every drafter GEMM forward +
 /// input gradient + weight gradient (fc: no input gradient), the LM head forward + input gradient,
 /// attention over the visible keys only (backward = 2.5 x forward).

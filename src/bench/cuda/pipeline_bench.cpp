@@ -123,17 +123,7 @@ int run_pipeline_bench(const PipelineBenchOptions& o) {
   }
   // One more sample with GPU timers per stage: the target's forward (CUDA events) and the drafter's
   // stage timers.
-  cudaEvent_t e0, e1;
-  DFLASH_CUDA_CHECK(cudaEventCreate(&e0));
-  DFLASH_CUDA_CHECK(cudaEventCreate(&e1));
-  DFLASH_CUDA_CHECK(cudaEventRecord(e0, s));
-  run_target();
-  DFLASH_CUDA_CHECK(cudaEventRecord(e1, s));
-  DFLASH_CUDA_CHECK(cudaEventSynchronize(e1));
-  float target_gpu_ms = 0;
-  DFLASH_CUDA_CHECK(cudaEventElapsedTime(&target_gpu_ms, e0, e1));
-  DFLASH_CUDA_CHECK(cudaEventDestroy(e0));
-  DFLASH_CUDA_CHECK(cudaEventDestroy(e1));
+  const double target_gpu_ms = time_runs(s, 0, 1, run_target)[0];
   nlohmann::json stages = {{"target_forward", target_gpu_ms}};
   const nlohmann::json drafter_stages = timed_train_step(drafter, seq, false, o.warmup + o.steps + 1);
   for (const auto& st : drafter_stages.items()) stages["drafter_" + st.key()] = st.value();

@@ -10,6 +10,7 @@
 #include "models/cuda/kv_cache.h"
 #include "ops/cuda/cross_entropy.h"
 #include "ops/cuda/elementwise.h"
+#include "ops/cuda/gated_delta_rule.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/masked_attention.h"
 #include "ops/cuda/norm.h"
@@ -37,8 +38,13 @@ DeviceArray<bf16> to_bf16(const Tensor& t, cudaStream_t s) {
 }
 
 struct LayerGpu {
-  DeviceArray<bf16> q, k, v, o, gate, up, down;
+  LayerKind kind = LayerKind::Attention;
+  DeviceArray<bf16> q, k, v, o, gate, up, down;  // attention (q: [H*Dh*(gated ? 2 : 1), D]) and MLP
   DeviceArray<float> q_norm, k_norm, in_ln, post_ln;
+  // GatedDeltaNet: in_proj_qkv [C, D], in_proj_z [Hv*dv, D], in_proj_b / in_proj_a [Hv, D],
+  // out_proj [D, Hv*dv] bf16; conv1d [C, K], A_log / dt_bias [Hv], norm [dv] fp32.
+  DeviceArray<bf16> qkv, z, b, a, out;
+  DeviceArray<float> conv, A_log, dt_bias, gnorm;
 };
 
 std::vector<float> host_f32(const StreamBuffer<bf16>& b, int64_t n, cudaStream_t s) {
@@ -75,14 +81,23 @@ TargetGpu::TargetGpu(const TargetModel& m, cudaStream_t stream) : impl_(new Impl
   Impl& I = *impl_;
   for (const LayerWeights& l : m.layers()) {
     LayerGpu g;
-    g.q = to_bf16(l.attn.q_proj, stream), g.k = to_bf16(l.attn.k_proj, stream), g.v = to_bf16(l.attn.v_proj, stream);
-    g.o = to_bf16(l.attn.o_proj, stream);
+    g.kind = l.kind;
+    if (l.kind == LayerKind::GatedDeltaNet) {
+      const GatedDeltaNetWeights& w = l.gdn;
+      g.qkv = to_bf16(w.in_proj_qkv, stream), g.z = to_bf16(w.in_proj_z, stream), g.b = to_bf16(w.in_proj_b, stream);
+      g.a = to_bf16(w.in_proj_a, stream), g.out = to_bf16(w.out_proj, stream);
+      g.conv = DeviceArray<float>(w.conv1d.data, stream), g.A_log = DeviceArray<float>(w.A_log.data, stream);
+      g.dt_bias = DeviceArray<float>(w.dt_bias.data, stream), g.gnorm = DeviceArray<float>(w.norm.data, stream);
+    } else {
+      g.q = to_bf16(l.attn.q_proj, stream), g.k = to_bf16(l.attn.k_proj, stream), g.v = to_bf16(l.attn.v_proj, stream);
+      g.o = to_bf16(l.attn.o_proj, stream);
+      if (spec_.has_qk_norm()) {
+        g.q_norm = DeviceArray<float>(l.attn.q_norm.data, stream);
+        g.k_norm = DeviceArray<float>(l.attn.k_norm.data, stream);
+      }
+    }
     g.gate = to_bf16(l.mlp.gate_proj, stream), g.up = to_bf16(l.mlp.up_proj, stream);
     g.down = to_bf16(l.mlp.down_proj, stream);
-    if (spec_.has_qk_norm()) {
-      g.q_norm = DeviceArray<float>(l.attn.q_norm.data, stream);
-      g.k_norm = DeviceArray<float>(l.attn.k_norm.data, stream);
-    }
     g.in_ln = DeviceArray<float>(l.input_layernorm.data, stream);
     g.post_ln = DeviceArray<float>(l.post_attention_layernorm.data, stream);
     I.layers.push_back(std::move(g));
@@ -110,11 +125,27 @@ TargetGpu::TargetGpu(const ModelSpec& spec, uint64_t seed, cudaStream_t stream) 
     cuda::fill_normal(w.data(), n, 0, 1.f, 0.f, stream);
     return w;
   };
+  auto normal = [&](int64_t n, float mean, float std) {
+    DeviceArray<float> w(static_cast<size_t>(n));
+    cuda::fill_normal(w.data(), n, seed * 1000003 + ++k, mean, std, stream);
+    return w;
+  };
+  const int64_t Hk = spec_.linear_num_key_heads, Hv = spec_.linear_num_value_heads;
+  const int64_t dk = spec_.linear_key_head_dim, dv = spec_.linear_value_head_dim, C = 2 * Hk * dk + Hv * dv;
   for (int64_t i = 0; i < spec_.num_hidden_layers; ++i) {
     LayerGpu g;
-    g.q = matrix(H * Dh, D), g.k = matrix(Hkv * Dh, D), g.v = matrix(Hkv * Dh, D), g.o = matrix(D, H * Dh);
+    g.kind = spec_.layer_types[size_t(i)];
+    if (g.kind == LayerKind::GatedDeltaNet) {
+      // A_log ~ N(0, 0.5), dt_bias 0: decays exp(-exp(A_log) softplus(a)) spread around exp(-0.7).
+      g.qkv = matrix(C, D), g.z = matrix(Hv * dv, D), g.b = matrix(Hv, D), g.a = matrix(Hv, D), g.out = matrix(D, Hv * dv);
+      g.conv = normal(C * spec_.linear_conv_kernel_dim, 0.f, 0.3f), g.A_log = normal(Hv, 0.f, 0.5f);
+      g.dt_bias = normal(Hv, 0.f, 0.f), g.gnorm = ones(dv);
+    } else {
+      g.q = matrix(H * Dh * (spec_.attn_output_gate() ? 2 : 1), D), g.k = matrix(Hkv * Dh, D), g.v = matrix(Hkv * Dh, D);
+      g.o = matrix(D, H * Dh);
+      if (spec_.has_qk_norm()) g.q_norm = ones(Dh), g.k_norm = ones(Dh);
+    }
     g.gate = matrix(Im, D), g.up = matrix(Im, D), g.down = matrix(D, Im);
-    if (spec_.has_qk_norm()) g.q_norm = ones(Dh), g.k_norm = ones(Dh);
     g.in_ln = ones(D), g.post_ln = ones(D);
     I.layers.push_back(std::move(g));
   }
@@ -133,6 +164,10 @@ TargetGpu::TargetGpu(const ModelSpec& spec, uint64_t seed, cudaStream_t stream) 
 TargetGpu::~TargetGpu() = default;
 
 namespace {
+bool has_gated_deltanet(const ModelSpec& sp) {
+  return std::count(sp.layer_types.begin(), sp.layer_types.end(), LayerKind::GatedDeltaNet) > 0;
+}
+
 void check_batch(const ModelSpec& sp, const std::vector<int32_t>& ids, const std::vector<int64_t>& cu) {
   if (cu.size() < 2 || cu.front() != 0 || cu.back() != int64_t(ids.size()))
     throw std::invalid_argument("cu_seqlens must run from 0 to the number of tokens");
@@ -206,30 +241,70 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
   auto linear = [&](const bf16* in, int64_t out_f, int64_t in_f, const DeviceArray<bf16>& w, auto* y, float beta) {
     I.gemm.gemm({T, out_f, in_f, false, true}, in, w.data(), y, 1.f, beta);
   };
+  // GatedDeltaNet buffers (hybrids): C = q | k | v channels.
+  const int64_t Hk = sp.linear_num_key_heads, Hv = sp.linear_num_value_heads, dk = sp.linear_key_head_dim;
+  const int64_t dv = sp.linear_value_head_dim, Cg = 2 * Hk * dk + Hv * dv;
+  const bool hybrid = has_gated_deltanet(sp);
+  StreamBuffer<int32_t> d_start = cuda::upload(hybrid ? cuda::sequence_starts(cu) : std::vector<int32_t>{}, s);
+  StreamBuffer<bf16> gpre(hybrid ? size_t(T * Cg) : 0, s), gconv(hybrid ? size_t(T * Cg) : 0, s),
+      gz(hybrid ? size_t(T * Hv * dv) : 0, s), gq(hybrid ? size_t(T * Hk * dk) : 0, s),
+      gk(hybrid ? size_t(T * Hk * dk) : 0, s), gv(hybrid ? size_t(T * Hv * dv) : 0, s),
+      go(hybrid ? size_t(T * Hv * dv) : 0, s);
+  StreamBuffer<float> gb(hybrid ? size_t(T * Hv) : 0, s), ga(hybrid ? size_t(T * Hv) : 0, s),
+      gg(hybrid ? size_t(T * Hv) : 0, s), gbeta(hybrid ? size_t(T * Hv) : 0, s);
+  const bool gated = sp.attn_output_gate();
+  StreamBuffer<bf16> qg(gated ? size_t(T * H * 2 * Dh) : 0, s), og(gated ? size_t(T * H * Dh) : 0, s);
   for (int64_t i = 0; i <= last; ++i) {
     const LayerGpu& l = I.layers[size_t(i)];
     cuda::rms_norm_forward(x.data(), l.in_ln.data(), h.data(), nullptr, T, D, sp.rms_norm_eps, zc, s);
-    linear(h.data(), H * Dh, D, l.q, q.data(), 0.f);
-    linear(h.data(), Hkv * Dh, D, l.k, k.data(), 0.f);
-    linear(h.data(), Hkv * Dh, D, l.v, v.data(), 0.f);
-    if (sp.has_qk_norm()) {
-      cuda::rms_norm_forward(q.data(), l.q_norm.data(), q.data(), nullptr, T * H, Dh, sp.rms_norm_eps, zc, s);
-      cuda::rms_norm_forward(k.data(), l.k_norm.data(), k.data(), nullptr, T * Hkv, Dh, sp.rms_norm_eps, zc, s);
-    }
-    cuda::rope_apply(q.data(), T, H, Dh, rot, cs.data(), sn.data(), false, s);
-    cuda::rope_apply(k.data(), T, Hkv, Dh, rot, cs.data(), sn.data(), false, s);
-    if (cached) {
-      cuda::scatter_rows(k.data(), T, Hkv * Dh, d_dest.data(), C.k[size_t(i)].data(), s);
-      cuda::scatter_rows(v.data(), T, Hkv * Dh, d_dest.data(), C.v[size_t(i)].data(), s);
-      cuda::scatter_rows(q.data(), T, H * Dh, d_qrow.data(), qpad.data(), s);  // unused rows: empty ranges
-      cuda::masked_attention_forward(qpad.data(), C.k[size_t(i)].data(), C.v[size_t(i)].data(), ranges.data(), Tq,
-                                     C.n * C.cap, int(H), int(Hkv), int(Dh), scale, opad.data(), nullptr, s);
-      cuda::embedding_gather(opad.data(), Tq, H * Dh, d_qrow.data(), T, o.data(), nullptr, s);
+    if (l.kind == LayerKind::GatedDeltaNet) {
+      // transformers Qwen3_5GatedDeltaNet (no cache): conv1d + SiLU over q|k|v, gates, the chunked
+      // gated delta rule, gated RMSNorm with silu(z), out_proj.
+      linear(h.data(), Cg, D, l.qkv, gpre.data(), 0.f);
+      cuda::causal_conv1d_silu(gpre.data(), l.conv.data(), d_start.data(), T, Cg, int(sp.linear_conv_kernel_dim),
+                               gconv.data(), s);
+      linear(h.data(), Hv * dv, D, l.z, gz.data(), 0.f);
+      linear(h.data(), Hv, D, l.b, gb.data(), 0.f);
+      linear(h.data(), Hv, D, l.a, ga.data(), 0.f);
+      cuda::gdn_prepare(gconv.data(), gb.data(), ga.data(), l.A_log.data(), l.dt_bias.data(), T, int(Hk), int(Hv),
+                        int(dk), int(dv), float(1.0 / std::sqrt(double(dk))), gq.data(), gk.data(), gv.data(), gg.data(),
+                        gbeta.data(), s);
+      cuda::gated_delta_rule_chunked(gq.data(), gk.data(), gv.data(), gg.data(), gbeta.data(), cu, int(Hk), int(Hv),
+                                     int(dk), int(dv), nullptr, nullptr, go.data(), s);
+      cuda::gated_rms_norm(go.data(), gz.data(), l.gnorm.data(), go.data(), T * Hv, dv, sp.rms_norm_eps, s);
+      linear(go.data(), D, Hv * dv, l.out, x.data(), 1.f);  // x += out_proj(o)
     } else {
-      cuda::masked_attention_forward(q.data(), k.data(), v.data(), ranges.data(), T, T, int(H), int(Hkv), int(Dh),
-                                     scale, o.data(), nullptr, s);
+      if (gated) {  // q_proj output [T, H, 2*Dh]: per head the query, then the output gate
+        linear(h.data(), H * 2 * Dh, D, l.q, qg.data(), 0.f);
+        DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(q.data(), size_t(Dh) * 2, qg.data(), size_t(2 * Dh) * 2, size_t(Dh) * 2,
+                                            size_t(T * H), cudaMemcpyDeviceToDevice, s));
+        DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(og.data(), size_t(Dh) * 2, qg.data() + Dh, size_t(2 * Dh) * 2,
+                                            size_t(Dh) * 2, size_t(T * H), cudaMemcpyDeviceToDevice, s));
+      } else {
+        linear(h.data(), H * Dh, D, l.q, q.data(), 0.f);
+      }
+      linear(h.data(), Hkv * Dh, D, l.k, k.data(), 0.f);
+      linear(h.data(), Hkv * Dh, D, l.v, v.data(), 0.f);
+      if (sp.has_qk_norm()) {
+        cuda::rms_norm_forward(q.data(), l.q_norm.data(), q.data(), nullptr, T * H, Dh, sp.rms_norm_eps, zc, s);
+        cuda::rms_norm_forward(k.data(), l.k_norm.data(), k.data(), nullptr, T * Hkv, Dh, sp.rms_norm_eps, zc, s);
+      }
+      cuda::rope_apply(q.data(), T, H, Dh, rot, cs.data(), sn.data(), false, s);
+      cuda::rope_apply(k.data(), T, Hkv, Dh, rot, cs.data(), sn.data(), false, s);
+      if (cached) {
+        cuda::scatter_rows(k.data(), T, Hkv * Dh, d_dest.data(), C.k[size_t(i)].data(), s);
+        cuda::scatter_rows(v.data(), T, Hkv * Dh, d_dest.data(), C.v[size_t(i)].data(), s);
+        cuda::scatter_rows(q.data(), T, H * Dh, d_qrow.data(), qpad.data(), s);  // unused rows: empty ranges
+        cuda::masked_attention_forward(qpad.data(), C.k[size_t(i)].data(), C.v[size_t(i)].data(), ranges.data(), Tq,
+                                       C.n * C.cap, int(H), int(Hkv), int(Dh), scale, opad.data(), nullptr, s);
+        cuda::embedding_gather(opad.data(), Tq, H * Dh, d_qrow.data(), T, o.data(), nullptr, s);
+      } else {
+        cuda::masked_attention_forward(q.data(), k.data(), v.data(), ranges.data(), T, T, int(H), int(Hkv), int(Dh),
+                                       scale, o.data(), nullptr, s);
+      }
+      if (gated) cuda::mul_sigmoid(o.data(), og.data(), T * H * Dh, s);
+      linear(o.data(), D, H * Dh, l.o, x.data(), 1.f);  // x += o_proj(o)
     }
-    linear(o.data(), D, H * Dh, l.o, x.data(), 1.f);  // x += o_proj(o)
     cuda::rms_norm_forward(x.data(), l.post_ln.data(), h.data(), nullptr, T, D, sp.rms_norm_eps, zc, s);
     linear(h.data(), Im, D, l.gate, g.data(), 0.f);
     linear(h.data(), Im, D, l.up, u.data(), 0.f);
@@ -243,6 +318,9 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
 }
 
 void TargetGpu::reset_cache(int n_seq) {
+  if (has_gated_deltanet(spec_))
+    throw std::invalid_argument("decoding a GatedDeltaNet hybrid on the GPU (recurrent state cache) is not built yet: "
+                                "use --device cpu");
   if (n_seq < 0) throw std::invalid_argument("reset_cache: negative number of sequences");
   KvCache& C = impl_->cache;
   C = KvCache(n_seq, spec_.num_hidden_layers, spec_.num_key_value_heads * spec_.head_dim);
@@ -263,8 +341,8 @@ ForwardOutput TargetGpu::forward_cached(const std::vector<int32_t>& ids, const s
 }
 
 ForwardOutput TargetGpu::forward(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu,
-                                 const ForwardOptions& opt) {
-  return forward_impl(ids, cu, opt, false, nullptr);
+                                 const ForwardOptions& opt, std::vector<int32_t>* argmax) {
+  return forward_impl(ids, cu, opt, false, argmax);
 }
 
 ForwardOutput TargetGpu::forward_impl(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu,

@@ -1,5 +1,5 @@
-// A dense target (Llama / Qwen3: softmax attention layers only) on one GPU, bf16 weights and GEMM
-// inputs, fp32 accumulation and an fp32 residual stream: the forward pass
+// A target on one GPU (Llama / Qwen3, and Qwen3.5 / 3.6 hybrids: GatedDeltaNet and gated attention
+// layers), bf16 weights and GEMM inputs, fp32 accumulation and an fp32 residual stream: the forward pass
 // of `dflash forward --device cuda` and the taps of GPU training. Same math as TargetModel::forward
 // (src/models/target.h), built from the kernels in src/ops/cuda.
 #pragma once
@@ -16,22 +16,25 @@ namespace dflash {
 
 class TargetGpu {
  public:
-  /// Uploads `m`'s weights (matrices bf16, norm weights fp32). Throws std::invalid_argument naming
-  /// the reason for a model the GPU backend does not run yet: GatedDeltaNet layers (Qwen3.5 hybrids,
-  /// no GPU kernel yet), attention output gates, head_dim outside {64, 128, 256}.
+  /// Uploads `m`'s weights (matrices bf16; norm weights, conv1d, A_log, dt_bias fp32). Throws
+  /// std::invalid_argument naming the reason for a model the GPU backend does not run
+  /// (gpu_unsupported_reason: e.g. head_dim outside {64, 128, 256}).
   TargetGpu(const TargetModel& m, cudaStream_t stream);
   /// Random weights made on the device, from `seed` (benchmarks: no host copy of the model). Shapes
   /// of `spec` as TargetModel::load gives them, stored as the constructor above stores them:
   /// embed_tokens / lm_head [V, D] and every projection bf16 ~ N(0, 0.02^2) (lm_head a copy of
-  /// embed_tokens when spec.tie_word_embeddings), norm weights fp32 1. Throws std::runtime_error
+  /// embed_tokens when spec.tie_word_embeddings), norm weights fp32 1; GatedDeltaNet conv1d
+  /// ~ N(0, 0.3^2), A_log ~ N(0, 0.5^2), dt_bias 0. Throws std::runtime_error
   /// for an inconsistent spec (ModelSpec::validate) or on CUDA errors (out of memory), and
   /// std::invalid_argument, as above, for a model the GPU backend does not run.
   TargetGpu(const ModelSpec& spec, uint64_t seed, cudaStream_t stream);
   ~TargetGpu();
 
   /// As TargetModel::forward (packed batch, cu_seqlens); results copied to the host as float32.
+  /// With `argmax`, also the most likely token of every row, computed on the GPU without the logits
+  /// leaving it (runs the LM head even when opt.logits is false).
   ForwardOutput forward(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu_seqlens,
-                        const ForwardOptions& opt);
+                        const ForwardOptions& opt, std::vector<int32_t>* argmax = nullptr);
 
   /// Training taps: hidden_states[i + 1] for each i in layer_ids (transformers numbering: for the
   /// last layer that is after the final norm), concatenated along features into out [T, K*D] (device
@@ -44,7 +47,8 @@ class TargetGpu {
 
   // Decoding (src/spec/decoder.h): a KV cache per layer for a batch of sequences, bf16 keys (after
   // q/k norm and RoPE) and values, grown as needed.
-  /// Drops any earlier cache and starts `n_seq` empty sequences.
+  /// Drops any earlier cache and starts `n_seq` empty sequences. Throws std::invalid_argument for
+  /// a model with GatedDeltaNet layers (their recurrent state cache is not on the GPU yet).
   void reset_cache(int n_seq);
   /// As TargetModel::forward with a TargetCache: cu_seqlens [n_seq + 1] gives each cached sequence
   /// its new tokens (positions continue from its length); every layer runs;

@@ -14,8 +14,6 @@ int64_t packs_of(int64_t n, const P*... p) {
   return ((reinterpret_cast<uintptr_t>(p) % 16 == 0) && ...) ? n / 8 : 0;
 }
 
-int grid_for(int64_t n) { return int(std::max<int64_t>(1, std::min<int64_t>((n + 255) / 256, 65535 * 4))); }
-
 #define DFLASH_GRID_STRIDE(i, n) \
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < (n); i += int64_t(gridDim.x) * blockDim.x)
 
@@ -185,6 +183,26 @@ void add_inplace(bf16* y, const bf16* x, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
   const int64_t packs = packs_of(n, y, x);
   add_kernel<<<grid_for(std::max(packs, n - 8 * packs)), 256, 0, stream>>>(y, x, n, packs);
+  DFLASH_CUDA_CHECK_LAUNCH();
+}
+
+__global__ void mul_sigmoid_kernel(bf16* y, const bf16* gate, int64_t n, int64_t packs) {
+  DFLASH_GRID_STRIDE(p, packs) {
+    float Y[8], G[8];
+    load8(y + 8 * p, Y), load8(gate + 8 * p, G);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) Y[k] /= 1.f + __expf(-G[k]);
+    store8(y + 8 * p, Y);
+  }
+  DFLASH_TAIL_STRIDE(i, 8 * packs, n)
+  y[i] = __float2bfloat16_rn(__bfloat162float(y[i]) / (1.f + __expf(-__bfloat162float(gate[i]))));
+}
+
+void mul_sigmoid(bf16* y, const bf16* gate, int64_t n, cudaStream_t stream) {
+  if (n < 0) throw std::invalid_argument("mul_sigmoid: negative size");
+  if (n == 0) return;
+  const int64_t packs = packs_of(n, y, gate);
+  mul_sigmoid_kernel<<<grid_for(std::max(packs, n - 8 * packs)), 256, 0, stream>>>(y, gate, n, packs);
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 

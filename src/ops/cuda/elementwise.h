@@ -32,6 +32,9 @@ void flag_nonfinite(const bf16* x, int64_t n, int* flag, cudaStream_t stream);
 /// y [n] += x [n] (bf16, fp32 add, rounded once).
 void add_inplace(bf16* y, const bf16* x, int64_t n, cudaStream_t stream);
 
+/// y [n] *= sigmoid(gate [n]) (bf16, fp32 math, rounded once): the output gate of Qwen3.5 attention.
+void mul_sigmoid(bf16* y, const bf16* gate, int64_t n, cudaStream_t stream);
+
 /// x[i] = mean + std * z_i, z_i standard normal from a counter-based hash of (seed, i) (Box-Muller
 /// over splitmix64): the same values for the same seed on every GPU and launch shape. For random
 /// benchmark weights and inputs, never for training data.

@@ -31,8 +31,6 @@ __global__ void rope_apply_kernel(bf16* x, int64_t n, int64_t H, int64_t D, int6
   }
 }
 
-int grid_for(int64_t n) { return int(std::max<int64_t>(1, std::min<int64_t>((n + 255) / 256, 65535 * 4))); }
-
 }  // namespace
 
 void rope_table(const int64_t* pos, const double* inv_freq, int64_t n, int64_t rot, float* cos, float* sin,

@@ -41,7 +41,6 @@ __global__ void bf16_to_f32_kernel(const bf16* in, float* out, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = __bfloat162float(in[i]);
 }
-int grid_for(int64_t n) { return int(std::min<int64_t>((n + 255) / 256, 65535)); }
 }  // namespace
 
 void f32_to_bf16(const float* in, bf16* out, int64_t n, cudaStream_t stream) {

@@ -10,6 +10,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -125,6 +126,9 @@ StreamBuffer<T> upload(const std::vector<T>& v, cudaStream_t stream) {
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(b.data(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice, stream));
   return b;
 }
+
+/// Blocks of 256 threads for a grid-stride loop over n elements (at least 1, at most 262140).
+inline int grid_for(int64_t n) { return int(n <= 256 ? 1 : std::min<int64_t>((n + 255) / 256, 65535 * 4)); }
 
 /// out[i] = bf16(in[i]) (round to nearest even), n elements.
 void f32_to_bf16(const float* in, bf16* out, int64_t n, cudaStream_t stream);

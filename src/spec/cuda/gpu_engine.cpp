@@ -25,6 +25,7 @@ class GpuDecoder final : public TargetDecoder {
   GpuDecoder(const TargetModel& m, std::vector<int64_t> taps, int device)
       : s_(stream_on(device)), gpu_(m, s_), taps_(std::move(taps)) {
     check_tap_layer_ids(m.spec(), taps_);
+    gpu_.reset_cache(0);  // refuses, before any work, a model the GPU cannot decode yet
   }
   ~GpuDecoder() override { cudaStreamDestroy(s_); }
   const ModelSpec& spec() const override { return gpu_.spec(); }

@@ -1,0 +1,129 @@
+#include "bench/cuda/forward_bench.h"
+
+#include <algorithm>
+#include <random>
+
+#include "bench/cuda/bench_util.h"
+#include "bench/presets.h"
+#include "models/cuda/target_gpu.h"
+#include "ops/cuda/elementwise.h"
+#include "ops/cuda/gated_delta_rule.h"
+
+namespace dflash {
+
+namespace {
+/// GEMM FLOPs of a forward of T tokens (one sequence): every projection, causal attention over the
+/// visible keys, and the LM head when `lm_head`. The recurrence and elementwise work are not counted.
+double forward_flops(const ModelSpec& s, int64_t T, int64_t layers, bool lm_head) {
+  const double t = double(T), D = double(s.hidden_size), I = double(s.intermediate_size);
+  const double H = double(s.num_attention_heads), Hkv = double(s.num_key_value_heads), Dh = double(s.head_dim);
+  const double Hk = double(s.linear_num_key_heads), Hv = double(s.linear_num_value_heads);
+  const double dk = double(s.linear_key_head_dim), dv = double(s.linear_value_head_dim);
+  double f = 0;
+  for (int64_t i = 0; i < layers; ++i) {
+    f += 2 * t * 3 * D * I;  // MLP
+    if (s.layer_types[size_t(i)] == LayerKind::GatedDeltaNet)
+      f += 2 * t * D * ((2 * Hk * dk + Hv * dv) + Hv * dv + 2 * Hv + Hv * dv);
+    else
+      f += 2 * t * D * (H * Dh * (s.attn_output_gate() ? 2 : 1) + 2 * Hkv * Dh + H * Dh) + 2 * 2 * H * Dh * t * t / 2;
+  }
+  return f + (lm_head ? 2 * t * D * double(s.vocab_size) : 0.0);
+}
+}  // namespace
+
+int run_gdn_bench(const GdnBenchOptions& o) {
+  cuda::require_device("bench gdn");
+  cudaStream_t s;
+  DFLASH_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const int Hk = 16, Hv = 48, dk = 128, dv = 128;
+  const std::vector<std::pair<std::string, std::vector<int64_t>>> shapes{
+      {"t4096", {4096}}, {"t16384", {16384}}, {"packed8x512", std::vector<int64_t>(8, 512)}};
+  for (const auto& [name, lens] : shapes) {
+    std::vector<int64_t> cu{0};
+    for (int64_t n : lens) cu.push_back(cu.back() + n);
+    const int64_t T = cu.back(), C = 2 * Hk * dk + Hv * dv;
+    // Inputs as a GatedDeltaNet layer makes them: conv input, gates' projections, then prepared.
+    cuda::DeviceArray<cuda::bf16> pre(size_t(T * C)), conv(size_t(T * C)), q(size_t(T * Hk * dk)), k(size_t(T * Hk * dk)),
+        v(size_t(T * Hv * dv)), out(size_t(T * Hv * dv));
+    cuda::DeviceArray<float> w(size_t(C * 4)), b(size_t(T * Hv)), a(size_t(T * Hv)), A_log{size_t(Hv)}, dt{size_t(Hv)},
+        g(size_t(T * Hv)), beta(size_t(T * Hv));
+    cuda::fill_normal(pre.data(), T * C, 1, 0.f, 1.f, s);
+    cuda::fill_normal(w.data(), C * 4, 2, 0.f, 0.3f, s);
+    cuda::fill_normal(b.data(), T * Hv, 3, 0.f, 1.f, s);
+    cuda::fill_normal(a.data(), T * Hv, 4, 0.f, 1.f, s);
+    cuda::fill_normal(A_log.data(), Hv, 5, 0.f, 0.5f, s);
+    cuda::fill_normal(dt.data(), Hv, 6, 0.f, 0.f, s);
+    auto starts = cuda::upload(cuda::sequence_starts(cu), s);
+    const float scale = 1.f / std::sqrt(float(dk));
+    auto conv_run = [&] { cuda::causal_conv1d_silu(pre.data(), w.data(), starts.data(), T, C, 4, conv.data(), s); };
+    auto prep_run = [&] {
+      cuda::gdn_prepare(conv.data(), b.data(), a.data(), A_log.data(), dt.data(), T, Hk, Hv, dk, dv, scale, q.data(),
+                        k.data(), v.data(), g.data(), beta.data(), s);
+    };
+    auto rule_run = [&] {
+      cuda::gated_delta_rule_chunked(q.data(), k.data(), v.data(), g.data(), beta.data(), cu, Hk, Hv, dk, dv, nullptr,
+                                     nullptr, out.data(), s);
+    };
+    const double conv_ms = median(time_runs(s, o.warmup, o.steps, conv_run));
+    const double prep_ms = median(time_runs(s, o.warmup, o.steps, prep_run));
+    const double rule_ms = median(time_runs(s, o.warmup, o.steps, rule_run));
+    const nlohmann::json extra = {{"T", T}, {"sequences", lens.size()}, {"Hk", Hk}, {"Hv", Hv}, {"dk", dk}, {"dv", dv},
+                                  {"chunk", 64}, {"conv1d_ms", conv_ms}, {"prepare_ms", prep_ms},
+                                  {"what", "gated_delta_rule_chunked forward (q, k normalized; gates given), CUDA events"}};
+    emit_bench_records("gdn", name, {{"ms", rule_ms, "ms"}}, extra, o.results, o.record);
+  }
+  DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
+  return 0;
+}
+
+int run_target_forward_gpu_bench(const TargetForwardGpuOptions& o) {
+  PipelineBenchPreset p = pipeline_bench_preset(o.preset);
+  ModelSpec spec = p.target;
+  if (o.layers > 0 && o.layers < spec.num_hidden_layers) {
+    spec.num_hidden_layers = o.layers;
+    spec.layer_types.resize(size_t(o.layers));
+  }
+  const int64_t T = o.tokens, L = spec.num_hidden_layers;
+  std::vector<int64_t> taps;
+  for (int64_t id : p.drafter.cfg.target_layer_ids)
+    if (id < L) taps.push_back(id);
+  if (taps.empty()) taps.push_back(L - 1);
+  cuda::require_device("bench target-forward");
+  cudaStream_t s;
+  DFLASH_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const double gemm_peak = gemm_peak_tflops(s);
+  PeakMemory mem;
+  double with_head_ms = 0, taps_ms = 0, peak_gb = 0;
+  {
+    TargetGpu gpu(spec, 7, s);
+    cuda::DeviceArray<cuda::bf16> tap_out(size_t(T * int64_t(taps.size()) * spec.hidden_size));
+    mem.static_done(s);
+    std::mt19937 rng(1234);
+    std::vector<int32_t> ids(static_cast<size_t>(T)), amax;
+    for (auto& t : ids) t = int32_t(rng() % uint32_t(spec.vocab_size));
+    ForwardOptions fo;
+    fo.logits = false;
+    with_head_ms = median(time_runs(s, o.warmup, o.repeat, [&] { gpu.forward(ids, {0, T}, fo, &amax); }));
+    taps_ms = median(time_runs(s, o.warmup, o.repeat, [&] { gpu.forward_taps(ids, {0, T}, taps, tap_out.data()); }));
+    peak_gb = mem.peak_gb();
+  }
+  DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
+  const int64_t deepest = *std::max_element(taps.begin(), taps.end()) + 1;
+  const double tf_head = forward_flops(spec, T, L, true) / (with_head_ms * 1e-3) / 1e12;
+  const double tf_taps = forward_flops(spec, T, deepest, false) / (taps_ms * 1e-3) / 1e12;
+  const int64_t gdn = std::count(spec.layer_types.begin(), spec.layer_types.end(), LayerKind::GatedDeltaNet);
+  const nlohmann::json extra = {
+      {"tokens", T}, {"layers", L}, {"gated_deltanet_layers", gdn}, {"taps", taps}, {"layers_run_for_taps", deepest},
+      {"forward_ms", with_head_ms}, {"taps_ms", taps_ms}, {"gemm_tflops_achieved", tf_head},
+      {"gemm_peak_tflops_8192", gemm_peak}, {"of_gemm_peak", tf_head / gemm_peak}, {"taps_of_gemm_peak", tf_taps / gemm_peak},
+      {"peak_gb", peak_gb}, {"device_kind", "cuda"},
+      {"path", "TargetGpu bf16: cuBLASLt GEMMs, masked_attention_forward, gated_delta_rule_chunked; random weights"}};
+  const std::string preset = o.preset + (o.layers > 0 ? "-" + std::to_string(L) + "layers" : "") + "-cuda";
+  emit_bench_records("target-forward", preset,
+                     {{"tokens_per_s", double(T) / (with_head_ms * 1e-3), "tokens/s"},
+                      {"tokens_per_s_taps", double(T) / (taps_ms * 1e-3), "tokens/s"}},
+                     extra, o.results, o.record);
+  return 0;
+}
+
+}  // namespace dflash

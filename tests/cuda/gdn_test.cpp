@@ -1,0 +1,197 @@
+// The GatedDeltaNet kernels against the CPU references (src/ops/cpu/gated_delta_rule.cpp, norm.cpp) on
+// the same bf16 inputs: conv1d + SiLU, the recurrence's inputs, the chunked gated delta rule (T = 1,
+// 63, 64, 65, 127, 4097, packed sequences, GVA, a non-zero initial state, the final state), the gated
+// RMSNorm and the attention output gate. Outputs start NaN-poisoned: every element must be written.
+#include <gtest/gtest.h>
+
+#ifdef DFLASH_HAVE_CUDA
+
+#include <cmath>
+#include <random>
+
+#include "cuda_test_util.h"
+#include "ops/activation.h"
+#include "ops/cuda/elementwise.h"
+#include "ops/cuda/gated_delta_rule.h"
+#include "ops/gated_delta_rule.h"
+#include "ops/norm.h"
+#include "test_util.h"
+
+using namespace dflash;
+
+namespace {
+// Same inputs on both sides: the GPU's error is fp32 summation order plus rounding the output to bf16
+// (2^-9 relative per element).
+constexpr double kTolBf16Out = 5e-3;
+// The final state stays fp32: only summation order (chunked vs token by token) differs.
+constexpr double kTolState = 1e-4;
+
+cuda::DeviceArray<cuda::bf16> poisoned_bf16(size_t n) {
+  cuda::DeviceArray<cuda::bf16> d(n);
+  DFLASH_CUDA_CHECK(cudaMemset(d.data(), 0xFF, n * 2));  // bf16 0xFFFF is a NaN
+  return d;
+}
+
+cuda::DeviceArray<float> device_f32(const std::vector<float>& v) {
+  cuda::DeviceArray<float> d(v.size());
+  DFLASH_CUDA_CHECK(cudaMemcpy(d.data(), v.data(), v.size() * 4, cudaMemcpyHostToDevice));
+  return d;
+}
+
+std::vector<float> host_f32(const cuda::DeviceArray<float>& d) {
+  std::vector<float> h(d.size());
+  DFLASH_CUDA_CHECK(cudaMemcpy(h.data(), d.data(), h.size() * 4, cudaMemcpyDeviceToHost));
+  return h;
+}
+
+std::vector<float> round_bf16(std::vector<float> v) {
+  for (float& x : v) x = bf16_to_f32(f32_to_bf16(x));
+  return v;
+}
+
+std::vector<int64_t> cu_of(const std::vector<int64_t>& lens) {
+  std::vector<int64_t> cu{0};
+  for (int64_t n : lens) cu.push_back(cu.back() + n);
+  return cu;
+}
+}  // namespace
+
+TEST(CudaGdn, Conv1dSiluMatchesTheReference) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  std::mt19937_64 rng(1);
+  const int64_t C = 37;
+  for (int K : {4, 2}) {
+    const std::vector<int64_t> cu = cu_of({1, 63, 64, 3, 65, 127});
+    const int64_t T = cu.back();
+    Tensor x({T, C}), w({C, int64_t(K)});
+    x.data = test::rand_bf16_values(size_t(T * C), rng);
+    w.data = test::rand_bf16_values(size_t(C * K), rng, 0.5f);
+    const Tensor want = cpu::causal_conv1d_silu(x, w, cu);
+    auto dx = test::to_device_bf16(x.data, nullptr);
+    auto dw = device_f32(w.data);
+    auto y = poisoned_bf16(size_t(T * C));
+    auto starts = cuda::upload(cuda::sequence_starts(cu), nullptr);
+    cuda::causal_conv1d_silu(dx.data(), dw.data(), starts.data(), T, C, K, y.data(), nullptr);
+    const std::vector<float> got = test::to_host_f32(y, nullptr);
+    ASSERT_TRUE(test::all_finite(got)) << "K " << K;
+    EXPECT_LE(test::rel_l2(got, want.data), kTolBf16Out) << "K " << K;
+  }
+  EXPECT_THROW(cuda::causal_conv1d_silu(nullptr, nullptr, nullptr, 1, 1, 9, nullptr, nullptr), std::invalid_argument);
+}
+
+TEST(CudaGdn, PrepareMatchesTheReference) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  std::mt19937_64 rng(2);
+  const int64_t T = 70, Hk = 2, Hv = 6, dk = 40, dv = 24, C = 2 * Hk * dk + Hv * dv;
+  const float scale = 1.f / std::sqrt(float(dk));
+  const std::vector<float> qkv = test::rand_bf16_values(size_t(T * C), rng);
+  const std::vector<float> b = test::rand_bf16_values(size_t(T * Hv), rng, 2.f), a = test::rand_bf16_values(size_t(T * Hv), rng, 4.f);
+  const std::vector<float> A_log = test::rand_bf16_values(size_t(Hv), rng), dt_bias = test::rand_bf16_values(size_t(Hv), rng);
+  auto d_qkv = test::to_device_bf16(qkv, nullptr);
+  auto d_b = device_f32(b), d_a = device_f32(a), d_A = device_f32(A_log), d_dt = device_f32(dt_bias);
+  auto q = poisoned_bf16(size_t(T * Hk * dk)), k = poisoned_bf16(size_t(T * Hk * dk)), v = poisoned_bf16(size_t(T * Hv * dv));
+  cuda::DeviceArray<float> g(size_t(T * Hv)), beta(size_t(T * Hv));
+  cuda::gdn_prepare(d_qkv.data(), d_b.data(), d_a.data(), d_A.data(), d_dt.data(), T, int(Hk), int(Hv), int(dk),
+                    int(dv), scale, q.data(), k.data(), v.data(), g.data(), beta.data(), nullptr);
+  // Reference: cpu::l2_norm (eps 1e-6) and the formulas of gated_deltanet_forward (src/models/qwen3_5.cpp).
+  std::vector<float> wq, wk, wv, wg, wb;
+  for (int64_t t = 0; t < T; ++t) {
+    const float* r = qkv.data() + t * C;
+    std::vector<float> qt(r, r + Hk * dk), kt(r + Hk * dk, r + 2 * Hk * dk);
+    cpu::l2_norm(qt.data(), Hk, dk);
+    cpu::l2_norm(kt.data(), Hk, dk);
+    for (float& x : qt) x *= scale;
+    wq.insert(wq.end(), qt.begin(), qt.end());
+    wk.insert(wk.end(), kt.begin(), kt.end());
+    wv.insert(wv.end(), r + 2 * Hk * dk, r + C);
+    for (int64_t h = 0; h < Hv; ++h) {
+      const size_t i = size_t(t * Hv + h);
+      wb.push_back(cpu::sigmoid(b[i]));
+      wg.push_back(-std::exp(A_log[size_t(h)]) * cpu::softplus(a[i] + dt_bias[size_t(h)]));
+    }
+  }
+  EXPECT_LE(test::rel_l2(test::to_host_f32(q, nullptr), wq), kTolBf16Out);
+  EXPECT_LE(test::rel_l2(test::to_host_f32(k, nullptr), wk), kTolBf16Out);
+  EXPECT_EQ(test::to_host_f32(v, nullptr), wv);  // a copy
+  EXPECT_LE(test::rel_l2(host_f32(g), wg), 1e-5);
+  EXPECT_LE(test::rel_l2(host_f32(beta), wb), 1e-5);
+}
+
+namespace {
+/// One chunked-vs-recurrent comparison: random normalized q / k (bf16), v, g = -20 u^4 (u uniform:
+/// mostly mild decays, some down to -20), beta uniform in [0, 1], an optional random initial state.
+void check_chunked(const std::vector<int64_t>& lens, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, bool init,
+                   uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> uni(0.f, 1.f);
+  const std::vector<int64_t> cu = cu_of(lens);
+  const int64_t T = cu.back(), n = int64_t(lens.size());
+  Tensor q({T, Hk, dk}), k({T, Hk, dk}), v({T, Hv, dv}), g({T, Hv}), beta({T, Hv}), s0({n, Hv, dk, dv});
+  q.data = test::rand_bf16_values(q.data.size(), rng);
+  k.data = test::rand_bf16_values(k.data.size(), rng);
+  cpu::l2_norm(q.ptr(), T * Hk, dk);
+  cpu::l2_norm(k.ptr(), T * Hk, dk);
+  for (float& x : q.data) x /= std::sqrt(float(dk));
+  q.data = round_bf16(q.data), k.data = round_bf16(k.data);
+  v.data = test::rand_bf16_values(v.data.size(), rng);
+  for (float& x : g.data) x = -20.f * std::pow(uni(rng), 4.f);
+  for (float& x : beta.data) x = uni(rng);
+  if (init)
+    for (float& x : s0.data) x = 0.1f * (uni(rng) - 0.5f);
+  Tensor want_state;
+  const Tensor want = cpu::gated_delta_rule_recurrent(q, k, v, g, beta, 1.f, false, cu, init ? &s0 : nullptr, &want_state);
+  auto dq = test::to_device_bf16(q.data, nullptr), dk_ = test::to_device_bf16(k.data, nullptr),
+       dv_ = test::to_device_bf16(v.data, nullptr);
+  auto dg = device_f32(g.data), db = device_f32(beta.data), ds0 = device_f32(s0.data);
+  cuda::DeviceArray<float> fs(s0.data.size());
+  auto o = poisoned_bf16(size_t(T * Hv * dv));
+  cuda::gated_delta_rule_chunked(dq.data(), dk_.data(), dv_.data(), dg.data(), db.data(), cu, int(Hk), int(Hv),
+                                 int(dk), int(dv), init ? ds0.data() : nullptr, fs.data(), o.data(), nullptr);
+  const std::vector<float> got = test::to_host_f32(o, nullptr), state = host_f32(fs);
+  std::string what = "T";
+  for (int64_t l : lens) what += " " + std::to_string(l);
+  what += ", Hk " + std::to_string(Hk) + " Hv " + std::to_string(Hv) + " dk " + std::to_string(dk) + " dv " +
+          std::to_string(dv) + (init ? ", initial state" : "");
+  ASSERT_TRUE(test::all_finite(got)) << what;
+  EXPECT_LE(test::rel_l2(got, want.data), kTolBf16Out) << what;
+  EXPECT_LE(test::rel_l2(state, want_state.data), kTolState) << what << " (final state)";
+}
+}  // namespace
+
+TEST(CudaGdn, ChunkedMatchesTheRecurrence) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  uint64_t seed = 10;
+  for (int64_t T : {1, 63, 64, 65, 127}) check_chunked({T}, 2, 6, 32, 48, true, ++seed);
+  check_chunked({3, 64, 1, 65, 130, 0, 7}, 2, 4, 24, 40, true, ++seed);  // packed, one empty sequence
+  check_chunked({100, 37}, 1, 1, 8, 10, false, ++seed);                   // tiny heads, zero state
+  check_chunked({4097}, 1, 2, 128, 128, true, ++seed);                    // the real head dims, long
+  EXPECT_THROW(cuda::gated_delta_rule_chunked(nullptr, nullptr, nullptr, nullptr, nullptr, {0, 1}, 2, 3, 32, 32, nullptr,
+                                              nullptr, nullptr, nullptr),
+               std::invalid_argument);  // Hv % Hk != 0
+}
+
+TEST(CudaGdn, GatedRmsNormAndOutputGateMatchTheReference) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  std::mt19937_64 rng(3);
+  const int64_t rows = 301, n = 48;
+  Tensor x({rows, n}), z({rows, n}), w({n});
+  x.data = test::rand_bf16_values(x.data.size(), rng);
+  z.data = test::rand_bf16_values(z.data.size(), rng);
+  w.data = test::rand_bf16_values(w.data.size(), rng);
+  auto dx = test::to_device_bf16(x.data, nullptr), dz = test::to_device_bf16(z.data, nullptr);
+  auto dw = device_f32(w.data);
+  auto y = poisoned_bf16(size_t(rows * n));
+  cuda::gated_rms_norm(dx.data(), dz.data(), dw.data(), y.data(), rows, n, 1e-6, nullptr);
+  Tensor want = x;
+  cpu::gated_rms_norm(want, z, w, 1e-6);
+  const std::vector<float> got = test::to_host_f32(y, nullptr);
+  ASSERT_TRUE(test::all_finite(got));
+  EXPECT_LE(test::rel_l2(got, want.data), kTolBf16Out);
+  // o *= sigmoid(gate), an odd size (packed and scalar paths)
+  cuda::mul_sigmoid(dx.data(), dz.data(), rows * n - 3, nullptr);
+  std::vector<float> gated = x.data;
+  for (size_t i = 0; i + 3 < gated.size(); ++i) gated[i] *= cpu::sigmoid(z.data[i]);
+  EXPECT_LE(test::rel_l2(test::to_host_f32(dx, nullptr), gated), kTolBf16Out);
+}
+
+#endif  // DFLASH_HAVE_CUDA
