@@ -17,7 +17,10 @@ What it writes (one directory per model, each made from scratch):
                  model.visual.* (tiny vision tower), lm_head.weight, plus a fake mtp.fc.weight that loaders
                  must ignore
   qwen3_5_text_hd64/, qwen3_5_hd64/  the two Qwen3.5 formats above with attention head_dim 64 (the GPU
-                 attention kernels' smallest) and GatedDeltaNet heads dk 32 / dv 48, GVA 2: the GPU hybrid path
+                 attention kernels' smallest) and GatedDeltaNet heads dk 32 / dv 40, GVA 2: the GPU hybrid path.
+                 They also get golden_bf16_weights.safetensors (same keys as golden.safetensors): the exact
+                 (float64) forward of the model with the weights the GPU holds, i.e. every matrix except
+                 conv1d rounded to bfloat16, so that the GPU's own error is measured apart from the weights'.
 Each directory gets config.json, the safetensors weights (float32), and golden.safetensors with, for
 sequences i = 0, 1, 2 of lengths 1, 37, 100 (random ids, fixed seed), each run ALONE (batch 1, no padding,
 no attention mask, no cache):
@@ -223,8 +226,8 @@ def build_qwen3_5():
 
 def hd64_text_kwargs():
     return qwen35_text_kwargs(
-        vocab=300, hidden=64, inter=96, layer_types=[LIN, FULL, LIN, LIN], heads=2, kv_heads=1,
-        head_dim=64, lk_heads=2, lv_heads=4, lk_dim=32, lv_dim=48,
+        vocab=256, hidden=48, inter=64, layer_types=[LIN, FULL, LIN, LIN], heads=2, kv_heads=1,
+        head_dim=64, lk_heads=2, lv_heads=4, lk_dim=32, lv_dim=40,
         mrope_section=[3, 3, 2],  # rotary_dim 16 -> 8 frequencies
     )
 
@@ -245,6 +248,7 @@ def build_qwen3_5_hd64():
     return Qwen3_5ForConditionalGeneration, cfg
 
 
+BF16_WEIGHT_GOLDENS = ("qwen3_5_text_hd64", "qwen3_5_hd64")
 TEXT_ONLY = ("llama", "qwen3", "qwen3_hd64", "qwen3_5_text", "qwen3_5_text_hd64")
 WRAPPERS = ("qwen3_5", "qwen3_5_hd64")
 
@@ -345,7 +349,7 @@ def list_weight_files(d):
         wm = json.loads(idx.read_text())["weight_map"]
         files = sorted(set(wm.values()))
         return files, idx
-    files = sorted(p.name for p in d.glob("*.safetensors") if p.name != "golden.safetensors")
+    files = sorted(p.name for p in d.glob("*.safetensors") if not p.name.startswith("golden"))
     return files, None
 
 
@@ -540,6 +544,29 @@ def run_exact(model, ids):
         m35.torch_chunk_gated_delta_rule = saved
 
 
+def save_bf16_weight_golden(model, seqs, golden, d, meta):
+    """golden_bf16_weights.safetensors: run_exact of a copy of `model` whose matrices (every parameter of
+    2+ dimensions except conv1d, which the GPU keeps in float32) are rounded to bfloat16: what the GPU's
+    bf16 weights compute exactly. Prints what the rounding alone moves the logits by."""
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for pname, p in m.named_parameters():
+            if p.dim() >= 2 and "conv1d" not in pname:
+                p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    out = {}
+    for i, ids in enumerate(seqs):
+        logits_b, hs_b, _ = run_exact(m, ids)
+        ref = golden[f"seq{i}.logits"]
+        print(f"  seq{i}: bf16 weights vs float32 weights (both exact): logits relative L2 "
+              f"{((logits_b - ref).norm() / ref.norm()).item():.3e}")
+        out[f"seq{i}.input_ids"] = ids.clone().contiguous()
+        out[f"seq{i}.logits"] = logits_b.clone()
+        for j, h in enumerate(hs_b):
+            out[f"seq{i}.hidden_states.{j}"] = h.clone()
+    save_file(out, str(d / "golden_bf16_weights.safetensors"),
+              metadata={**meta, "weights": "matrices except conv1d rounded to bfloat16 (round to nearest even)"})
+
+
 def make_ids(vocab, seed):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (T,), generator=g, dtype=torch.int64) for T in SEQ_LENS]
@@ -669,6 +696,8 @@ def build_one(name, out_root):
         meta["layer_types"] = ",".join(lt)
     save_file(golden, str(d / "golden.safetensors"), metadata=meta)
     print(f"  golden metadata: {meta}")
+    if name in BF16_WEIGHT_GOLDENS:
+        save_bf16_weight_golden(reloaded, seqs, golden, d, meta)
     print(f"  last hidden state == model.norm(raw last-layer output): {last_kind == 'final_norm'}")
 
     # summary

@@ -37,8 +37,8 @@ std::vector<double> read_f64(const SafetensorsFile& f, const std::string& name, 
   return out;
 }
 
-TargetGolden load_target_golden(const std::filesystem::path& dir) {
-  auto g = SafetensorsCheckpoint::open((dir / "golden.safetensors").string());
+TargetGolden load_target_golden(const std::filesystem::path& dir, const std::string& file) {
+  auto g = SafetensorsCheckpoint::open((dir / file).string());
   TargetGolden r;
   for (int s = 0;; ++s) {
     const std::string p = "seq" + std::to_string(s) + ".";

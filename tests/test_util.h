@@ -53,7 +53,9 @@ struct TargetGolden {
   std::vector<std::vector<Tensor>> hidden;  // [seq][j]
   int num_layers = 0;
 };
-TargetGolden load_target_golden(const std::filesystem::path& dir);
+/// Reads DIR/FILE (scripts/make_fixtures.py: golden.safetensors, or golden_bf16_weights.safetensors,
+/// the exact forward with the weights rounded to bf16 as the GPU holds them).
+TargetGolden load_target_golden(const std::filesystem::path& dir, const std::string& file = "golden.safetensors");
 
 /// Source tree root and the committed fixtures directory (env DFLASH_SOURCE_DIR overrides).
 std::filesystem::path source_dir();

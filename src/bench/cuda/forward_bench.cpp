@@ -43,9 +43,8 @@ int run_gdn_bench(const GdnBenchOptions& o) {
     for (int64_t n : lens) cu.push_back(cu.back() + n);
     const int64_t T = cu.back(), C = 2 * Hk * dk + Hv * dv;
     // Inputs as a GatedDeltaNet layer makes them: conv input, gates' projections, then prepared.
-    cuda::DeviceArray<cuda::bf16> pre(size_t(T * C)), conv(size_t(T * C)), q(size_t(T * Hk * dk)), k(size_t(T * Hk * dk)),
-        v(size_t(T * Hv * dv)), out(size_t(T * Hv * dv));
-    cuda::DeviceArray<float> w(size_t(C * 4)), b(size_t(T * Hv)), a(size_t(T * Hv)), A_log{size_t(Hv)}, dt{size_t(Hv)},
+    cuda::DeviceArray<float> pre(size_t(T * C)), conv(size_t(T * C)), q(size_t(T * Hk * dk)), k(size_t(T * Hk * dk)),
+        v(size_t(T * Hv * dv)), out(size_t(T * Hv * dv)), w(size_t(C * 4)), b(size_t(T * Hv)), a(size_t(T * Hv)), A_log{size_t(Hv)}, dt{size_t(Hv)},
         g(size_t(T * Hv)), beta(size_t(T * Hv));
     cuda::fill_normal(pre.data(), T * C, 1, 0.f, 1.f, s);
     cuda::fill_normal(w.data(), C * 4, 2, 0.f, 0.3f, s);

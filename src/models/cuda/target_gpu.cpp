@@ -246,12 +246,11 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
   const int64_t dv = sp.linear_value_head_dim, Cg = 2 * Hk * dk + Hv * dv;
   const bool hybrid = has_gated_deltanet(sp);
   StreamBuffer<int32_t> d_start = cuda::upload(hybrid ? cuda::sequence_starts(cu) : std::vector<int32_t>{}, s);
-  StreamBuffer<bf16> gpre(hybrid ? size_t(T * Cg) : 0, s), gconv(hybrid ? size_t(T * Cg) : 0, s),
-      gz(hybrid ? size_t(T * Hv * dv) : 0, s), gq(hybrid ? size_t(T * Hk * dk) : 0, s),
-      gk(hybrid ? size_t(T * Hk * dk) : 0, s), gv(hybrid ? size_t(T * Hv * dv) : 0, s),
-      go(hybrid ? size_t(T * Hv * dv) : 0, s);
-  StreamBuffer<float> gb(hybrid ? size_t(T * Hv) : 0, s), ga(hybrid ? size_t(T * Hv) : 0, s),
-      gg(hybrid ? size_t(T * Hv) : 0, s), gbeta(hybrid ? size_t(T * Hv) : 0, s);
+  auto gbuf = [&](int64_t n) { return StreamBuffer<float>(hybrid ? size_t(n) : 0, s); };  // fp32 activations
+  StreamBuffer<float> gpre = gbuf(T * Cg), gconv = gbuf(T * Cg), gz = gbuf(T * Hv * dv), gq = gbuf(T * Hk * dk),
+                      gk = gbuf(T * Hk * dk), gv = gbuf(T * Hv * dv), go = gbuf(T * Hv * dv), gb = gbuf(T * Hv),
+                      ga = gbuf(T * Hv), gg = gbuf(T * Hv), gbeta = gbuf(T * Hv);
+  StreamBuffer<bf16> gnormed(hybrid ? size_t(T * Hv * dv) : 0, s);  // out_proj's input
   const bool gated = sp.attn_output_gate();
   StreamBuffer<bf16> qg(gated ? size_t(T * H * 2 * Dh) : 0, s), og(gated ? size_t(T * H * Dh) : 0, s);
   for (int64_t i = 0; i <= last; ++i) {
@@ -271,8 +270,8 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
                         gbeta.data(), s);
       cuda::gated_delta_rule_chunked(gq.data(), gk.data(), gv.data(), gg.data(), gbeta.data(), cu, int(Hk), int(Hv),
                                      int(dk), int(dv), nullptr, nullptr, go.data(), s);
-      cuda::gated_rms_norm(go.data(), gz.data(), l.gnorm.data(), go.data(), T * Hv, dv, sp.rms_norm_eps, s);
-      linear(go.data(), D, Hv * dv, l.out, x.data(), 1.f);  // x += out_proj(o)
+      cuda::gated_rms_norm(go.data(), gz.data(), l.gnorm.data(), gnormed.data(), T * Hv, dv, sp.rms_norm_eps, s);
+      linear(gnormed.data(), D, Hv * dv, l.out, x.data(), 1.f);  // x += out_proj(o)
     } else {
       if (gated) {  // q_proj output [T, H, 2*Dh]: per head the query, then the output gate
         linear(h.data(), H * 2 * Dh, D, l.q, qg.data(), 0.f);

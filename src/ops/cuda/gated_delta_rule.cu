@@ -7,7 +7,8 @@
 //   S = exp(G_L) S0 + (diag(exp(G_L - G)) K)^T U                            (kernel chunk_scan)
 // which unrolls the token recurrence exactly (flash-linear-attention's chunk_gated_delta_rule).
 // chunk_prepare runs every (chunk, value head) in parallel; chunk_scan walks the chunks of one
-// sequence in order, per (sequence, value head, 32 state columns). Both in fp32 (SIMT).
+// sequence in order, per (sequence, value head, 32 state columns). Both in fp32 (SIMT), as are the
+// layer's activations between the projections' GEMMs (conv1d, q / k / v, o): bf16 only feeds GEMMs.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -22,19 +23,18 @@ constexpr int kChunk = 64;      // tokens per chunk
 constexpr int kCols = 32;       // state columns (value features) per chunk_scan block
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ float bf(bf16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
 
-__global__ void conv1d_silu_kernel(const bf16* x, const float* w, const int32_t* row_start, int64_t T, int64_t C,
-                                   int K, bf16* y) {
+__global__ void conv1d_silu_kernel(const float* x, const float* w, const int32_t* row_start, int64_t T, int64_t C,
+                                   int K, float* y) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < T * C; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / C, c = i % C, b = row_start[t];
     float acc = 0.f;
     for (int j = 0; j < K; ++j) {
       const int64_t src = t - K + 1 + j;
-      if (src >= b) acc += w[c * K + j] * bf(x[src * C + c]);
+      if (src >= b) acc += w[c * K + j] * x[src * C + c];
     }
-    y[i] = __float2bfloat16_rn(silu(acc));
+    y[i] = silu(acc);
   }
 }
 
@@ -45,31 +45,31 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 /// One block per token: a warp per q / k head (l2norm), then v and the gates.
-__global__ void gdn_prepare_kernel(const bf16* qkv, const float* b, const float* a, const float* A_log,
-                                   const float* dt_bias, int Hk, int Hv, int dk, int dv, float scale, bf16* q, bf16* k,
-                                   bf16* v, float* g, float* beta) {
+__global__ void gdn_prepare_kernel(const float* qkv, const float* b, const float* a, const float* A_log,
+                                   const float* dt_bias, int Hk, int Hv, int dk, int dv, float scale, float* q, float* k,
+                                   float* v, float* g, float* beta) {
   const int64_t t = blockIdx.x, C = 2 * int64_t(Hk) * dk + int64_t(Hv) * dv;
-  const bf16* row = qkv + t * C;
+  const float* row = qkv + t * C;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
   for (int r = warp; r < 2 * Hk; r += nwarps) {  // r < Hk: q head r; else k head r - Hk
-    const bf16* src = row + int64_t(r) * dk;
+    const float* src = row + int64_t(r) * dk;
     float x[8], ss = 0.f;  // dk <= 256: 8 values per lane
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const int i = lane + 32 * e;
-      x[e] = i < dk ? bf(src[i]) : 0.f;
+      x[e] = i < dk ? src[i] : 0.f;
       ss += x[e] * x[e];
     }
     ss = warp_sum(ss);
     const float s = rsqrtf(ss + 1e-6f) * (r < Hk ? scale : 1.f);
-    bf16* dst = r < Hk ? q + (t * Hk + r) * dk : k + (t * Hk + r - Hk) * dk;
+    float* dst = r < Hk ? q + (t * Hk + r) * dk : k + (t * Hk + r - Hk) * dk;
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const int i = lane + 32 * e;
-      if (i < dk) dst[i] = __float2bfloat16_rn(x[e] * s);
+      if (i < dk) dst[i] = x[e] * s;
     }
   }
-  const bf16* vs = row + 2 * int64_t(Hk) * dk;
+  const float* vs = row + 2 * int64_t(Hk) * dk;
   for (int i = threadIdx.x; i < Hv * dv; i += blockDim.x) v[t * Hv * dv + i] = vs[i];
   for (int h = threadIdx.x; h < Hv; h += blockDim.x) {
     const int64_t i = t * Hv + h;
@@ -87,7 +87,7 @@ struct Chunk {
 
 /// One block per (chunk, value head): A, T = (I + A)^-1, w, u (fp32 [T, Hv, dk] / [T, Hv, dv]),
 /// P (fp32 [chunks, Hv, 64, 64]) and the in-chunk cumulative gates G (fp32 [T, Hv]).
-__global__ void __launch_bounds__(kThreads) chunk_prepare_kernel(const bf16* q, const bf16* k, const bf16* v,
+__global__ void __launch_bounds__(kThreads) chunk_prepare_kernel(const float* q, const float* k, const float* v,
                                                                  const float* g, const float* beta,
                                                                  const Chunk* chunks, int Hk, int Hv, int dk, int dv,
                                                                  float* w_out, float* u_out, float* P_out,
@@ -104,8 +104,8 @@ __global__ void __launch_bounds__(kThreads) chunk_prepare_kernel(const bf16* q, 
   for (int i = tid; i < kChunk * dk; i += kThreads) {
     const int r = i / dk, c = i % dk;
     const int64_t src = (int64_t(ch.start + r) * Hk + kh) * dk + c;
-    Ks[r * ld + c] = r < L ? bf(k[src]) : 0.f;
-    Xs[r * ld + c] = r < L ? bf(q[src]) : 0.f;
+    Ks[r * ld + c] = r < L ? k[src] : 0.f;
+    Xs[r * ld + c] = r < L ? q[src] : 0.f;
   }
   if (tid < kChunk) {
     G[tid] = tid < L ? g[int64_t(ch.start + tid) * Hv + h] : 0.f;
@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(kThreads) chunk_prepare_kernel(const bf16* q, 
   __syncthreads();  // Xs (queries) is free now: values
   for (int i = tid; i < kChunk * dv; i += kThreads) {
     const int r = i / dv, c = i % dv;
-    Xs[r * ld + c] = r < L ? bf(v[(int64_t(ch.start + r) * Hv + h) * dv + c]) : 0.f;
+    Xs[r * ld + c] = r < L ? v[(int64_t(ch.start + r) * Hv + h) * dv + c] : 0.f;
   }
   __syncthreads();
   for (int e = tid; e < L * dv; e += kThreads) {
@@ -166,11 +166,11 @@ __global__ void __launch_bounds__(kThreads) chunk_prepare_kernel(const bf16* q, 
 }
 
 /// One block per (sequence, value head, 32 state columns): walks the sequence's chunks in order.
-__global__ void __launch_bounds__(kThreads) chunk_scan_kernel(const bf16* q, const bf16* k, const float* w_in,
+__global__ void __launch_bounds__(kThreads) chunk_scan_kernel(const float* q, const float* k, const float* w_in,
                                                               const float* u_in, const float* P_in, const float* G_in,
                                                               const Chunk* chunks, const int32_t* first_chunk,
                                                               int Hk, int Hv, int dk, int dv, const float* init,
-                                                              float* final_state, bf16* o) {
+                                                              float* final_state, float* o) {
   extern __shared__ float sm[];
   const int ld = dk + 1;
   float* S = sm;                    // [dk][kCols] state columns c0 .. c0 + 31
@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(kThreads) chunk_scan_kernel(const bf16* q, con
     __syncthreads();
     for (int e = tid; e < L * dk; e += kThreads) {  // queries
       const int r = e / dk, c = e % dk;
-      X[r * ld + c] = bf(q[(int64_t(ch.start + r) * Hk + kh) * dk + c]);
+      X[r * ld + c] = q[(int64_t(ch.start + r) * Hk + kh) * dk + c];
     }
     __syncthreads();
     // O = diag(exp(G)) Q S0 + P U
@@ -219,12 +219,12 @@ __global__ void __launch_bounds__(kThreads) chunk_scan_kernel(const bf16* q, con
       float qs = 0.f, pu = 0.f;
       for (int m = 0; m < dk; ++m) qs += X[i * ld + m] * S[m * kCols + lane];
       for (int j = 0; j <= i; ++j) pu += Pc[i * (kChunk + 1) + j] * U[j * (kCols + 1) + lane];
-      if (col_ok) o[(int64_t(ch.start + i) * Hv + h) * dv + c0 + lane] = __float2bfloat16_rn(__expf(G[i]) * qs + pu);
+      if (col_ok) o[(int64_t(ch.start + i) * Hv + h) * dv + c0 + lane] = __expf(G[i]) * qs + pu;
     }
     __syncthreads();
     for (int e = tid; e < L * dk; e += kThreads) {  // keys
       const int r = e / dk, c = e % dk;
-      X[r * ld + c] = bf(k[(int64_t(ch.start + r) * Hk + kh) * dk + c]);
+      X[r * ld + c] = k[(int64_t(ch.start + r) * Hk + kh) * dk + c];
     }
     __syncthreads();
     // S = exp(G_L) S0 + (diag(exp(G_L - G)) K)^T U
@@ -244,16 +244,16 @@ __global__ void __launch_bounds__(kThreads) chunk_scan_kernel(const bf16* q, con
 }
 
 /// A warp per row.
-__global__ void gated_rms_norm_kernel(const bf16* x, const bf16* z, const float* w, bf16* y, int64_t rows, int n,
+__global__ void gated_rms_norm_kernel(const float* x, const float* z, const float* w, bf16* y, int64_t rows, int n,
                                       float eps) {
   const int64_t r = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (r >= rows) return;
-  const bf16* xr = x + r * n;
+  const float* xr = x + r * n;
   float ss = 0.f;
-  for (int i = lane; i < n; i += 32) ss += bf(xr[i]) * bf(xr[i]);
+  for (int i = lane; i < n; i += 32) ss += xr[i] * xr[i];
   const float s = rsqrtf(warp_sum(ss) / float(n) + eps);
-  for (int i = lane; i < n; i += 32) y[r * n + i] = __float2bfloat16_rn(w[i] * (bf(xr[i]) * s) * silu(bf(z[r * n + i])));
+  for (int i = lane; i < n; i += 32) y[r * n + i] = __float2bfloat16_rn(w[i] * (xr[i] * s) * silu(z[r * n + i]));
 }
 
 }  // namespace
@@ -265,7 +265,7 @@ std::vector<int32_t> sequence_starts(const std::vector<int64_t>& cu) {
   return r;
 }
 
-void causal_conv1d_silu(const bf16* x, const float* w, const int32_t* row_start, int64_t T, int64_t C, int K, bf16* y,
+void causal_conv1d_silu(const float* x, const float* w, const int32_t* row_start, int64_t T, int64_t C, int K, float* y,
                         cudaStream_t stream) {
   if (K < 1 || K > 8 || C <= 0 || T < 0)
     throw std::invalid_argument("causal_conv1d_silu: kernel size " + std::to_string(K) + " (1..8), channels " +
@@ -275,8 +275,8 @@ void causal_conv1d_silu(const bf16* x, const float* w, const int32_t* row_start,
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
-void gdn_prepare(const bf16* qkv, const float* b, const float* a, const float* A_log, const float* dt_bias, int64_t T,
-                 int Hk, int Hv, int dk, int dv, float scale, bf16* q, bf16* k, bf16* v, float* g, float* beta,
+void gdn_prepare(const float* qkv, const float* b, const float* a, const float* A_log, const float* dt_bias, int64_t T,
+                 int Hk, int Hv, int dk, int dv, float scale, float* q, float* k, float* v, float* g, float* beta,
                  cudaStream_t stream) {
   if (Hk <= 0 || Hv % Hk != 0 || dk <= 0 || dk > 256 || dv <= 0)
     throw std::invalid_argument("gdn_prepare: Hk " + std::to_string(Hk) + ", Hv " + std::to_string(Hv) + ", dk " +
@@ -286,9 +286,9 @@ void gdn_prepare(const bf16* qkv, const float* b, const float* a, const float* A
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
-void gated_delta_rule_chunked(const bf16* q, const bf16* k, const bf16* v, const float* g, const float* beta,
+void gated_delta_rule_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta,
                               const std::vector<int64_t>& cu, int Hk, int Hv, int dk, int dv, const float* init,
-                              float* final_state, bf16* o, cudaStream_t stream) {
+                              float* final_state, float* o, cudaStream_t stream) {
   if (Hk <= 0 || Hv % Hk != 0 || dk <= 0 || dk > 128 || dv <= 0 || dv > 128 || cu.size() < 2 || cu.front() != 0)
     throw std::invalid_argument("gated_delta_rule_chunked: Hk " + std::to_string(Hk) + ", Hv " + std::to_string(Hv) +
                                 ", dk " + std::to_string(dk) + ", dv " + std::to_string(dv) +
@@ -328,7 +328,7 @@ void gated_delta_rule_chunked(const bf16* q, const bf16* k, const bf16* v, const
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
-void gated_rms_norm(const bf16* x, const bf16* z, const float* w, bf16* y, int64_t rows, int64_t n, double eps,
+void gated_rms_norm(const float* x, const float* z, const float* w, bf16* y, int64_t rows, int64_t n, double eps,
                     cudaStream_t stream) {
   if (n <= 0 || rows < 0) throw std::invalid_argument("gated_rms_norm: rows " + std::to_string(rows) + ", n " + std::to_string(n));
   if (rows == 0) return;

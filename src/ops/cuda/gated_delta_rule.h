@@ -3,7 +3,8 @@
 // depthwise conv1d + SiLU, the per-token inputs of the recurrence, the chunked gated delta rule
 // forward and the gated RMSNorm. References: src/ops/cpu/gated_delta_rule.cpp (causal_conv1d_silu,
 // gated_delta_rule_recurrent) and src/ops/cpu/norm.cpp (gated_rms_norm, l2_norm).
-// Activations bf16, recurrent state and gates fp32. Every function runs on `stream`, holds no state
+// Activations fp32 (the projections' GEMMs write fp32; only out_proj's input is bf16), recurrent
+// state and gates fp32. Every function runs on `stream`, holds no state
 // and may be called from many threads and streams at once.
 #pragma once
 #include <cstdint>
@@ -19,36 +20,36 @@ std::vector<int32_t> sequence_starts(const std::vector<int64_t>& cu_seqlens);
 
 /// Causal depthwise conv1d + SiLU over packed sequences, zero left padding per sequence:
 /// y[t, c] = silu(sum_{j<K} w[c, j] * x[t - K + 1 + j, c]) where rows before row_start[t] count as
-/// zero. x [T, C] bf16, w [C, K] fp32 (K <= 8), row_start [T] int32 (device) -> y [T, C] bf16.
+/// zero. x [T, C] fp32, w [C, K] fp32 (K <= 8), row_start [T] int32 (device) -> y [T, C] fp32.
 /// Throws std::invalid_argument for K outside 1..8.
-void causal_conv1d_silu(const bf16* x, const float* w, const int32_t* row_start, int64_t T, int64_t C, int K, bf16* y,
+void causal_conv1d_silu(const float* x, const float* w, const int32_t* row_start, int64_t T, int64_t C, int K, float* y,
                         cudaStream_t stream);
 
 /// The recurrence's inputs from a GatedDeltaNet layer's projections, per row t:
-///   q = scale * l2norm(qkv[t, q part]), k = l2norm(qkv[t, k part])   [T, Hk, dk] bf16
-///   v = qkv[t, v part]                                               [T, Hv, dv] bf16
+///   q = scale * l2norm(qkv[t, q part]), k = l2norm(qkv[t, k part])   [T, Hk, dk] fp32
+///   v = qkv[t, v part]                                               [T, Hv, dv] fp32
 ///   beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)       [T, Hv] fp32
-/// qkv [T, 2*Hk*dk + Hv*dv] bf16 (q | k | v, the conv1d output), b and a [T, Hv] fp32, A_log and
+/// qkv [T, 2*Hk*dk + Hv*dv] fp32 (q | k | v, the conv1d output), b and a [T, Hv] fp32, A_log and
 /// dt_bias [Hv] fp32. l2norm(x) = x / sqrt(sum x^2 + 1e-6) in fp32. dk <= 256.
-void gdn_prepare(const bf16* qkv, const float* b, const float* a, const float* A_log, const float* dt_bias, int64_t T,
-                 int Hk, int Hv, int dk, int dv, float scale, bf16* q, bf16* k, bf16* v, float* g, float* beta,
+void gdn_prepare(const float* qkv, const float* b, const float* a, const float* A_log, const float* dt_bias, int64_t T,
+                 int Hk, int Hv, int dk, int dv, float scale, float* q, float* k, float* v, float* g, float* beta,
                  cudaStream_t stream);
 
 /// Gated delta rule forward over packed sequences (cu_seqlens, host [n + 1]), in chunks of 64 tokens
 /// (the WY / UT form of flash-linear-attention's chunk_gated_delta_rule; fp32 inside, state fp32
-/// between chunks). q (already normalized and scaled), k [T, Hk, dk] bf16; v [T, Hv, dv] bf16; g
+/// between chunks). q (already normalized and scaled), k [T, Hk, dk] fp32; v [T, Hv, dv] fp32; g
 /// (log decay) and beta [T, Hv] fp32; value head h reads key head h / (Hv / Hk). Per sequence and
 /// value head, token by token as cpu::gated_delta_rule_recurrent with use_qk_l2norm false, scale 1:
 ///   S <- exp(g_t) S;  u = beta_t (v_t - S^T k_t);  S <- S + k_t u^T;  o_t = S^T q_t.
 /// initial_state (null: zeros) and final_state (null: not written) [n, Hv, dk, dv] fp32 (device).
-/// Writes o [T, Hv, dv] bf16. dk, dv <= 128. Throws std::invalid_argument for bad sizes.
-void gated_delta_rule_chunked(const bf16* q, const bf16* k, const bf16* v, const float* g, const float* beta,
+/// Writes o [T, Hv, dv] fp32. dk, dv <= 128. Throws std::invalid_argument for bad sizes.
+void gated_delta_rule_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta,
                               const std::vector<int64_t>& cu_seqlens, int Hk, int Hv, int dk, int dv,
-                              const float* initial_state, float* final_state, bf16* o, cudaStream_t stream);
+                              const float* initial_state, float* final_state, float* o, cudaStream_t stream);
 
 /// Gated RMSNorm (Qwen3_5RMSNormGated): per row of n, y = w * (x * rsqrt(mean(x^2) + eps)) * silu(z),
-/// in fp32. x, z [rows, n] bf16, w [n] fp32 -> y [rows, n] bf16 (may alias x).
-void gated_rms_norm(const bf16* x, const bf16* z, const float* w, bf16* y, int64_t rows, int64_t n, double eps,
+/// in fp32. x, z [rows, n] fp32, w [n] fp32 -> y [rows, n] bf16 (out_proj's GEMM input).
+void gated_rms_norm(const float* x, const float* z, const float* w, bf16* y, int64_t rows, int64_t n, double eps,
                     cudaStream_t stream);
 
 }  // namespace dflash::cuda
