@@ -98,15 +98,22 @@ if [ "${GPU_CHECK_BENCH:-1}" != 0 ]; then
     DFLASH_COMMIT="$commit" "$build/dflash" bench drafter-step --preset "$p" --results "$out" >>"$log" 2>&1 || tests_rc=1
   done
   bench=$(tail -n 4 "$out/drafter-step.md" 2>/dev/null)
+  # The GatedDeltaNet kernels and the Qwen3.6-27B hybrid target forward (random weights).
+  DFLASH_COMMIT="$commit" "$build/dflash" bench gdn --results "$out" >>"$log" 2>&1 || tests_rc=1
+  DFLASH_COMMIT="$commit" "$build/dflash" bench target-forward --device cuda --preset qwen3.6-27b --results "$out" \
+    >>"$log" 2>&1 || tests_rc=1
+  bench+=$'\n'"$(tail -n 3 "$out/gdn.md" 2>/dev/null)"$'\n'"$(tail -n 2 "$out/target-forward.md" 2>/dev/null)"
 fi
 # The training pipeline of one sample (target taps + drafter step, colocated on one GPU): the tiny
 # smoke run always (printed, not recorded); qwen3-8b with the benchmarks (appended to $out/pipeline.*).
 pipeline="--- tiny (not recorded)"$'\n'
 pipeline+=$(DFLASH_COMMIT="$commit" "$build/dflash" bench pipeline --preset tiny --steps 3 --warmup 1 --no-record 2>&1) || tests_rc=1
 if [ "${GPU_CHECK_BENCH:-1}" != 0 ]; then
-  p8=$(DFLASH_COMMIT="$commit" "$build/dflash" bench pipeline --preset qwen3-8b --results "$out" 2>&1) || tests_rc=1
-  echo "$p8" >>"$log"
-  pipeline+=$'\n'"--- qwen3-8b"$'\n'"$p8"
+  for p in qwen3-8b qwen3.6-27b; do
+    pp=$(DFLASH_COMMIT="$commit" "$build/dflash" bench pipeline --preset "$p" --results "$out" 2>&1) || tests_rc=1
+    echo "$pp" >>"$log"
+    pipeline+=$'\n'"--- $p"$'\n'"$pp"
+  done
   # The dflash train path (trainer + GPU backend) on 1 and 2 GPUs, colocated (2 samples per replica
   # per step): the speedup of the second GPU.
   if [ "$ngpu" -ge 2 ]; then

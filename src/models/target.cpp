@@ -231,9 +231,10 @@ std::string gpu_unsupported_reason(const ModelSpec& s) {
   if (attention && s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256)
     return "head_dim " + std::to_string(s.head_dim) + " (the GPU attention kernels take 64, 128 or 256)";
   if (attention && s.rotary_dim() % 2) return "odd rotary dimension";
-  if (gdn && (s.linear_key_head_dim > 128 || s.linear_value_head_dim > 128))
+  if (gdn && (s.linear_key_head_dim > 128 || s.linear_value_head_dim > 128 || s.linear_key_head_dim % 4 ||
+              s.linear_value_head_dim % 4))
     return "GatedDeltaNet head dims " + std::to_string(s.linear_key_head_dim) + " / " +
-           std::to_string(s.linear_value_head_dim) + " (the GPU kernels take up to 128)";
+           std::to_string(s.linear_value_head_dim) + " (the GPU kernels take multiples of 4 up to 128)";
   if (gdn && s.linear_conv_kernel_dim > 8)
     return "conv kernel size " + std::to_string(s.linear_conv_kernel_dim) + " (the GPU kernel takes up to 8)";
   return "";

@@ -159,11 +159,14 @@ TEST(CudaGdn, ChunkedMatchesTheRecurrence) {
   uint64_t seed = 10;
   for (int64_t T : {1, 63, 64, 65, 127}) check_chunked({T}, 2, 6, 32, 48, true, ++seed);
   check_chunked({3, 64, 1, 65, 130, 0, 7}, 2, 4, 24, 40, true, ++seed);  // packed, one empty sequence
-  check_chunked({100, 37}, 1, 1, 8, 10, false, ++seed);                   // tiny heads, zero state
+  check_chunked({100, 37}, 1, 1, 8, 12, false, ++seed);                   // tiny heads, zero state
   check_chunked({4097}, 1, 2, 128, 128, true, ++seed);                    // the real head dims, long
   EXPECT_THROW(cuda::gated_delta_rule_chunked(nullptr, nullptr, nullptr, nullptr, nullptr, {0, 1}, 2, 3, 32, 32, nullptr,
                                               nullptr, nullptr, nullptr),
                std::invalid_argument);  // Hv % Hk != 0
+  EXPECT_THROW(cuda::gated_delta_rule_chunked(nullptr, nullptr, nullptr, nullptr, nullptr, {0, 1}, 1, 1, 32, 10, nullptr,
+                                              nullptr, nullptr, nullptr),
+               std::invalid_argument);  // dv not a multiple of 4
 }
 
 TEST(CudaGdn, GatedRmsNormAndOutputGateMatchTheReference) {

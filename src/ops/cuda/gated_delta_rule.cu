@@ -7,7 +7,8 @@
 //   S = exp(G_L) S0 + (diag(exp(G_L - G)) K)^T U                            (kernel chunk_scan)
 // which unrolls the token recurrence exactly (flash-linear-attention's chunk_gated_delta_rule).
 // chunk_prepare runs every (chunk, value head) in parallel; chunk_scan walks the chunks of one
-// sequence in order, per (sequence, value head, 32 state columns). Both in fp32 (SIMT), as are the
+// sequence in order, per (sequence, value head, 32 state columns). Both in fp32 (SIMT, register tiles
+// of 4 x 4 to 8 x 4 outputs per thread over 16-byte shared-memory loads), as are the
 // layer's activations between the projections' GEMMs (conv1d, q / k / v, o): bf16 only feeds GEMMs.
 #include <algorithm>
 #include <stdexcept>
@@ -85,6 +86,42 @@ struct Chunk {
   int32_t start, len, seq;
 };
 
+/// Loads rows [0, 64) of a [T, H, n] fp32 tensor (head h, rows from `start`) into dst [64][ld], times
+/// scale[r] when given; rows >= L and columns n .. ld-1 are zero (so that padded tiles add nothing).
+__device__ __forceinline__ void load_rows(float* dst, int ld, const float* src, int start, int L, int H, int h, int n,
+                                          const float* scale) {
+  for (int e = threadIdx.x; e < kChunk * ld; e += kThreads) {
+    const int r = e / ld, c = e % ld;
+    float x = 0.f;
+    if (r < L && c < n) x = src[(int64_t(start + r) * H + h) * n + c] * (scale ? scale[r] : 1.f);
+    dst[e] = x;
+  }
+}
+
+/// dst[i][c] = sum_{j < L} M[i][j] * coef[j] * X[j][c] for i < L, c < n (n % 4 == 0): rows i = rg + 8r,
+/// columns 4 cg .. 4 cg + 3 per thread (32 x 4 = 128 columns at most). M [64][65], X [64][ld].
+__device__ __forceinline__ void lower_times_rows(const float* M, const float* coef, const float* X, int ld, int L, int n,
+                                                 float* out, int64_t out_row, int64_t out_stride) {
+  const int cg = threadIdx.x % 32, rg = threadIdx.x / 32, c = 4 * cg;
+  if (c >= n) return;
+  float acc[8][4] = {};
+  for (int j = 0; j < L; ++j) {
+    float4 x = *reinterpret_cast<const float4*>(X + j * ld + c);
+    const float f = coef[j];
+    x.x *= f, x.y *= f, x.z *= f, x.w *= f;
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      const float m = M[(rg + 8 * r) * (kChunk + 1) + j];
+      acc[r][0] += m * x.x, acc[r][1] += m * x.y, acc[r][2] += m * x.z, acc[r][3] += m * x.w;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {
+    const int i = rg + 8 * r;
+    if (i < L) *reinterpret_cast<float4*>(out + (out_row + i) * out_stride + c) = make_float4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+  }
+}
+
 /// One block per (chunk, value head): A, T = (I + A)^-1, w, u (fp32 [T, Hv, dk] / [T, Hv, dv]),
 /// P (fp32 [chunks, Hv, 64, 64]) and the in-chunk cumulative gates G (fp32 [T, Hv]).
 __global__ void __launch_bounds__(kThreads) chunk_prepare_kernel(const float* q, const float* k, const float* v,
@@ -92,21 +129,19 @@ __global__ void __launch_bounds__(kThreads) chunk_prepare_kernel(const float* q,
                                                                  const Chunk* chunks, int Hk, int Hv, int dk, int dv,
                                                                  float* w_out, float* u_out, float* P_out,
                                                                  float* G_out) {
-  extern __shared__ float sm[];
-  const int dmax = max(dk, dv), ld = dmax + 1;
+  extern __shared__ float4 sm4[];
+  float* sm = reinterpret_cast<float*>(sm4);
+  const int ld = max(dk, dv) + 4;    // row stride: 16-byte rows, padded
   float* Ks = sm;                    // [64][ld] keys
   float* Xs = Ks + kChunk * ld;      // [64][ld] queries, later values
   float* M = Xs + kChunk * ld;       // [64][65] A, then T
   float* G = M + kChunk * (kChunk + 1);
-  float* Bt = G + kChunk;
+  float* Bt = G + kChunk;            // beta
+  float* Bg = Bt + kChunk;           // beta * exp(G)
   const Chunk ch = chunks[blockIdx.x];
   const int h = blockIdx.y, kh = h / (Hv / Hk), L = ch.len, tid = threadIdx.x;
-  for (int i = tid; i < kChunk * dk; i += kThreads) {
-    const int r = i / dk, c = i % dk;
-    const int64_t src = (int64_t(ch.start + r) * Hk + kh) * dk + c;
-    Ks[r * ld + c] = r < L ? k[src] : 0.f;
-    Xs[r * ld + c] = r < L ? q[src] : 0.f;
-  }
+  load_rows(Ks, ld, k, ch.start, L, Hk, kh, dk, nullptr);
+  load_rows(Xs, ld, q, ch.start, L, Hk, kh, dk, nullptr);
   if (tid < kChunk) {
     G[tid] = tid < L ? g[int64_t(ch.start + tid) * Hv + h] : 0.f;
     Bt[tid] = tid < L ? beta[int64_t(ch.start + tid) * Hv + h] : 0.f;
@@ -115,18 +150,37 @@ __global__ void __launch_bounds__(kThreads) chunk_prepare_kernel(const float* q,
   if (tid == 0)
     for (int i = 1; i < kChunk; ++i) G[i] += G[i - 1];
   __syncthreads();
-  float* P = P_out + (int64_t(blockIdx.x) * Hv + h) * kChunk * kChunk;
-  for (int e = tid; e < kChunk * kChunk; e += kThreads) {
-    const int i = e / kChunk, j = e % kChunk;
-    float kk = 0.f, qk = 0.f;
-    if (j <= i && i < L)
-      for (int c = 0; c < dk; ++c) {
-        kk += Ks[i * ld + c] * Ks[j * ld + c];
-        qk += Xs[i * ld + c] * Ks[j * ld + c];
+  if (tid < kChunk) Bg[tid] = Bt[tid] * __expf(G[tid]);
+  // K K^T and Q K^T: a 4 x 4 tile per thread, rows i = ti + 16 r, columns j = tj + 16 s.
+  {
+    const int ti = tid / 16, tj = tid % 16;
+    float kk[4][4] = {}, qk[4][4] = {};
+    for (int c = 0; c < dk; c += 4) {
+      float4 a[4], qa[4], b[4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        a[r] = *reinterpret_cast<const float4*>(Ks + (ti + 16 * r) * ld + c);
+        qa[r] = *reinterpret_cast<const float4*>(Xs + (ti + 16 * r) * ld + c);
+        b[r] = *reinterpret_cast<const float4*>(Ks + (tj + 16 * r) * ld + c);
       }
-    const float decay = j <= i && i < L ? __expf(G[i] - G[j]) : 0.f;
-    M[i * (kChunk + 1) + j] = j < i ? Bt[i] * decay * kk : 0.f;
-    P[e] = decay * qk;
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          kk[r][t] += a[r].x * b[t].x + a[r].y * b[t].y + a[r].z * b[t].z + a[r].w * b[t].w;
+          qk[r][t] += qa[r].x * b[t].x + qa[r].y * b[t].y + qa[r].z * b[t].z + qa[r].w * b[t].w;
+        }
+    }
+    float* P = P_out + (int64_t(blockIdx.x) * Hv + h) * kChunk * kChunk;
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const int i = ti + 16 * r, j = tj + 16 * t;
+        const float decay = j <= i && i < L ? __expf(G[i] - G[j]) : 0.f;
+        M[i * (kChunk + 1) + j] = j < i ? Bt[i] * decay * kk[r][t] : 0.f;
+        P[i * kChunk + j] = decay * qk[r][t];
+      }
   }
   __syncthreads();
   // T = (I + A)^-1, row by row: T_ij = -sum_{m=j}^{i-1} A_im T_mj (j < i), T_ii = 1.
@@ -143,103 +197,133 @@ __global__ void __launch_bounds__(kThreads) chunk_prepare_kernel(const float* q,
   }
   if (tid < kChunk) M[tid * (kChunk + 1) + tid] = 1.f;
   __syncthreads();
-  // w = T diag(beta exp(G)) K
-  for (int e = tid; e < L * dk; e += kThreads) {
-    const int i = e / dk, c = e % dk;
-    float acc = 0.f;
-    for (int j = 0; j <= i; ++j) acc += M[i * (kChunk + 1) + j] * Bt[j] * __expf(G[j]) * Ks[j * ld + c];
-    w_out[(int64_t(ch.start + i) * Hv + h) * dk + c] = acc;
-  }
+  lower_times_rows(M, Bg, Ks, ld, L, dk, w_out + int64_t(h) * dk, ch.start, int64_t(Hv) * dk);  // w = T diag(beta e^G) K
   __syncthreads();  // Xs (queries) is free now: values
-  for (int i = tid; i < kChunk * dv; i += kThreads) {
-    const int r = i / dv, c = i % dv;
-    Xs[r * ld + c] = r < L ? v[(int64_t(ch.start + r) * Hv + h) * dv + c] : 0.f;
-  }
+  load_rows(Xs, ld, v, ch.start, L, Hv, h, dv, nullptr);
   __syncthreads();
-  for (int e = tid; e < L * dv; e += kThreads) {
-    const int i = e / dv, c = e % dv;
-    float acc = 0.f;
-    for (int j = 0; j <= i; ++j) acc += M[i * (kChunk + 1) + j] * Bt[j] * Xs[j * ld + c];
-    u_out[(int64_t(ch.start + i) * Hv + h) * dv + c] = acc;
-  }
+  lower_times_rows(M, Bt, Xs, ld, L, dv, u_out + int64_t(h) * dv, ch.start, int64_t(Hv) * dv);  // u = T diag(beta) V
   if (tid < L) G_out[int64_t(ch.start + tid) * Hv + h] = G[tid];
 }
 
 /// One block per (sequence, value head, 32 state columns): walks the sequence's chunks in order.
+/// Thread tiles: U and O rows rq + 16 r (r < 4) x columns 2 cp, 2 cp + 1; S rows 8 mg .. 8 mg + 7 x
+/// the same two columns.
 __global__ void __launch_bounds__(kThreads) chunk_scan_kernel(const float* q, const float* k, const float* w_in,
                                                               const float* u_in, const float* P_in, const float* G_in,
                                                               const Chunk* chunks, const int32_t* first_chunk,
                                                               int Hk, int Hv, int dk, int dv, const float* init,
                                                               float* final_state, float* o) {
-  extern __shared__ float sm[];
-  const int ld = dk + 1;
-  float* S = sm;                    // [dk][kCols] state columns c0 .. c0 + 31
-  float* X = S + dk * kCols;        // [64][ld] w rows, then q rows, then k rows
-  float* Pc = X + kChunk * ld;      // [64][65]
-  float* U = Pc + kChunk * (kChunk + 1);  // [64][kCols + 1]
-  float* G = U + kChunk * (kCols + 1);
+  extern __shared__ float4 sm4[];
+  float* sm = reinterpret_cast<float*>(sm4);
+  constexpr int ldp = kChunk + 4, ldu = kCols + 4;
+  const int ld = dk + 4;
+  float* S = sm;                          // [dk][32] state columns c0 .. c0 + 31
+  float* X = S + dk * kCols;              // [64][ld] w rows, then q rows, then decayed k rows
+  float* Pc = X + kChunk * ld;            // [64][ldp]
+  float* U = Pc + kChunk * ldp;           // [64][ldu]
+  float* G = U + kChunk * ldu;            // [64]
+  float* D = G + kChunk;                  // [64] exp(G_L - G_j)
   const int seq = blockIdx.x, h = blockIdx.y, c0 = blockIdx.z * kCols, kh = h / (Hv / Hk), tid = threadIdx.x;
-  const int lane = tid % kCols, grp = tid / kCols, ngrp = kThreads / kCols;  // column, row group
-  const bool col_ok = c0 + lane < dv;
+  const int cp = tid % 16, rq = tid / 16, c = 2 * cp;
   const int64_t state_off = (int64_t(seq) * Hv + h) * dk * dv;
   for (int e = tid; e < dk * kCols; e += kThreads) {
-    const int m = e / kCols, c = e % kCols;
-    S[e] = init && c0 + c < dv ? init[state_off + int64_t(m) * dv + c0 + c] : 0.f;
+    const int m = e / kCols, cc = e % kCols;
+    S[e] = init && c0 + cc < dv ? init[state_off + int64_t(m) * dv + c0 + cc] : 0.f;
   }
   for (int ci = first_chunk[seq]; ci < first_chunk[seq + 1]; ++ci) {
     const Chunk ch = chunks[ci];
     const int L = ch.len;
-    // w rows, u_hat columns, P, G
-    for (int e = tid; e < L * dk; e += kThreads) {
-      const int r = e / dk, c = e % dk;
-      X[r * ld + c] = w_in[(int64_t(ch.start + r) * Hv + h) * dk + c];
-    }
-    for (int e = tid; e < L * kCols; e += kThreads) {
-      const int r = e / kCols, c = e % kCols;
-      U[r * (kCols + 1) + c] = c0 + c < dv ? u_in[(int64_t(ch.start + r) * Hv + h) * dv + c0 + c] : 0.f;
+    load_rows(X, ld, w_in, ch.start, L, Hv, h, dk, nullptr);
+    for (int e = tid; e < kChunk * ldu; e += kThreads) {
+      const int r = e / ldu, cc = e % ldu;
+      U[e] = r < L && cc < kCols && c0 + cc < dv ? u_in[(int64_t(ch.start + r) * Hv + h) * dv + c0 + cc] : 0.f;
     }
     const float* P = P_in + (int64_t(ci) * Hv + h) * kChunk * kChunk;
-    for (int e = tid; e < L * kChunk; e += kThreads) Pc[(e / kChunk) * (kChunk + 1) + e % kChunk] = P[e];
-    if (tid < L) G[tid] = G_in[int64_t(ch.start + tid) * Hv + h];
+    for (int e = tid; e < kChunk * kChunk; e += kThreads) Pc[(e / kChunk) * ldp + e % kChunk] = P[e];
+    if (tid < kChunk) G[tid] = tid < L ? G_in[int64_t(ch.start + tid) * Hv + h] : 0.f;
     __syncthreads();
-    // U = u_hat - w S0
-    for (int i = grp; i < L; i += ngrp) {
-      float acc = 0.f;
-      for (int m = 0; m < dk; ++m) acc += X[i * ld + m] * S[m * kCols + lane];
-      U[i * (kCols + 1) + lane] -= acc;
+    if (tid < kChunk) D[tid] = tid < L ? __expf(G[L - 1] - G[tid]) : 0.f;
+    // acc[r] = X[rq + 16 r] . S[:, c .. c + 1]
+    auto rows_times_state = [&](float (&acc)[4][2]) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = 0.f;
+      for (int m = 0; m < dk; m += 4) {
+        float2 sv[4];
+#pragma unroll
+        for (int mm = 0; mm < 4; ++mm) sv[mm] = *reinterpret_cast<const float2*>(S + (m + mm) * kCols + c);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const float4 x = *reinterpret_cast<const float4*>(X + (rq + 16 * r) * ld + m);
+          acc[r][0] += x.x * sv[0].x + x.y * sv[1].x + x.z * sv[2].x + x.w * sv[3].x;
+          acc[r][1] += x.x * sv[0].y + x.y * sv[1].y + x.z * sv[2].y + x.w * sv[3].y;
+        }
+      }
+    };
+    float acc[4][2];
+    rows_times_state(acc);  // U = u_hat - w S0
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+      if (rq + 16 * r < L) {
+        U[(rq + 16 * r) * ldu + c] -= acc[r][0];
+        U[(rq + 16 * r) * ldu + c + 1] -= acc[r][1];
+      }
+    load_rows(X, ld, q, ch.start, L, Hk, kh, dk, nullptr);
+    __syncthreads();
+    rows_times_state(acc);  // O = diag(exp(G)) Q S0 + P U
+    for (int j = 0; j < L; j += 4) {
+      float2 uv[4];
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) uv[jj] = *reinterpret_cast<const float2*>(U + (j + jj) * ldu + c);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const float4 pr = *reinterpret_cast<const float4*>(Pc + (rq + 16 * r) * ldp + j);
+        const float e = __expf(G[rq + 16 * r]);
+        if (j == 0) acc[r][0] *= e, acc[r][1] *= e;
+        acc[r][0] += pr.x * uv[0].x + pr.y * uv[1].x + pr.z * uv[2].x + pr.w * uv[3].x;
+        acc[r][1] += pr.x * uv[0].y + pr.y * uv[1].y + pr.z * uv[2].y + pr.w * uv[3].y;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = rq + 16 * r;
+      if (i < L && c0 + c < dv) o[(int64_t(ch.start + i) * Hv + h) * dv + c0 + c] = acc[r][0];
+      if (i < L && c0 + c + 1 < dv) o[(int64_t(ch.start + i) * Hv + h) * dv + c0 + c + 1] = acc[r][1];
     }
     __syncthreads();
-    for (int e = tid; e < L * dk; e += kThreads) {  // queries
-      const int r = e / dk, c = e % dk;
-      X[r * ld + c] = q[(int64_t(ch.start + r) * Hk + kh) * dk + c];
-    }
-    __syncthreads();
-    // O = diag(exp(G)) Q S0 + P U
-    for (int i = grp; i < L; i += ngrp) {
-      float qs = 0.f, pu = 0.f;
-      for (int m = 0; m < dk; ++m) qs += X[i * ld + m] * S[m * kCols + lane];
-      for (int j = 0; j <= i; ++j) pu += Pc[i * (kChunk + 1) + j] * U[j * (kCols + 1) + lane];
-      if (col_ok) o[(int64_t(ch.start + i) * Hv + h) * dv + c0 + lane] = __expf(G[i]) * qs + pu;
-    }
-    __syncthreads();
-    for (int e = tid; e < L * dk; e += kThreads) {  // keys
-      const int r = e / dk, c = e % dk;
-      X[r * ld + c] = k[(int64_t(ch.start + r) * Hk + kh) * dk + c];
-    }
+    load_rows(X, ld, k, ch.start, L, Hk, kh, dk, D);  // keys times exp(G_L - G_j)
     __syncthreads();
     // S = exp(G_L) S0 + (diag(exp(G_L - G)) K)^T U
-    const float gl = G[L - 1];
-    for (int m = grp; m < dk; m += ngrp) {
-      float acc = __expf(gl) * S[m * kCols + lane];
-      for (int j = 0; j < L; ++j) acc += __expf(gl - G[j]) * X[j * ld + m] * U[j * (kCols + 1) + lane];
-      S[m * kCols + lane] = acc;
+    {
+      const int m0 = 8 * rq;
+      const float gl = __expf(G[L - 1]);
+      float sa[8][2];
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        const bool ok = m0 + r < dk;
+        sa[r][0] = ok ? gl * S[(m0 + r) * kCols + c] : 0.f;
+        sa[r][1] = ok ? gl * S[(m0 + r) * kCols + c + 1] : 0.f;
+      }
+      if (m0 < dk)
+        for (int j = 0; j < L; ++j) {
+          const float4 x0 = *reinterpret_cast<const float4*>(X + j * ld + m0);
+          const float4 x1 = *reinterpret_cast<const float4*>(X + j * ld + m0 + 4);
+          const float2 uv = *reinterpret_cast<const float2*>(U + j * ldu + c);
+          const float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+          for (int r = 0; r < 8; ++r) sa[r][0] += xs[r] * uv.x, sa[r][1] += xs[r] * uv.y;
+        }
+      __syncthreads();  // every thread has read S0
+#pragma unroll
+      for (int r = 0; r < 8; ++r)
+        if (m0 + r < dk) S[(m0 + r) * kCols + c] = sa[r][0], S[(m0 + r) * kCols + c + 1] = sa[r][1];
     }
     __syncthreads();
   }
   if (final_state)
     for (int e = tid; e < dk * kCols; e += kThreads) {
-      const int m = e / kCols, c = e % kCols;
-      if (c0 + c < dv) final_state[state_off + int64_t(m) * dv + c0 + c] = S[e];
+      const int m = e / kCols, cc = e % kCols;
+      if (c0 + cc < dv) final_state[state_off + int64_t(m) * dv + c0 + cc] = S[e];
     }
 }
 
@@ -289,10 +373,12 @@ void gdn_prepare(const float* qkv, const float* b, const float* a, const float* 
 void gated_delta_rule_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta,
                               const std::vector<int64_t>& cu, int Hk, int Hv, int dk, int dv, const float* init,
                               float* final_state, float* o, cudaStream_t stream) {
-  if (Hk <= 0 || Hv % Hk != 0 || dk <= 0 || dk > 128 || dv <= 0 || dv > 128 || cu.size() < 2 || cu.front() != 0)
+  if (Hk <= 0 || Hv % Hk != 0 || dk <= 0 || dk > 128 || dv <= 0 || dv > 128 || dk % 4 || dv % 4 || cu.size() < 2 ||
+      cu.front() != 0)
     throw std::invalid_argument("gated_delta_rule_chunked: Hk " + std::to_string(Hk) + ", Hv " + std::to_string(Hv) +
                                 ", dk " + std::to_string(dk) + ", dv " + std::to_string(dv) +
-                                " (head dims <= 128), " + std::to_string(cu.size()) + " cu_seqlens entries");
+                                " (head dims multiples of 4, <= 128), " + std::to_string(cu.size()) +
+                                " cu_seqlens entries");
   const int nseq = int(cu.size()) - 1;
   const int64_t T = cu.back();
   std::vector<Chunk> chunks;
@@ -313,14 +399,14 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   StreamBuffer<float> w(size_t(T * Hv * dk), stream), u(size_t(T * Hv * dv), stream),
       P(size_t(nch * Hv * kChunk * kChunk), stream), G(size_t(T * Hv), stream);
   if (nch) {
-    const size_t smem = (2 * kChunk * (std::max(dk, dv) + 1) + kChunk * (kChunk + 1) + 2 * kChunk) * sizeof(float);
+    const size_t smem = (2 * kChunk * (std::max(dk, dv) + 4) + kChunk * (kChunk + 1) + 3 * kChunk) * sizeof(float);
     DFLASH_CUDA_CHECK(cudaFuncSetAttribute(chunk_prepare_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     chunk_prepare_kernel<<<dim3(unsigned(nch), unsigned(Hv)), kThreads, smem, stream>>>(
         q, k, v, g, beta, d_chunks.data(), Hk, Hv, dk, dv, w.data(), u.data(), P.data(), G.data());
     DFLASH_CUDA_CHECK_LAUNCH();
   }
-  const size_t smem = (dk * kCols + kChunk * (dk + 1) + kChunk * (kChunk + 1) + kChunk * (kCols + 1) + kChunk) *
-                      sizeof(float);
+  const size_t smem =
+      (dk * kCols + kChunk * (dk + 4) + kChunk * (kChunk + 4) + kChunk * (kCols + 4) + 2 * kChunk) * sizeof(float);
   DFLASH_CUDA_CHECK(cudaFuncSetAttribute(chunk_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   chunk_scan_kernel<<<dim3(unsigned(nseq), unsigned(Hv), unsigned((dv + kCols - 1) / kCols)), kThreads, smem, stream>>>(
       q, k, w.data(), u.data(), P.data(), G.data(), d_chunks.data(), d_first.data(), Hk, Hv, dk, dv, init, final_state,

@@ -42,7 +42,7 @@ void gdn_prepare(const float* qkv, const float* b, const float* a, const float* 
 /// value head, token by token as cpu::gated_delta_rule_recurrent with use_qk_l2norm false, scale 1:
 ///   S <- exp(g_t) S;  u = beta_t (v_t - S^T k_t);  S <- S + k_t u^T;  o_t = S^T q_t.
 /// initial_state (null: zeros) and final_state (null: not written) [n, Hv, dk, dv] fp32 (device).
-/// Writes o [T, Hv, dv] fp32. dk, dv <= 128. Throws std::invalid_argument for bad sizes.
+/// Writes o [T, Hv, dv] fp32. dk, dv multiples of 4, <= 128. Throws std::invalid_argument for bad sizes.
 void gated_delta_rule_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta,
                               const std::vector<int64_t>& cu_seqlens, int Hk, int Hv, int dk, int dv,
                               const float* initial_state, float* final_state, float* o, cudaStream_t stream);
