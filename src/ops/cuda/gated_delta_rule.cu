@@ -4,10 +4,11 @@
 //   w = T diag(beta exp(G)) K,  u = T diag(beta) V                          (kernel chunk_prepare)
 //   U = u - w S0                                 (the chunk's beta_t (v_t - S_{t-1}^T k_t), all t)
 //   O = diag(exp(G)) Q S0 + P U,  P_ij = exp(G_i - G_j) q_i.k_j (j <= i)
-//   S = exp(G_L) S0 + (diag(exp(G_L - G)) K)^T U                            (kernel chunk_scan)
+//   S = exp(G_L) S0 + (diag(exp(G_L - G)) K)^T U              (kernels chunk_state, then chunk_out)
 // which unrolls the token recurrence exactly (flash-linear-attention's chunk_gated_delta_rule).
-// chunk_prepare runs every (chunk, value head) in parallel; chunk_scan walks the chunks of one
-// sequence in order, per (sequence, value head, 32 state columns). Both in fp32 (SIMT, register tiles
+// chunk_prepare runs every (chunk, value head) in parallel; chunk_state walks the chunks of one
+// sequence in order, per (sequence, value head, 16 state columns), and keeps only the sequential part
+// (U and the state before each chunk); chunk_out computes O for every chunk in parallel. Both in fp32 (SIMT, register tiles
 // of 4 x 4 to 8 x 4 outputs per thread over 16-byte shared-memory loads), as are the
 // layer's activations between the projections' GEMMs (conv1d, q / k / v, o): bf16 only feeds GEMMs.
 #include <algorithm>
@@ -21,7 +22,7 @@ namespace dflash::cuda {
 namespace {
 
 constexpr int kChunk = 64;      // tokens per chunk
-constexpr int kCols = 32;       // state columns (value features) per chunk_scan block
+constexpr int kCols = 16;       // state columns (value features) per chunk_state block
 constexpr int kThreads = 256;
 
 __device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
@@ -205,118 +206,91 @@ __global__ void __launch_bounds__(kThreads) chunk_prepare_kernel(const float* q,
   if (tid < L) G_out[int64_t(ch.start + tid) * Hv + h] = G[tid];
 }
 
-/// One block per (sequence, value head, 32 state columns): walks the sequence's chunks in order.
-/// Thread tiles: U and O rows rq + 16 r (r < 4) x columns 2 cp, 2 cp + 1; S rows 8 mg .. 8 mg + 7 x
-/// the same two columns.
-__global__ void __launch_bounds__(kThreads) chunk_scan_kernel(const float* q, const float* k, const float* w_in,
-                                                              const float* u_in, const float* P_in, const float* G_in,
-                                                              const Chunk* chunks, const int32_t* first_chunk,
-                                                              int Hk, int Hv, int dk, int dv, const float* init,
-                                                              float* final_state, float* o) {
+/// One block per (sequence, value head, 16 state columns): walks the sequence's chunks in order and
+/// keeps only what is sequential: saves the state before each chunk (H [chunks, Hv, dk, dv]), the
+/// chunk's U = u - w S0 (U [T, Hv, dv]), then S = exp(G_L) S0 + (diag(exp(G_L - G)) K)^T U.
+/// Thread tiles: U rows ur + 32 r (r < 2) x columns 2 cp, 2 cp + 1; S rows 4 mg .. 4 mg + 3 x the same.
+__global__ void __launch_bounds__(kThreads) chunk_state_kernel(const float* k, const float* w_in, const float* u_in,
+                                                               const float* G_in, const Chunk* chunks,
+                                                               const int32_t* first_chunk, int Hk, int Hv, int dk,
+                                                               int dv, const float* init, float* final_state,
+                                                               float* H_out, float* U_out) {
   extern __shared__ float4 sm4[];
   float* sm = reinterpret_cast<float*>(sm4);
-  constexpr int ldp = kChunk + 4, ldu = kCols + 4;
+  constexpr int ldu = kCols + 4;
   const int ld = dk + 4;
-  float* S = sm;                          // [dk][32] state columns c0 .. c0 + 31
-  float* X = S + dk * kCols;              // [64][ld] w rows, then q rows, then decayed k rows
-  float* Pc = X + kChunk * ld;            // [64][ldp]
-  float* U = Pc + kChunk * ldp;           // [64][ldu]
+  float* S = sm;                          // [dk][kCols] state columns c0 .. c0 + kCols - 1
+  float* X = S + dk * kCols;              // [64][ld] w rows, then decayed k rows
+  float* U = X + kChunk * ld;             // [64][ldu]
   float* G = U + kChunk * ldu;            // [64]
   float* D = G + kChunk;                  // [64] exp(G_L - G_j)
   const int seq = blockIdx.x, h = blockIdx.y, c0 = blockIdx.z * kCols, kh = h / (Hv / Hk), tid = threadIdx.x;
-  const int cp = tid % 16, rq = tid / 16, c = 2 * cp;
+  const int cp = tid % (kCols / 2), c = 2 * cp, ur = tid / (kCols / 2);  // ur < 32
   const int64_t state_off = (int64_t(seq) * Hv + h) * dk * dv;
   for (int e = tid; e < dk * kCols; e += kThreads) {
     const int m = e / kCols, cc = e % kCols;
     S[e] = init && c0 + cc < dv ? init[state_off + int64_t(m) * dv + c0 + cc] : 0.f;
   }
+  __syncthreads();
   for (int ci = first_chunk[seq]; ci < first_chunk[seq + 1]; ++ci) {
     const Chunk ch = chunks[ci];
     const int L = ch.len;
+    float* Hc = H_out + (int64_t(ci) * Hv + h) * dk * dv;  // the state before this chunk
+    for (int e = tid; e < dk * kCols; e += kThreads) {
+      const int m = e / kCols, cc = e % kCols;
+      if (c0 + cc < dv) Hc[int64_t(m) * dv + c0 + cc] = S[e];
+    }
     load_rows(X, ld, w_in, ch.start, L, Hv, h, dk, nullptr);
     for (int e = tid; e < kChunk * ldu; e += kThreads) {
       const int r = e / ldu, cc = e % ldu;
       U[e] = r < L && cc < kCols && c0 + cc < dv ? u_in[(int64_t(ch.start + r) * Hv + h) * dv + c0 + cc] : 0.f;
     }
-    const float* P = P_in + (int64_t(ci) * Hv + h) * kChunk * kChunk;
-    for (int e = tid; e < kChunk * kChunk; e += kThreads) Pc[(e / kChunk) * ldp + e % kChunk] = P[e];
     if (tid < kChunk) G[tid] = tid < L ? G_in[int64_t(ch.start + tid) * Hv + h] : 0.f;
     __syncthreads();
     if (tid < kChunk) D[tid] = tid < L ? __expf(G[L - 1] - G[tid]) : 0.f;
-    // acc[r] = X[rq + 16 r] . S[:, c .. c + 1]
-    auto rows_times_state = [&](float (&acc)[4][2]) {
+    // U = u_hat - w S0
+    float acc[2][2] = {};
+    for (int m = 0; m < dk; m += 4) {
+      float2 sv[4];
 #pragma unroll
-      for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = 0.f;
-      for (int m = 0; m < dk; m += 4) {
-        float2 sv[4];
+      for (int mm = 0; mm < 4; ++mm) sv[mm] = *reinterpret_cast<const float2*>(S + (m + mm) * kCols + c);
 #pragma unroll
-        for (int mm = 0; mm < 4; ++mm) sv[mm] = *reinterpret_cast<const float2*>(S + (m + mm) * kCols + c);
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const float4 x = *reinterpret_cast<const float4*>(X + (rq + 16 * r) * ld + m);
-          acc[r][0] += x.x * sv[0].x + x.y * sv[1].x + x.z * sv[2].x + x.w * sv[3].x;
-          acc[r][1] += x.x * sv[0].y + x.y * sv[1].y + x.z * sv[2].y + x.w * sv[3].y;
-        }
-      }
-    };
-    float acc[4][2];
-    rows_times_state(acc);  // U = u_hat - w S0
-    __syncthreads();
-#pragma unroll
-    for (int r = 0; r < 4; ++r)
-      if (rq + 16 * r < L) {
-        U[(rq + 16 * r) * ldu + c] -= acc[r][0];
-        U[(rq + 16 * r) * ldu + c + 1] -= acc[r][1];
-      }
-    load_rows(X, ld, q, ch.start, L, Hk, kh, dk, nullptr);
-    __syncthreads();
-    rows_times_state(acc);  // O = diag(exp(G)) Q S0 + P U
-    for (int j = 0; j < L; j += 4) {
-      float2 uv[4];
-#pragma unroll
-      for (int jj = 0; jj < 4; ++jj) uv[jj] = *reinterpret_cast<const float2*>(U + (j + jj) * ldu + c);
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const float4 pr = *reinterpret_cast<const float4*>(Pc + (rq + 16 * r) * ldp + j);
-        const float e = __expf(G[rq + 16 * r]);
-        if (j == 0) acc[r][0] *= e, acc[r][1] *= e;
-        acc[r][0] += pr.x * uv[0].x + pr.y * uv[1].x + pr.z * uv[2].x + pr.w * uv[3].x;
-        acc[r][1] += pr.x * uv[0].y + pr.y * uv[1].y + pr.z * uv[2].y + pr.w * uv[3].y;
+      for (int r = 0; r < 2; ++r) {
+        const float4 x = *reinterpret_cast<const float4*>(X + (ur + 32 * r) * ld + m);
+        acc[r][0] += x.x * sv[0].x + x.y * sv[1].x + x.z * sv[2].x + x.w * sv[3].x;
+        acc[r][1] += x.x * sv[0].y + x.y * sv[1].y + x.z * sv[2].y + x.w * sv[3].y;
       }
     }
+    __syncthreads();  // X (w) is read: keys next
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int i = rq + 16 * r;
-      if (i < L && c0 + c < dv) o[(int64_t(ch.start + i) * Hv + h) * dv + c0 + c] = acc[r][0];
-      if (i < L && c0 + c + 1 < dv) o[(int64_t(ch.start + i) * Hv + h) * dv + c0 + c + 1] = acc[r][1];
+    for (int r = 0; r < 2; ++r) {
+      const int i = ur + 32 * r;
+      if (i >= L) continue;
+      float* ui = U + i * ldu + c;
+      ui[0] -= acc[r][0], ui[1] -= acc[r][1];
+      float* dst = U_out + (int64_t(ch.start + i) * Hv + h) * dv + c0 + c;
+      if (c0 + c < dv) dst[0] = ui[0];
+      if (c0 + c + 1 < dv) dst[1] = ui[1];
     }
-    __syncthreads();
     load_rows(X, ld, k, ch.start, L, Hk, kh, dk, D);  // keys times exp(G_L - G_j)
     __syncthreads();
     // S = exp(G_L) S0 + (diag(exp(G_L - G)) K)^T U
-    {
-      const int m0 = 8 * rq;
+    const int m0 = 4 * ur;
+    if (m0 < dk) {
       const float gl = __expf(G[L - 1]);
-      float sa[8][2];
+      float sa[4][2];
 #pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        const bool ok = m0 + r < dk;
-        sa[r][0] = ok ? gl * S[(m0 + r) * kCols + c] : 0.f;
-        sa[r][1] = ok ? gl * S[(m0 + r) * kCols + c + 1] : 0.f;
+      for (int r = 0; r < 4; ++r) sa[r][0] = gl * S[(m0 + r) * kCols + c], sa[r][1] = gl * S[(m0 + r) * kCols + c + 1];
+      for (int j = 0; j < L; ++j) {
+        const float4 x = *reinterpret_cast<const float4*>(X + j * ld + m0);
+        const float2 uv = *reinterpret_cast<const float2*>(U + j * ldu + c);
+        sa[0][0] += x.x * uv.x, sa[0][1] += x.x * uv.y;
+        sa[1][0] += x.y * uv.x, sa[1][1] += x.y * uv.y;
+        sa[2][0] += x.z * uv.x, sa[2][1] += x.z * uv.y;
+        sa[3][0] += x.w * uv.x, sa[3][1] += x.w * uv.y;
       }
-      if (m0 < dk)
-        for (int j = 0; j < L; ++j) {
-          const float4 x0 = *reinterpret_cast<const float4*>(X + j * ld + m0);
-          const float4 x1 = *reinterpret_cast<const float4*>(X + j * ld + m0 + 4);
-          const float2 uv = *reinterpret_cast<const float2*>(U + j * ldu + c);
-          const float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
 #pragma unroll
-          for (int r = 0; r < 8; ++r) sa[r][0] += xs[r] * uv.x, sa[r][1] += xs[r] * uv.y;
-        }
-      __syncthreads();  // every thread has read S0
-#pragma unroll
-      for (int r = 0; r < 8; ++r)
-        if (m0 + r < dk) S[(m0 + r) * kCols + c] = sa[r][0], S[(m0 + r) * kCols + c + 1] = sa[r][1];
+      for (int r = 0; r < 4; ++r) S[(m0 + r) * kCols + c] = sa[r][0], S[(m0 + r) * kCols + c + 1] = sa[r][1];
     }
     __syncthreads();
   }
@@ -325,6 +299,84 @@ __global__ void __launch_bounds__(kThreads) chunk_scan_kernel(const float* q, co
       const int m = e / kCols, cc = e % kCols;
       if (c0 + cc < dv) final_state[state_off + int64_t(m) * dv + c0 + cc] = S[e];
     }
+}
+
+/// One block per (chunk, value head, 64 value columns): O = diag(exp(G)) Q S0 + P U from the saved
+/// state S0 = H[chunk] and U, all chunks in parallel. Thread tile: rows rq + 16 r (r < 4) x columns
+/// 4 cq .. 4 cq + 3.
+__global__ void __launch_bounds__(kThreads) chunk_out_kernel(const float* q, const float* H_in, const float* U_in,
+                                                             const float* P_in, const float* G_in, const Chunk* chunks,
+                                                             int Hk, int Hv, int dk, int dv, float* o) {
+  extern __shared__ float4 sm4[];
+  float* sm = reinterpret_cast<float*>(sm4);
+  constexpr int kOut = 64, lds = kOut + 4, ldp = kChunk + 4;
+  const int ld = dk + 4;
+  float* Qs = sm;                     // [64][ld]
+  float* Ss = Qs + kChunk * ld;       // [dk][lds] state columns c0 .. c0 + 63
+  float* Us = Ss + dk * lds;          // [64][lds]
+  float* Pc = Us + kChunk * lds;      // [64][ldp]
+  const Chunk ch = chunks[blockIdx.x];
+  const int h = blockIdx.y, c0 = blockIdx.z * kOut, kh = h / (Hv / Hk), L = ch.len, tid = threadIdx.x;
+  const int ncol = min(kOut, dv - c0);
+  load_rows(Qs, ld, q, ch.start, L, Hk, kh, dk, nullptr);
+  const float* Hc = H_in + (int64_t(blockIdx.x) * Hv + h) * dk * dv;
+  for (int e = tid; e < dk * lds; e += kThreads) {
+    const int m = e / lds, cc = e % lds;
+    Ss[e] = cc < ncol ? Hc[int64_t(m) * dv + c0 + cc] : 0.f;
+  }
+  for (int e = tid; e < kChunk * lds; e += kThreads) {
+    const int r = e / lds, cc = e % lds;
+    Us[e] = r < L && cc < ncol ? U_in[(int64_t(ch.start + r) * Hv + h) * dv + c0 + cc] : 0.f;
+  }
+  const float* P = P_in + (int64_t(blockIdx.x) * Hv + h) * kChunk * kChunk;
+  for (int e = tid; e < kChunk * kChunk; e += kThreads) Pc[(e / kChunk) * ldp + e % kChunk] = P[e];
+  __syncthreads();
+  const int cq = tid % 16, rq = tid / 16, c = 4 * cq;
+  float acc[4][4] = {};
+  for (int m = 0; m < dk; m += 4) {
+    float4 sv[4];
+#pragma unroll
+    for (int mm = 0; mm < 4; ++mm) sv[mm] = *reinterpret_cast<const float4*>(Ss + (m + mm) * lds + c);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float4 x = *reinterpret_cast<const float4*>(Qs + (rq + 16 * r) * ld + m);
+      const float xs[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+      for (int mm = 0; mm < 4; ++mm)
+        acc[r][0] += xs[mm] * sv[mm].x, acc[r][1] += xs[mm] * sv[mm].y, acc[r][2] += xs[mm] * sv[mm].z,
+            acc[r][3] += xs[mm] * sv[mm].w;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int i = rq + 16 * r;
+    const float e = i < L ? __expf(G_in[int64_t(ch.start + i) * Hv + h]) : 0.f;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) acc[r][t] *= e;
+  }
+  for (int j = 0; j < L; j += 4) {
+    float4 uv[4];
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) uv[jj] = *reinterpret_cast<const float4*>(Us + (j + jj) * lds + c);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float4 pr = *reinterpret_cast<const float4*>(Pc + (rq + 16 * r) * ldp + j);
+      const float ps[4] = {pr.x, pr.y, pr.z, pr.w};
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj)
+        acc[r][0] += ps[jj] * uv[jj].x, acc[r][1] += ps[jj] * uv[jj].y, acc[r][2] += ps[jj] * uv[jj].z,
+            acc[r][3] += ps[jj] * uv[jj].w;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int i = rq + 16 * r;
+    if (i >= L) continue;
+    float* dst = o + (int64_t(ch.start + i) * Hv + h) * dv + c0;
+#pragma unroll
+    for (int t = 0; t < 4; ++t)
+      if (c + t < ncol) dst[c + t] = acc[r][t];
+  }
 }
 
 /// A warp per row.
@@ -390,7 +442,7 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
     first.push_back(int32_t(chunks.size()));
   }
   const int64_t nch = int64_t(chunks.size());
-  // Empty sequences still pass their initial state through (chunk_scan runs no chunk for them).
+  // Empty sequences still pass their initial state through (chunk_state runs no chunk for them).
   StreamBuffer<Chunk> d_chunks(size_t(nch), stream);
   if (nch)
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(d_chunks.data(), chunks.data(), size_t(nch) * sizeof(Chunk), cudaMemcpyHostToDevice,
@@ -405,12 +457,21 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
         q, k, v, g, beta, d_chunks.data(), Hk, Hv, dk, dv, w.data(), u.data(), P.data(), G.data());
     DFLASH_CUDA_CHECK_LAUNCH();
   }
-  const size_t smem =
-      (dk * kCols + kChunk * (dk + 4) + kChunk * (kChunk + 4) + kChunk * (kCols + 4) + 2 * kChunk) * sizeof(float);
-  DFLASH_CUDA_CHECK(cudaFuncSetAttribute(chunk_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  chunk_scan_kernel<<<dim3(unsigned(nseq), unsigned(Hv), unsigned((dv + kCols - 1) / kCols)), kThreads, smem, stream>>>(
-      q, k, w.data(), u.data(), P.data(), G.data(), d_chunks.data(), d_first.data(), Hk, Hv, dk, dv, init, final_state,
-      o);
+  // The sequential part: states before each chunk and the chunks' U.
+  StreamBuffer<float> H(size_t(nch * Hv * dk * dv), stream), U(size_t(T * Hv * dv), stream);
+  const size_t smem_state = (dk * kCols + kChunk * (dk + 4) + kChunk * (kCols + 4) + 2 * kChunk) * sizeof(float);
+  DFLASH_CUDA_CHECK(
+      cudaFuncSetAttribute(chunk_state_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_state)));
+  chunk_state_kernel<<<dim3(unsigned(nseq), unsigned(Hv), unsigned((dv + kCols - 1) / kCols)), kThreads, smem_state,
+                       stream>>>(k, w.data(), u.data(), G.data(), d_chunks.data(), d_first.data(), Hk, Hv, dk, dv, init,
+                                 final_state, H.data(), U.data());
+  DFLASH_CUDA_CHECK_LAUNCH();
+  if (!nch) return;
+  // The outputs, every chunk in parallel.
+  const size_t smem_out = (kChunk * (dk + 4) + dk * 68 + kChunk * 68 + kChunk * (kChunk + 4)) * sizeof(float);
+  DFLASH_CUDA_CHECK(cudaFuncSetAttribute(chunk_out_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_out)));
+  chunk_out_kernel<<<dim3(unsigned(nch), unsigned(Hv), unsigned((dv + 63) / 64)), kThreads, smem_out, stream>>>(
+      q, H.data(), U.data(), P.data(), G.data(), d_chunks.data(), Hk, Hv, dk, dv, o);
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
