@@ -87,16 +87,43 @@ struct Chunk {
   int32_t start, len, seq;
 };
 
-/// Loads rows [0, 64) of a [T, H, n] fp32 tensor (head h, rows from `start`) into dst [64][ld], times
+/// dst [rows][ld] (ld % 4 == 0, rows * ld <= 9 * 1024) <- element (r, c) = row_ptr(r)[c] * scale[r] for
+/// c < ncols (ncols % 4 == 0) where row_ptr(r) is not null, else 0. 16-byte loads, all of a thread's
+/// issued before its stores (the chunk loops are latency bound otherwise).
+template <typename RowPtr>
+__device__ __forceinline__ void load_tile(float* dst, int rows, int ld, int ncols, RowPtr row_ptr, const float* scale) {
+  const int n4 = ld / 4, total = rows * n4;
+  float4 v[9];
+#pragma unroll
+  for (int i = 0; i < 9; ++i) {
+    const int e = threadIdx.x + i * kThreads;
+    v[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (e < total) {
+      const int r = e / n4, c = (e - r * n4) * 4;
+      const float* p = c < ncols ? row_ptr(r) : nullptr;
+      if (p) {
+        v[i] = *reinterpret_cast<const float4*>(p + c);
+        if (scale) {
+          const float f = scale[r];
+          v[i].x *= f, v[i].y *= f, v[i].z *= f, v[i].w *= f;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 9; ++i) {
+    const int e = threadIdx.x + i * kThreads;
+    if (e < total) reinterpret_cast<float4*>(dst)[e] = v[i];
+  }
+}
+
+/// Rows [0, 64) of a [T, H, n] fp32 tensor (head h, rows from `start`) into dst [64][ld], times
 /// scale[r] when given; rows >= L and columns n .. ld-1 are zero (so that padded tiles add nothing).
 __device__ __forceinline__ void load_rows(float* dst, int ld, const float* src, int start, int L, int H, int h, int n,
                                           const float* scale) {
-  for (int e = threadIdx.x; e < kChunk * ld; e += kThreads) {
-    const int r = e / ld, c = e % ld;
-    float x = 0.f;
-    if (r < L && c < n) x = src[(int64_t(start + r) * H + h) * n + c] * (scale ? scale[r] : 1.f);
-    dst[e] = x;
-  }
+  load_tile(dst, kChunk, ld, n,
+            [&](int r) { return r < L ? src + (int64_t(start + r) * H + h) * n : static_cast<const float*>(nullptr); },
+            scale);
 }
 
 /// dst[i][c] = sum_{j < L} M[i][j] * coef[j] * X[j][c] for i < L, c < n (n % 4 == 0): rows i = rg + 8r,
@@ -241,10 +268,9 @@ __global__ void __launch_bounds__(kThreads) chunk_state_kernel(const float* k, c
       if (c0 + cc < dv) Hc[int64_t(m) * dv + c0 + cc] = S[e];
     }
     load_rows(X, ld, w_in, ch.start, L, Hv, h, dk, nullptr);
-    for (int e = tid; e < kChunk * ldu; e += kThreads) {
-      const int r = e / ldu, cc = e % ldu;
-      U[e] = r < L && cc < kCols && c0 + cc < dv ? u_in[(int64_t(ch.start + r) * Hv + h) * dv + c0 + cc] : 0.f;
-    }
+    load_tile(U, kChunk, ldu, min(kCols, dv - c0), [&](int r) {
+      return r < L ? u_in + (int64_t(ch.start + r) * Hv + h) * dv + c0 : static_cast<const float*>(nullptr);
+    }, nullptr);
     if (tid < kChunk) G[tid] = tid < L ? G_in[int64_t(ch.start + tid) * Hv + h] : 0.f;
     __syncthreads();
     if (tid < kChunk) D[tid] = tid < L ? __expf(G[L - 1] - G[tid]) : 0.f;
@@ -320,16 +346,12 @@ __global__ void __launch_bounds__(kThreads) chunk_out_kernel(const float* q, con
   const int ncol = min(kOut, dv - c0);
   load_rows(Qs, ld, q, ch.start, L, Hk, kh, dk, nullptr);
   const float* Hc = H_in + (int64_t(blockIdx.x) * Hv + h) * dk * dv;
-  for (int e = tid; e < dk * lds; e += kThreads) {
-    const int m = e / lds, cc = e % lds;
-    Ss[e] = cc < ncol ? Hc[int64_t(m) * dv + c0 + cc] : 0.f;
-  }
-  for (int e = tid; e < kChunk * lds; e += kThreads) {
-    const int r = e / lds, cc = e % lds;
-    Us[e] = r < L && cc < ncol ? U_in[(int64_t(ch.start + r) * Hv + h) * dv + c0 + cc] : 0.f;
-  }
+  load_tile(Ss, dk, lds, ncol, [&](int m) { return Hc + int64_t(m) * dv + c0; }, nullptr);
+  load_tile(Us, kChunk, lds, ncol, [&](int r) {
+    return r < L ? U_in + (int64_t(ch.start + r) * Hv + h) * dv + c0 : static_cast<const float*>(nullptr);
+  }, nullptr);
   const float* P = P_in + (int64_t(blockIdx.x) * Hv + h) * kChunk * kChunk;
-  for (int e = tid; e < kChunk * kChunk; e += kThreads) Pc[(e / kChunk) * ldp + e % kChunk] = P[e];
+  load_tile(Pc, kChunk, ldp, kChunk, [&](int r) { return P + r * kChunk; }, nullptr);
   __syncthreads();
   const int cq = tid % 16, rq = tid / 16, c = 4 * cq;
   float acc[4][4] = {};
