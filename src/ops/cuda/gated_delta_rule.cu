@@ -237,7 +237,7 @@ __global__ void __launch_bounds__(kThreads) chunk_prepare_kernel(const float* q,
 /// keeps only what is sequential: saves the state before each chunk (H [chunks, Hv, dk, dv]), the
 /// chunk's U = u - w S0 (U [T, Hv, dv]), then S = exp(G_L) S0 + (diag(exp(G_L - G)) K)^T U.
 /// Thread tiles: U rows ur + 32 r (r < 2) x columns 2 cp, 2 cp + 1; S rows 4 mg .. 4 mg + 3 x the same.
-__global__ void __launch_bounds__(kThreads) chunk_state_kernel(const float* k, const float* w_in, const float* u_in,
+__global__ void __launch_bounds__(kThreads, 3) chunk_state_kernel(const float* k, const float* w_in, const float* u_in,
                                                                const float* G_in, const Chunk* chunks,
                                                                const int32_t* first_chunk, int Hk, int Hv, int dk,
                                                                int dv, const float* init, float* final_state,
@@ -482,8 +482,12 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   // The sequential part: states before each chunk and the chunks' U.
   StreamBuffer<float> H(size_t(nch * Hv * dk * dv), stream), U(size_t(T * Hv * dv), stream);
   const size_t smem_state = (dk * kCols + kChunk * (dk + 4) + kChunk * (kCols + 4) + 2 * kChunk) * sizeof(float);
+  // Three blocks per SM (registers capped by __launch_bounds__, shared memory carved out to the most):
+  // the 384 blocks of a 48-head sequence in one wave on an H100 / H200.
   DFLASH_CUDA_CHECK(
       cudaFuncSetAttribute(chunk_state_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_state)));
+  DFLASH_CUDA_CHECK(cudaFuncSetAttribute(chunk_state_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                         cudaSharedmemCarveoutMaxShared));
   chunk_state_kernel<<<dim3(unsigned(nseq), unsigned(Hv), unsigned((dv + kCols - 1) / kCols)), kThreads, smem_state,
                        stream>>>(k, w.data(), u.data(), G.data(), d_chunks.data(), d_first.data(), Hk, Hv, dk, dv, init,
                                  final_state, H.data(), U.data());
