@@ -327,6 +327,26 @@ __global__ void __launch_bounds__(kThreads, 3) chunk_state_kernel(const float* k
     }
 }
 
+/// acc[r][t] += sum_{k < K} A[(rq + 16 r) * lda + k] * B[k * ldb + c + t] (r, t < 4; K, lda, ldb, c
+/// multiples of 4): a thread's 4 x 4 tile of A B from 16-byte shared-memory loads.
+__device__ __forceinline__ void tile_accumulate(float (&acc)[4][4], const float* A, int lda, const float* B, int ldb,
+                                                int rq, int c, int K) {
+  for (int k = 0; k < K; k += 4) {
+    float4 b[4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) b[kk] = *reinterpret_cast<const float4*>(B + (k + kk) * ldb + c);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float4 a4 = *reinterpret_cast<const float4*>(A + (rq + 16 * r) * lda + k);
+      const float a[4] = {a4.x, a4.y, a4.z, a4.w};
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        acc[r][0] += a[kk] * b[kk].x, acc[r][1] += a[kk] * b[kk].y, acc[r][2] += a[kk] * b[kk].z,
+            acc[r][3] += a[kk] * b[kk].w;
+    }
+  }
+}
+
 /// One block per (chunk, value head, 64 value columns): O = diag(exp(G)) Q S0 + P U from the saved
 /// state S0 = H[chunk] and U, all chunks in parallel. Thread tile: rows rq + 16 r (r < 4) x columns
 /// 4 cq .. 4 cq + 3.
@@ -355,20 +375,7 @@ __global__ void __launch_bounds__(kThreads) chunk_out_kernel(const float* q, con
   __syncthreads();
   const int cq = tid % 16, rq = tid / 16, c = 4 * cq;
   float acc[4][4] = {};
-  for (int m = 0; m < dk; m += 4) {
-    float4 sv[4];
-#pragma unroll
-    for (int mm = 0; mm < 4; ++mm) sv[mm] = *reinterpret_cast<const float4*>(Ss + (m + mm) * lds + c);
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const float4 x = *reinterpret_cast<const float4*>(Qs + (rq + 16 * r) * ld + m);
-      const float xs[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-      for (int mm = 0; mm < 4; ++mm)
-        acc[r][0] += xs[mm] * sv[mm].x, acc[r][1] += xs[mm] * sv[mm].y, acc[r][2] += xs[mm] * sv[mm].z,
-            acc[r][3] += xs[mm] * sv[mm].w;
-    }
-  }
+  tile_accumulate(acc, Qs, ld, Ss, lds, rq, c, dk);  // Q S0
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
     const int i = rq + 16 * r;
@@ -376,20 +383,7 @@ __global__ void __launch_bounds__(kThreads) chunk_out_kernel(const float* q, con
 #pragma unroll
     for (int t = 0; t < 4; ++t) acc[r][t] *= e;
   }
-  for (int j = 0; j < L; j += 4) {
-    float4 uv[4];
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) uv[jj] = *reinterpret_cast<const float4*>(Us + (j + jj) * lds + c);
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const float4 pr = *reinterpret_cast<const float4*>(Pc + (rq + 16 * r) * ldp + j);
-      const float ps[4] = {pr.x, pr.y, pr.z, pr.w};
-#pragma unroll
-      for (int jj = 0; jj < 4; ++jj)
-        acc[r][0] += ps[jj] * uv[jj].x, acc[r][1] += ps[jj] * uv[jj].y, acc[r][2] += ps[jj] * uv[jj].z,
-            acc[r][3] += ps[jj] * uv[jj].w;
-    }
-  }
+  tile_accumulate(acc, Pc, ldp, Us, lds, rq, c, (L + 3) / 4 * 4);  // + P U (rows of U past L are zero)
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
     const int i = rq + 16 * r;
