@@ -11,23 +11,27 @@ namespace dflash {
 
 namespace {
 
-/// A stream on `device`, made current for the calling thread.
-cudaStream_t stream_on(int device) {
-  cuda::require_device("decoding --device cuda", device);
-  DFLASH_CUDA_CHECK(cudaSetDevice(device));
-  cudaStream_t s;
-  DFLASH_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  return s;
-}
+/// A stream on `device` (made current for the calling thread), destroyed with this object: declared
+/// before what runs on it, it also goes when a constructor after it throws.
+struct OwnedStream {
+  cudaStream_t s = nullptr;
+  explicit OwnedStream(int device) {
+    cuda::require_device("decoding --device cuda", device);
+    DFLASH_CUDA_CHECK(cudaSetDevice(device));
+    DFLASH_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  }
+  ~OwnedStream() { cudaStreamDestroy(s); }
+  OwnedStream(const OwnedStream&) = delete;
+  OwnedStream& operator=(const OwnedStream&) = delete;
+};
 
 class GpuDecoder final : public TargetDecoder {
  public:
   GpuDecoder(const TargetModel& m, std::vector<int64_t> taps, int device)
-      : s_(stream_on(device)), gpu_(m, s_), taps_(std::move(taps)) {
+      : s_(device), gpu_(m, s_.s), taps_(std::move(taps)) {
     check_tap_layer_ids(m.spec(), taps_);
     gpu_.reset_cache(0);  // refuses, before any work, a model the GPU cannot decode yet
   }
-  ~GpuDecoder() override { cudaStreamDestroy(s_); }
   const ModelSpec& spec() const override { return gpu_.spec(); }
   void reset(int n) override { gpu_.reset_cache(n); }
   void clear(int s) override { gpu_.truncate_cache(s, 0); }
@@ -49,7 +53,7 @@ class GpuDecoder final : public TargetDecoder {
   }
 
  private:
-  cudaStream_t s_;
+  OwnedStream s_;
   TargetGpu gpu_;
   std::vector<int64_t> taps_;
 };
@@ -60,8 +64,7 @@ class GpuDrafter final : public BlockDrafter {
  public:
   GpuDrafter(const DrafterConfig& c, const DrafterWeights<float>& w, const Tensor& embed, const Tensor& lm_head,
              int device)
-      : s_(stream_on(device)), gpu_(c, w, embed, lm_head, s_) {}
-  ~GpuDrafter() override { cudaStreamDestroy(s_); }
+      : s_(device), gpu_(c, w, embed, lm_head, s_.s) {}
   const DrafterConfig& config() const override { return gpu_.config(); }
   void reset(int n) override {
     gpu_.reset_context(n);
@@ -97,11 +100,11 @@ class GpuDrafter final : public BlockDrafter {
       p.clear();
     }
     if (all.empty()) return;
-    const cuda::StreamBuffer<uint16_t> taps = cuda::upload(all, s_);
+    const cuda::StreamBuffer<uint16_t> taps = cuda::upload(all, s_.s);
     gpu_.extend_context(reinterpret_cast<const cuda::bf16*>(taps.data()), cu);
   }
 
-  cudaStream_t s_;
+  OwnedStream s_;
   DrafterGpu gpu_;
   std::vector<std::vector<uint16_t>> pending_;  // per sequence: context taps [m, K*d] not yet projected (bf16 bits)
 };
