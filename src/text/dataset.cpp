@@ -114,13 +114,23 @@ void read_chat_file(const std::string& path, bool strict, const std::function<vo
   if (!f) return;  // empty file: no records
   f.unget();
   if (first == '[') {
-    json all;
+    // Streamed: each element is handed over as soon as it is parsed and then dropped (the parser
+    // callback returns false for it), so the array never exists whole in memory. Elements count
+    // as "lines" 1, 2, ...
+    int64_t index = 0;
+    const json::parser_callback_t each = [&](int depth, json::parse_event_t event, json& parsed) {
+      const bool element_done = depth == 1 && (event == json::parse_event_t::object_end ||
+                                               event == json::parse_event_t::array_end ||
+                                               event == json::parse_event_t::value);
+      if (!element_done) return true;
+      handle(++index, [&] { return std::move(parsed); });
+      return false;
+    };
     try {
-      all = json::parse(f);
+      json::parse(f, each);
     } catch (const json::exception& e) {
-      throw std::runtime_error(path + ": invalid JSON array: " + e.what());
+      throw std::runtime_error(path + ": invalid JSON array after element " + std::to_string(index) + ": " + e.what());
     }
-    for (size_t i = 0; i < all.size(); ++i) handle(int64_t(i) + 1, [&] { return all[i]; });
     return;
   }
   std::string text;

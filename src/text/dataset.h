@@ -34,7 +34,8 @@ struct SkippedRecord {
 /// calling `on_record` for each valid one, in file order. Invalid JSON, unknown layouts, missing or
 /// non-string fields, unknown roles and empty (or whitespace-only) turns are appended to `skipped`; with `strict` the
 /// first one throws std::runtime_error "file:line: reason" instead. A missing file always throws.
-/// JSONL is streamed line by line (files larger than memory are fine).
+/// Both are streamed, JSONL line by line and a JSON array element by element (files larger than
+/// memory are fine); an array's elements count as lines 1, 2, ... in messages.
 /// `stop`, when given, is polled before every record; when it returns true reading ends with
 /// std::runtime_error("interrupted"). A UTF-8 byte order mark at the start is skipped.
 void read_chat_file(const std::string& path, bool strict, const std::function<void(Conversation&&)>& on_record,

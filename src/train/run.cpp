@@ -224,9 +224,11 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
   const int64_t n = ds.num_samples();
   bool any_anchor = false;
   int32_t max_id = 0;
+  int64_t longest = 0, longest_at = 0;
   for (int64_t i = 0; i < n; ++i) {
     any_anchor = any_anchor || !anchor_candidates(ds.loss_mask(i)).empty();
     for (int32_t t : ds.ids(i)) max_id = std::max(max_id, t);
+    if (int64_t(ds.ids(i).size()) > longest) longest = int64_t(ds.ids(i).size()), longest_at = i;
   }
   if (!any_anchor)
     throw std::runtime_error(data_dir + ": no sample has two consecutive assistant tokens: nothing to train on");
@@ -234,6 +236,11 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
     throw std::runtime_error(fmt::format("{}: token id {} is outside the target's vocabulary of {}: the data was "
                                          "tokenized with another tokenizer than the target's",
                                          data_dir, max_id, spec.vocab_size));
+  if (spec.max_position_embeddings > 0 && longest > spec.max_position_embeddings)
+    throw std::runtime_error(fmt::format("{}: sample {} has {} tokens, more than the target's max_position_embeddings "
+                                         "{}: prepare the data again with --max-length {} or less",
+                                         data_dir, longest_at, longest, spec.max_position_embeddings,
+                                         spec.max_position_embeddings));
   if (c.grad_accum > n)
     throw std::runtime_error(fmt::format("--grad-accum {} is larger than the {} samples of the data", c.grad_accum, n));
   fmt::print("train: loading the target {}\n", c.target);

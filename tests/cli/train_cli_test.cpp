@@ -41,6 +41,18 @@ void write_data(const fs::path& dir) {
   w.finish({{"note", "synthetic"}});
 }
 
+/// A packed directory of the given samples (the first 8 tokens of each without loss).
+void write_samples(const fs::path& dir, const std::vector<std::vector<int32_t>>& samples) {
+  PackedWriter w(dir.string());
+  for (const auto& ids : samples) {
+    Sample s;
+    s.ids = ids;
+    for (size_t j = 0; j < ids.size(); ++j) s.loss_mask.push_back(j >= 8);
+    w.add(s);
+  }
+  w.finish({{"note", "synthetic"}});
+}
+
 struct TinyTrain {
   test::TempDir tmp;
   fs::path data = tmp / "data";
@@ -324,4 +336,31 @@ TEST(TrainCli, GuardsAgainstUserMistakes) {
   const auto dumped = nlohmann::json::parse(log);
   EXPECT_EQ(dumped["target_gpus"], nlohmann::json({0}));
   EXPECT_EQ(dumped["drafter_gpus"], nlohmann::json({1, 2}));
+}
+
+// Resource limits (issue 10): data made for another vocabulary, a sample longer than the target's
+// positions, and taps the target does not have are each refused with the knob to turn, before any
+// training step and without writing a checkpoint.
+TEST(TrainCli, ResourceLimitsAreClearErrorsBeforeAnyStep) {
+  TinyTrain r;
+  std::string log;
+  const std::vector<int32_t> ok(40, 5);
+  std::vector<int32_t> foreign = ok;
+  foreign[20] = 400;  // the fixture's vocabulary has 301 tokens
+  write_samples(r.tmp / "foreign", {ok, foreign});
+  const std::string base = test::dflash_binary().string() + " train --target " + (test::fixtures_dir() / "qwen3").string() +
+                           " --mask-token-id 300 --num-taps 1 --num-draft-layers 1 --block-size 4 --num-anchors 8 " +
+                           "--max-steps 2 --out ";
+  EXPECT_NE(test::run_command(base + (r.tmp / "o1").string() + " --data " + (r.tmp / "foreign").string(), &log), 0);
+  EXPECT_NE(log.find("token id 400 is outside the target's vocabulary of 301"), std::string::npos) << log;
+  write_samples(r.tmp / "long", {ok, std::vector<int32_t>(300, 7)});  // max_position_embeddings 256
+  EXPECT_NE(test::run_command(base + (r.tmp / "o2").string() + " --data " + (r.tmp / "long").string(), &log), 0);
+  EXPECT_NE(log.find("sample 1 has 300 tokens, more than the target's max_position_embeddings 256"), std::string::npos)
+      << log;
+  EXPECT_NE(log.find("--max-length 256"), std::string::npos) << log;
+  EXPECT_NE(test::run_command(base + (r.tmp / "o3").string() + " --data " + r.data.string() + " --target-layer-ids 9",
+                              &log),
+            0);
+  EXPECT_NE(log.find("target layer id 9 is outside the target's 3 layers"), std::string::npos) << log;
+  for (const char* o : {"o1", "o2", "o3"}) EXPECT_FALSE(fs::exists(r.tmp / o / "checkpoints")) << o;
 }
