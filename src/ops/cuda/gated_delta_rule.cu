@@ -162,8 +162,9 @@ __global__ void __launch_bounds__(kThreads) chunk_prepare_kernel(const float* q,
   const int ld = max(dk, dv) + 4;    // row stride: 16-byte rows, padded
   float* Ks = sm;                    // [64][ld] keys
   float* Xs = Ks + kChunk * ld;      // [64][ld] queries, later values
-  float* M = Xs + kChunk * ld;       // [64][65] A, then T
-  float* G = M + kChunk * (kChunk + 1);
+  float* M = Xs + kChunk * ld;       // [64][65] A
+  float* Tm = M + kChunk * (kChunk + 1);  // [64][65] T = (I + A)^-1
+  float* G = Tm + kChunk * (kChunk + 1);
   float* Bt = G + kChunk;            // beta
   float* Bg = Bt + kChunk;           // beta * exp(G)
   const Chunk ch = chunks[blockIdx.x];
@@ -210,26 +211,27 @@ __global__ void __launch_bounds__(kThreads) chunk_prepare_kernel(const float* q,
         P[i * kChunk + j] = decay * qk[r][t];
       }
   }
+  for (int e = tid; e < kChunk * (kChunk + 1); e += kThreads) Tm[e] = e % (kChunk + 2) == 0 ? 1.f : 0.f;  // I
   __syncthreads();
-  // T = (I + A)^-1, row by row: T_ij = -sum_{m=j}^{i-1} A_im T_mj (j < i), T_ii = 1.
-  for (int i = 1; i < L; ++i) {
-    float t = 0.f;
-    if (tid < i) {
-      const int j = tid;
-      t = -M[i * (kChunk + 1) + j];  // m = j: T_jj = 1
-      for (int m = j + 1; m < i; ++m) t -= M[i * (kChunk + 1) + m] * M[m * (kChunk + 1) + j];
+  // T = (I + A)^-1, row by row: T_ij = -A_ij - sum_{m=j+1}^{i-1} A_im T_mj (j < i), T_ii = 1. Four
+  // threads per column j split the sum over m; a shuffle adds their parts; one barrier per row.
+  {
+    const int j = tid / 4, part = tid % 4;
+    for (int i = 1; i < L; ++i) {
+      float t = 0.f;
+      if (j < i)
+        for (int m = j + 1 + part; m < i; m += 4) t += M[i * (kChunk + 1) + m] * Tm[m * (kChunk + 1) + j];
+      t += __shfl_xor_sync(0xffffffffu, t, 1);
+      t += __shfl_xor_sync(0xffffffffu, t, 2);
+      if (j < i && part == 0) Tm[i * (kChunk + 1) + j] = -M[i * (kChunk + 1) + j] - t;
+      __syncthreads();
     }
-    __syncthreads();
-    if (tid < i) M[i * (kChunk + 1) + tid] = t;
-    __syncthreads();
   }
-  if (tid < kChunk) M[tid * (kChunk + 1) + tid] = 1.f;
-  __syncthreads();
-  lower_times_rows(M, Bg, Ks, ld, L, dk, w_out + int64_t(h) * dk, ch.start, int64_t(Hv) * dk);  // w = T diag(beta e^G) K
+  lower_times_rows(Tm, Bg, Ks, ld, L, dk, w_out + int64_t(h) * dk, ch.start, int64_t(Hv) * dk);  // w = T diag(beta e^G) K
   __syncthreads();  // Xs (queries) is free now: values
   load_rows(Xs, ld, v, ch.start, L, Hv, h, dv, nullptr);
   __syncthreads();
-  lower_times_rows(M, Bt, Xs, ld, L, dv, u_out + int64_t(h) * dv, ch.start, int64_t(Hv) * dv);  // u = T diag(beta) V
+  lower_times_rows(Tm, Bt, Xs, ld, L, dv, u_out + int64_t(h) * dv, ch.start, int64_t(Hv) * dv);  // u = T diag(beta) V
   if (tid < L) G_out[int64_t(ch.start + tid) * Hv + h] = G[tid];
 }
 
@@ -467,7 +469,7 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   StreamBuffer<float> w(size_t(T * Hv * dk), stream), u(size_t(T * Hv * dv), stream),
       P(size_t(nch * Hv * kChunk * kChunk), stream), G(size_t(T * Hv), stream);
   if (nch) {
-    const size_t smem = (2 * kChunk * (std::max(dk, dv) + 4) + kChunk * (kChunk + 1) + 3 * kChunk) * sizeof(float);
+    const size_t smem = (2 * kChunk * (std::max(dk, dv) + 4) + 2 * kChunk * (kChunk + 1) + 3 * kChunk) * sizeof(float);
     DFLASH_CUDA_CHECK(cudaFuncSetAttribute(chunk_prepare_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     chunk_prepare_kernel<<<dim3(unsigned(nch), unsigned(Hv)), kThreads, smem, stream>>>(
         q, k, v, g, beta, d_chunks.data(), Hk, Hv, dk, dv, w.data(), u.data(), P.data(), G.data());
