@@ -16,6 +16,10 @@ What it writes (one directory per model, each made from scratch):
   qwen3_5/       Qwen3_5ForConditionalGeneration (model_type qwen3_5): weights under model.language_model.*,
                  model.visual.* (tiny vision tower), lm_head.weight, plus a fake mtp.fc.weight that loaders
                  must ignore
+  qwen3_5_moe/    Qwen3_5MoeForConditionalGeneration: the wrapper with a mixture-of-experts FFN in every layer
+                 (6 experts, top 2, renormalized, a shared expert)
+  qwen3_next/     Qwen3NextForCausalLM: fused in_proj_qkvz / in_proj_ba, experts in layers 0 and 2, a dense
+                 MLP in layer 1 (mlp_only_layers), router without renormalization, 1-D RoPE
   qwen3_5_text_hd64/, qwen3_5_hd64/  the two Qwen3.5 formats above with attention head_dim 64 (the GPU
                  attention kernels' smallest) and GatedDeltaNet heads dk 32 / dv 40, GVA 2: the GPU hybrid path.
                  Linear layers at half gain (BF16_LINEAR_GAIN). They also get golden_bf16_weights.safetensors
@@ -249,6 +253,41 @@ def build_qwen3_5_hd64():
     return Qwen3_5ForConditionalGeneration, cfg
 
 
+def moe_text_kwargs(**extra):
+    """A small Qwen3.5-shaped text config with a mixture-of-experts FFN (6 experts, top 2, a shared
+    expert); `extra` adds or overrides fields."""
+    kw = qwen35_text_kwargs(
+        vocab=200, hidden=40, inter=56, layer_types=[LIN, FULL, LIN], heads=2, kv_heads=1,
+        head_dim=16, lk_heads=2, lv_heads=4, lk_dim=8, lv_dim=12,
+        mrope_section=[1, 1, 0],  # rotary_dim 4 -> 2 frequencies
+    )
+    kw.update(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=32)
+    kw.update(extra)
+    return kw
+
+
+def build_qwen3_5_moe():
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    text = moe_text_kwargs()
+    del text["intermediate_size"]  # Qwen3_5MoeTextConfig has none: every layer is sparse
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, in_channels=3, patch_size=2,
+                  temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=40, num_position_embeddings=16)
+    cfg = Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                           attn_implementation="eager")
+    return Qwen3_5MoeForConditionalGeneration, cfg
+
+
+def build_qwen3_next():
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    # Layer 1 keeps the dense MLP (mlp_only_layers); the router does not renormalize (norm_topk_prob
+    # False: the other branch of the Qwen3.5-MoE router); plain 1-D RoPE.
+    kw = moe_text_kwargs(mlp_only_layers=[1], norm_topk_prob=False, decoder_sparse_step=1)
+    kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.25}
+    return Qwen3NextForCausalLM, Qwen3NextConfig(**kw, attn_implementation="eager")
+
+
 BF16_WEIGHT_GOLDENS = ("qwen3_5_text_hd64", "qwen3_5_hd64")
 # The GPU hybrid fixtures' linear layers have half the unit gain: with gain 1, four random layers amplify
 # rounding so much that a CPU emulation of bf16 GEMM inputs (bf16 weights, fp32 elsewhere) already
@@ -256,8 +295,8 @@ BF16_WEIGHT_GOLDENS = ("qwen3_5_text_hd64", "qwen3_5_hd64")
 # told from a wrong one at the 1e-2 bound. Layers that write smaller updates to the residual stream, as
 # trained models do, keep the bound meaningful.
 BF16_LINEAR_GAIN = 0.5
-TEXT_ONLY = ("llama", "qwen3", "qwen3_hd64", "qwen3_5_text", "qwen3_5_text_hd64")
-WRAPPERS = ("qwen3_5", "qwen3_5_hd64")
+TEXT_ONLY = ("llama", "qwen3", "qwen3_hd64", "qwen3_5_text", "qwen3_5_text_hd64", "qwen3_next")
+WRAPPERS = ("qwen3_5", "qwen3_5_hd64", "qwen3_5_moe")
 
 
 MODELS = {
@@ -268,6 +307,8 @@ MODELS = {
     "qwen3_5": build_qwen3_5,
     "qwen3_5_text_hd64": build_qwen3_5_text_hd64,
     "qwen3_5_hd64": build_qwen3_5_hd64,
+    "qwen3_5_moe": build_qwen3_5_moe,
+    "qwen3_next": build_qwen3_next,
 }
 
 
@@ -321,7 +362,7 @@ def nasty_init(model, seed, linear_gain=1.0):
             initial_zero = bool((p == 0).all())
             if "Gated" in cls:
                 kind, val = "gated_norm(1+0.3n)", 1.0 + 0.3 * randn(shape)
-            elif cls.startswith("Qwen3_5"):
+            elif cls.startswith("Qwen3_5") or cls.startswith("Qwen3Next"):
                 check(initial_zero, f"{name}: {cls} expected zero-initialized (zero-centered norm)")
                 kind, val = "zc_norm(0.3n)", 0.3 * randn(shape)
             else:
@@ -442,8 +483,15 @@ def check_layout(name, keys, cfg_text, tied):
     else:
         check("lm_head.weight" in keys, "untied model must store lm_head.weight")
     lt = getattr(cfg_text, "layer_types", None) or [FULL] * L
+    moe_layers = set()
+    if getattr(cfg_text, "num_experts", 0):
+        dense = set(getattr(cfg_text, "mlp_only_layers", None) or [])
+        moe_layers = {i for i in range(L) if i not in dense and (i + 1) % getattr(cfg_text, "decoder_sparse_step", 1) == 0}
     for i in range(L):
-        if name.startswith("qwen3_5") and lt[i] == LIN:
+        if name == "qwen3_next" and lt[i] == LIN:
+            need = ["linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight", "linear_attn.conv1d.weight",
+                    "linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.norm.weight", "linear_attn.out_proj.weight"]
+        elif name.startswith("qwen3_5") and lt[i] == LIN:
             need = ["linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight", "linear_attn.in_proj_b.weight",
                     "linear_attn.in_proj_a.weight", "linear_attn.conv1d.weight", "linear_attn.A_log",
                     "linear_attn.dt_bias", "linear_attn.norm.weight", "linear_attn.out_proj.weight"]
@@ -452,8 +500,13 @@ def check_layout(name, keys, cfg_text, tied):
                     "self_attn.o_proj.weight"]
             if name != "llama":
                 need += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-        need += ["input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
-                 "mlp.up_proj.weight", "mlp.down_proj.weight"]
+        need += ["input_layernorm.weight", "post_attention_layernorm.weight"]
+        if i in moe_layers:  # the experts may be stored fused (3-D) or one by one
+            need += ["mlp.gate.weight", "mlp.shared_expert_gate.weight", "mlp.shared_expert.gate_proj.weight"]
+            fused = f"{pre}layers.{i}.mlp.experts.gate_up_proj" in keys
+            check(fused or f"{pre}layers.{i}.mlp.experts.0.gate_proj.weight" in keys, f"layer {i}: no expert weights")
+        else:
+            need += ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
         for n in need:
             check(f"{pre}layers.{i}.{n}" in keys, f"{pre}layers.{i}.{n} missing")
     nl = {int(k[len(pre) + 7:].split(".")[0]) for k in keys if k.startswith(pre + "layers.")}
@@ -542,13 +595,24 @@ def run_exact(model, ids):
     """Forward in float64 (weights are exact fp32 values) with the exact gated delta rule; returns
     what run_one returns, cast to float32. transformers still computes RMSNorm, gated norm and the
     softmax in float32 inside the fp64 model; those round at ~1e-7, far below the 1e-5 tolerance."""
-    import transformers.models.qwen3_5.modeling_qwen3_5 as m35
-    saved = m35.torch_chunk_gated_delta_rule
-    m35.torch_chunk_gated_delta_rule = gated_delta_rule_fp64
+    import importlib
+    mods = [importlib.import_module(f"transformers.models.{n}.modeling_{n}")
+            for n in ("qwen3_5", "qwen3_5_moe", "qwen3_next")]
+    saved = [(m, m.torch_chunk_gated_delta_rule) for m in mods if hasattr(m, "torch_chunk_gated_delta_rule")]
+    for m, _ in saved:
+        m.torch_chunk_gated_delta_rule = gated_delta_rule_fp64
+    exact = copy.deepcopy(model).double()
+    for mod in exact.modules():  # Qwen3-Next binds the rule to each layer when it is built
+        if hasattr(mod, "chunk_gated_delta_rule"):
+            mod.chunk_gated_delta_rule = gated_delta_rule_fp64
+        cfg = getattr(mod, "config", None)  # experts: the per-expert loop (grouped_mm has no float64)
+        if cfg is not None and hasattr(cfg, "_experts_implementation"):
+            cfg._experts_implementation = "eager"
     try:
-        return run_one(copy.deepcopy(model).double(), ids)
+        return run_one(exact, ids)
     finally:
-        m35.torch_chunk_gated_delta_rule = saved
+        for m, f in saved:
+            m.torch_chunk_gated_delta_rule = f
 
 
 def save_bf16_weight_golden(model, seqs, golden, d, meta):
@@ -617,7 +681,8 @@ def build_one(name, out_root):
     cfg_json = json.loads((d / "config.json").read_text())
     print(f"  config.json: model_type={cfg_json.get('model_type')} architectures={cfg_json.get('architectures')}")
     exp_type = {"llama": "llama", "qwen3": "qwen3", "qwen3_hd64": "qwen3", "qwen3_5_text": "qwen3_5_text",
-                "qwen3_5": "qwen3_5", "qwen3_5_text_hd64": "qwen3_5_text", "qwen3_5_hd64": "qwen3_5"}[name]
+                "qwen3_5": "qwen3_5", "qwen3_5_text_hd64": "qwen3_5_text", "qwen3_5_hd64": "qwen3_5",
+                "qwen3_5_moe": "qwen3_5_moe", "qwen3_next": "qwen3_next"}[name]
     check(cfg_json.get("model_type") == exp_type, f"config model_type {cfg_json.get('model_type')} != {exp_type}")
 
     # reload exactly as a user would and compare every weight with the in-memory model

@@ -47,6 +47,15 @@ nlohmann::json describe(const std::string& path) {
     j["gated_deltanet"] = {{"key_heads", s.linear_num_key_heads}, {"value_heads", s.linear_num_value_heads},
                            {"key_head_dim", s.linear_key_head_dim}, {"value_head_dim", s.linear_value_head_dim},
                            {"conv_kernel", s.linear_conv_kernel_dim}};
+  if (s.num_experts) {
+    std::vector<int64_t> moe_layers;
+    for (int64_t i = 0; i < s.num_hidden_layers; ++i)
+      if (s.is_moe_layer(i)) moe_layers.push_back(i);
+    j["mixture_of_experts"] = {{"experts", s.num_experts}, {"experts_per_token", s.num_experts_per_tok},
+                               {"expert_intermediate_size", s.moe_intermediate_size},
+                               {"shared_expert_intermediate_size", s.shared_expert_intermediate_size},
+                               {"renormalized_top_k", s.norm_topk_prob}, {"layers", moe_layers}};
+  }
   j["norm"] = s.zero_centered_norm() ? "zero-centered RMSNorm (1 + w)" : "RMSNorm (w)";
   j["tie_word_embeddings"] = s.tie_word_embeddings;
   j["parameters"] = params;
@@ -98,6 +107,13 @@ void print_text(const nlohmann::json& j) {
     fmt::print("GatedDeltaNet {} key heads x {} / {} value heads x {}, conv kernel {}\n", g["key_heads"].get<int64_t>(),
                g["key_head_dim"].get<int64_t>(), g["value_heads"].get<int64_t>(), g["value_head_dim"].get<int64_t>(),
                g["conv_kernel"].get<int64_t>());
+  }
+  if (j.contains("mixture_of_experts")) {
+    const auto& m = j["mixture_of_experts"];
+    fmt::print("experts      {} experts x {}, top {}{}, shared expert {}; in {} of {} layers (the rest: dense MLP)\n",
+               m["experts"].get<int64_t>(), m["expert_intermediate_size"].get<int64_t>(),
+               m["experts_per_token"].get<int64_t>(), m["renormalized_top_k"].get<bool>() ? " renormalized" : "",
+               m["shared_expert_intermediate_size"].get<int64_t>(), m["layers"].size(), j["num_hidden_layers"].get<int64_t>());
   }
   fmt::print("norm         {}\ntied lm_head {}\n", j["norm"].get<std::string>(), j["tie_word_embeddings"].get<bool>());
   fmt::print("parameters   {} ({:.1f} M)\n", j["parameters"].get<int64_t>(), double(j["parameters"].get<int64_t>()) / 1e6);

@@ -73,7 +73,9 @@ void read_dense_fields(const nlohmann::json& cfg, ModelSpec& s, const DenseDefau
   if (!cfg.is_object()) throw std::runtime_error(where + ": config must be a JSON object");
   s.vocab_size = req_int(cfg, "vocab_size", where);
   s.hidden_size = req_int(cfg, "hidden_size", where);
-  s.intermediate_size = req_int(cfg, "intermediate_size", where);
+  // Qwen3.5-MoE configs have no dense MLP size (every layer is a mixture of experts).
+  if (!d.intermediate_optional || (cfg.contains("intermediate_size") && !cfg["intermediate_size"].is_null()))
+    s.intermediate_size = req_int(cfg, "intermediate_size", where);
   s.num_hidden_layers = req_int(cfg, "num_hidden_layers", where);
   s.num_attention_heads = req_int(cfg, "num_attention_heads", where);
   if (!d.derive_head_shape) {
@@ -117,7 +119,10 @@ ModelSpec model_spec_from_hf_config(const nlohmann::json& cfg, const std::string
     if (arch == "LlamaForCausalLM" || (arch.empty() && mt == "llama")) s = llama_spec_from_config(cfg, where);
     else if (arch == "Qwen3ForCausalLM" || (arch.empty() && mt == "qwen3")) s = qwen3_spec_from_config(cfg, where);
     else if (arch == "Qwen3_5ForCausalLM" || arch == "Qwen3_5ForConditionalGeneration" ||
-             (arch.empty() && (mt == "qwen3_5" || mt == "qwen3_5_text")))
+             arch == "Qwen3_5MoeForCausalLM" || arch == "Qwen3_5MoeForConditionalGeneration" ||
+             arch == "Qwen3NextForCausalLM" ||
+             (arch.empty() && (mt == "qwen3_5" || mt == "qwen3_5_text" || mt == "qwen3_5_moe" ||
+                               mt == "qwen3_5_moe_text" || mt == "qwen3_next")))
       s = qwen3_5_spec_from_config(cfg, where);
     else
       throw std::runtime_error(where + ": unsupported architecture '" + (arch.empty() ? "model_type " + mt : arch) +

@@ -11,7 +11,8 @@ namespace dflash {
 /// Architectures accepted in config.json "architectures" (also used in error messages).
 inline constexpr const char* kSupportedArchitectures =
     "LlamaForCausalLM, Qwen3ForCausalLM, Qwen3_5ForCausalLM (model_type qwen3_5_text), "
-    "Qwen3_5ForConditionalGeneration (model_type qwen3_5)";
+    "Qwen3_5ForConditionalGeneration (model_type qwen3_5), Qwen3_5MoeForCausalLM (qwen3_5_moe_text), "
+    "Qwen3_5MoeForConditionalGeneration (qwen3_5_moe), Qwen3NextForCausalLM (qwen3_next)";
 
 /// Reads `path` (a config.json) into a validated ModelSpec. Throws std::runtime_error naming the
 /// file and the offending field; an unknown architecture lists the supported ones.
@@ -27,6 +28,8 @@ struct DenseDefaults {
   /// Llama derives head_dim = hidden / heads and kv heads = heads; the Qwen families' classes have
   /// other defaults, so their configs must state both fields (a clear error otherwise).
   bool derive_head_shape = true;
+  /// intermediate_size may be absent (left 0): models whose every layer is a mixture of experts.
+  bool intermediate_optional = false;
 };
 /// Shared dense fields (sizes, heads, head_dim, eps, rope, bos/eos, tie_word_embeddings, act)
 /// from one config object (the text_config for wrappers).

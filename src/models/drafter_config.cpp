@@ -76,7 +76,8 @@ void DrafterConfig::validate(const std::string& where) const {
 DrafterConfig derive_drafter_config(const ModelSpec& t, const Tokenizer* tok, const DrafterOverrides& o) {
   DrafterConfig c;
   c.hidden_size = t.hidden_size;
-  c.intermediate_size = o.intermediate_size.value_or(t.intermediate_size);
+  // A mixture-of-experts target without a dense MLP (Qwen3.5-MoE): 3 x hidden, the dense ratio of Qwen3.
+  c.intermediate_size = o.intermediate_size.value_or(t.intermediate_size > 0 ? t.intermediate_size : 3 * t.hidden_size);
   c.num_hidden_layers = o.num_hidden_layers.value_or(5);
   const bool hybrid = t.arch == Arch::Qwen3_5;  // published Qwen3.5/3.6 drafters: 32 / 8 / 128
   c.num_attention_heads = o.num_attention_heads.value_or(hybrid ? 32 : t.num_attention_heads);

@@ -51,7 +51,8 @@ std::vector<int64_t> default_target_layer_ids(int64_t num_target_layers, int64_t
 /// that is neither BOS/EOS nor written by the chat template. Throws when none exists.
 int64_t default_mask_token_id(const ModelSpec& target, const Tokenizer& tok);
 
-/// The drafter for `target` (hidden size, intermediate size and rope theta of the target; attention
+/// The drafter for `target` (hidden size, intermediate size (3 x hidden for a target with only
+/// mixture-of-experts layers) and rope theta of the target; attention
 /// shape of the target for Llama / Qwen3, 32 / 8 / 128 for Qwen3.5 hybrids), with overrides applied.
 /// `tok` supplies the default mask token (required unless overrides.mask_token_id is set).
 DrafterConfig derive_drafter_config(const ModelSpec& target, const Tokenizer* tok, const DrafterOverrides& o);

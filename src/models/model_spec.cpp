@@ -1,5 +1,7 @@
 #include "models/model_spec.h"
 
+#include <algorithm>
+
 #include <stdexcept>
 
 namespace dflash {
@@ -17,7 +19,17 @@ void ModelSpec::validate(const std::string& where) const {
   };
   pos(vocab_size, "vocab_size");
   pos(hidden_size, "hidden_size");
-  pos(intermediate_size, "intermediate_size");
+  bool any_dense = false;
+  for (int64_t i = 0; i < num_hidden_layers; ++i) any_dense = any_dense || !is_moe_layer(i);
+  if (any_dense) pos(intermediate_size, "intermediate_size");
+  if (num_experts > 0) {
+    if (arch != Arch::Qwen3_5) fail("mixture-of-experts layers exist only in Qwen3.5/3.6-MoE and Qwen3-Next models");
+    pos(num_experts, "num_experts", 4096);
+    pos(num_experts_per_tok, "num_experts_per_tok", num_experts);
+    pos(moe_intermediate_size, "moe_intermediate_size");
+    pos(decoder_sparse_step, "decoder_sparse_step", 4096);
+    if (shared_expert_intermediate_size < 0) fail("shared_expert_intermediate_size must not be negative");
+  }
   pos(num_hidden_layers, "num_hidden_layers", 4096);
   pos(num_attention_heads, "num_attention_heads", 4096);
   pos(num_key_value_heads, "num_key_value_heads", 4096);
@@ -44,6 +56,11 @@ void ModelSpec::validate(const std::string& where) const {
       fail("linear_num_value_heads is not a multiple of linear_num_key_heads");
     break;
   }
+}
+
+bool ModelSpec::is_moe_layer(int64_t i) const {
+  return num_experts > 0 && decoder_sparse_step > 0 && (i + 1) % decoder_sparse_step == 0 &&
+         std::find(mlp_only_layers.begin(), mlp_only_layers.end(), i) == mlp_only_layers.end();
 }
 
 }  // namespace dflash

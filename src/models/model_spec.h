@@ -48,6 +48,18 @@ struct ModelSpec {
 
   std::vector<LayerKind> layer_types;  // size num_hidden_layers
 
+  // Mixture-of-experts FFN (Qwen3.5/3.6-MoE, Qwen3-Next; transformers Qwen2MoeSparseMoeBlock): a
+  // softmax router picks num_experts_per_tok of num_experts SwiGLU experts (moe_intermediate_size),
+  // plus a shared expert (shared_expert_intermediate_size) scaled by sigmoid(shared_expert_gate).
+  // num_experts == 0: every layer has the dense MLP (intermediate_size).
+  int64_t num_experts = 0, num_experts_per_tok = 0, moe_intermediate_size = 0, shared_expert_intermediate_size = 0;
+  bool norm_topk_prob = true;             // renormalize the top-k probabilities to sum 1
+  int64_t decoder_sparse_step = 1;        // layer i is sparse iff (i + 1) % step == 0 and i not in mlp_only_layers
+  std::vector<int64_t> mlp_only_layers;
+  /// Qwen3-Next stores the GatedDeltaNet projections fused and grouped per key head (in_proj_qkvz,
+  /// in_proj_ba); the loader permutes them into in_proj_qkv / z / b / a.
+  bool gdn_fused_projections = false;
+
   int64_t bos_token_id = -1;
   std::vector<int64_t> eos_token_ids;
 
@@ -57,6 +69,8 @@ struct ModelSpec {
   bool has_qk_norm() const { return arch != Arch::Llama; }
   /// Qwen3.5 full attention has a sigmoid output gate packed into q_proj.
   bool attn_output_gate() const { return arch == Arch::Qwen3_5; }
+  /// Layer i's FFN is the mixture of experts (else the dense MLP).
+  bool is_moe_layer(int64_t i) const;
   /// Number of dims of each head that RoPE rotates.
   int64_t rotary_dim() const { return int64_t(double(head_dim) * rope.partial_rotary_factor); }
   /// Throws std::runtime_error (prefixed by `where`) when shapes are inconsistent.

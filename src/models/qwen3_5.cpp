@@ -21,15 +21,49 @@ ModelSpec qwen3_5_spec_from_config(const nlohmann::json& cfg, const std::string&
   const bool wrapper = cfg.contains("text_config");
   const nlohmann::json& t = wrapper ? cfg.at("text_config") : cfg;
   if (!t.is_object()) throw std::runtime_error(where + ": text_config must be an object");
-  s.architecture = wrapper ? "Qwen3_5ForConditionalGeneration" : "Qwen3_5ForCausalLM";
-  s.model_type = wrapper ? "qwen3_5" : "qwen3_5_text";
+  std::string arch, mt = cfg.value("model_type", std::string());
+  if (auto it = cfg.find("architectures"); it != cfg.end() && it->is_array() && !it->empty() && (*it)[0].is_string())
+    arch = (*it)[0].get<std::string>();
+  const bool next = arch == "Qwen3NextForCausalLM" || mt == "qwen3_next";
+  const bool moe = next || arch.find("Moe") != std::string::npos || mt.find("moe") != std::string::npos;
+  if (next) {
+    s.architecture = "Qwen3NextForCausalLM", s.model_type = "qwen3_next";
+  } else if (moe) {
+    s.architecture = wrapper ? "Qwen3_5MoeForConditionalGeneration" : "Qwen3_5MoeForCausalLM";
+    s.model_type = wrapper ? "qwen3_5_moe" : "qwen3_5_moe_text";
+  } else {
+    s.architecture = wrapper ? "Qwen3_5ForConditionalGeneration" : "Qwen3_5ForCausalLM";
+    s.model_type = wrapper ? "qwen3_5" : "qwen3_5_text";
+  }
   s.weight_prefix = wrapper ? "model.language_model." : "model.";
-  // Qwen3_5TextConfig.__post_init__: partial_rotary_factor defaults to 0.25.
-  hf::read_dense_fields(t, s, hf::DenseDefaults{.partial_rotary_factor = 0.25, .derive_head_shape = false},
+  // Qwen3_5TextConfig.__post_init__: partial_rotary_factor defaults to 0.25 (Qwen3NextConfig too).
+  // Qwen3.5-MoE has no dense MLP size: every layer is a mixture of experts.
+  hf::read_dense_fields(t, s,
+                        hf::DenseDefaults{.partial_rotary_factor = 0.25,
+                                          .derive_head_shape = false,
+                                          .intermediate_optional = moe && !next},
                         where + (wrapper ? " (text_config)" : ""));
   // The multimodal wrapper owns tying (Qwen3_5Config.tie_word_embeddings, default false); the
   // text_config value is not consulted, as in transformers.
   if (wrapper) s.tie_word_embeddings = cfg.value("tie_word_embeddings", false);
+  if (moe) {
+    // transformers Qwen3NextConfig / Qwen3_5MoeTextConfig: the Qwen3.5-MoE router always renormalizes
+    // and every layer is sparse; Qwen3-Next reads norm_topk_prob, decoder_sparse_step, mlp_only_layers.
+    s.num_experts = hf::req_int(t, "num_experts", where);
+    s.num_experts_per_tok = hf::req_int(t, "num_experts_per_tok", where);
+    s.moe_intermediate_size = hf::req_int(t, "moe_intermediate_size", where);
+    s.shared_expert_intermediate_size = hf::req_int(t, "shared_expert_intermediate_size", where);
+    if (next) {
+      s.norm_topk_prob = t.value("norm_topk_prob", true);
+      if (t.contains("decoder_sparse_step")) s.decoder_sparse_step = hf::req_int(t, "decoder_sparse_step", where);
+      if (auto it = t.find("mlp_only_layers"); it != t.end() && it->is_array())
+        for (const auto& v : *it) {
+          if (!v.is_number_integer()) throw std::runtime_error(where + ": mlp_only_layers holds a non-integer");
+          s.mlp_only_layers.push_back(v.get<int64_t>());
+        }
+      s.gdn_fused_projections = true;
+    }
+  }
 
   s.linear_num_key_heads = hf::req_int(t, "linear_num_key_heads", where);
   s.linear_num_value_heads = hf::req_int(t, "linear_num_value_heads", where);
@@ -53,15 +87,49 @@ ModelSpec qwen3_5_spec_from_config(const nlohmann::json& cfg, const std::string&
   return s;
 }
 
+namespace {
+/// Qwen3-Next's in_proj_qkvz [2*Hk*dk + 2*Hv*dv, D] holds, per key head g, the rows
+/// [q_g (dk) | k_g (dk) | v of value heads g*r .. g*r+r-1 (r*dv) | z of the same (r*dv)], r = Hv / Hk,
+/// and in_proj_ba [2*Hv, D] per key head [b (r) | a (r)] (transformers
+/// Qwen3NextGatedDeltaNet.fix_query_key_value_ordering): a row permutation of Qwen3.5's
+/// in_proj_qkv = [all q | all k | all v], in_proj_z, in_proj_b, in_proj_a.
+void unfuse_qwen3_next_projections(const ModelSpec& s, const Tensor& qkvz, const Tensor& ba, GatedDeltaNetWeights& w) {
+  const int64_t D = s.hidden_size, Hk = s.linear_num_key_heads, Hv = s.linear_num_value_heads;
+  const int64_t dk = s.linear_key_head_dim, dv = s.linear_value_head_dim, r = Hv / Hk;
+  w.in_proj_qkv = Tensor({2 * Hk * dk + Hv * dv, D});
+  w.in_proj_z = Tensor({Hv * dv, D});
+  w.in_proj_b = Tensor({Hv, D});
+  w.in_proj_a = Tensor({Hv, D});
+  auto copy_rows = [&](const Tensor& from, int64_t row, int64_t n, Tensor& to, int64_t to_row) {
+    std::copy_n(from.ptr() + row * D, n * D, to.ptr() + to_row * D);
+  };
+  const int64_t group = 2 * dk + 2 * r * dv;  // rows of one key head in in_proj_qkvz
+  for (int64_t g = 0; g < Hk; ++g) {
+    const int64_t base = g * group;
+    copy_rows(qkvz, base, dk, w.in_proj_qkv, g * dk);                                    // q
+    copy_rows(qkvz, base + dk, dk, w.in_proj_qkv, Hk * dk + g * dk);                     // k
+    copy_rows(qkvz, base + 2 * dk, r * dv, w.in_proj_qkv, 2 * Hk * dk + g * r * dv);     // v
+    copy_rows(qkvz, base + 2 * dk + r * dv, r * dv, w.in_proj_z, g * r * dv);            // z
+    copy_rows(ba, g * 2 * r, r, w.in_proj_b, g * r);                                     // b
+    copy_rows(ba, g * 2 * r + r, r, w.in_proj_a, g * r);                                 // a
+  }
+}
+}  // namespace
+
 GatedDeltaNetWeights load_gated_deltanet_weights(const ModelSpec& s, const WeightSource& src, const std::string& p) {
   const int64_t D = s.hidden_size, Hk = s.linear_num_key_heads, Hv = s.linear_num_value_heads;
   const int64_t dk = s.linear_key_head_dim, dv = s.linear_value_head_dim, K = s.linear_conv_kernel_dim;
   const int64_t C = 2 * Hk * dk + Hv * dv;
   GatedDeltaNetWeights w;
-  w.in_proj_qkv = load_checked(src, p + "in_proj_qkv.weight", {C, D});
-  w.in_proj_z = load_checked(src, p + "in_proj_z.weight", {Hv * dv, D});
-  w.in_proj_b = load_checked(src, p + "in_proj_b.weight", {Hv, D});
-  w.in_proj_a = load_checked(src, p + "in_proj_a.weight", {Hv, D});
+  if (s.gdn_fused_projections) {
+    unfuse_qwen3_next_projections(s, load_checked(src, p + "in_proj_qkvz.weight", {C + Hv * dv, D}),
+                                  load_checked(src, p + "in_proj_ba.weight", {2 * Hv, D}), w);
+  } else {
+    w.in_proj_qkv = load_checked(src, p + "in_proj_qkv.weight", {C, D});
+    w.in_proj_z = load_checked(src, p + "in_proj_z.weight", {Hv * dv, D});
+    w.in_proj_b = load_checked(src, p + "in_proj_b.weight", {Hv, D});
+    w.in_proj_a = load_checked(src, p + "in_proj_a.weight", {Hv, D});
+  }
   w.conv1d = load_checked(src, p + "conv1d.weight", {C, K}, {C, 1, K});
   w.A_log = load_checked(src, p + "A_log", {Hv});
   w.dt_bias = load_checked(src, p + "dt_bias", {Hv});

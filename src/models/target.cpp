@@ -80,9 +80,14 @@ std::unique_ptr<TargetModel> TargetModel::from_weights(const ModelSpec& s, const
     l.post_attention_layernorm = load_checked(src, lp + "post_attention_layernorm.weight", {D});
     if (l.kind == LayerKind::Attention) l.attn = load_attention_weights(s, src, lp + "self_attn.");
     else l.gdn = load_gated_deltanet_weights(s, src, lp + "linear_attn.");
-    l.mlp.gate_proj = load_checked(src, lp + "mlp.gate_proj.weight", {I, D});
-    l.mlp.up_proj = load_checked(src, lp + "mlp.up_proj.weight", {I, D});
-    l.mlp.down_proj = load_checked(src, lp + "mlp.down_proj.weight", {D, I});
+    l.moe_layer = s.is_moe_layer(i);
+    if (l.moe_layer) {
+      l.moe = load_moe_weights(s, src, lp + "mlp.");
+    } else {
+      l.mlp.gate_proj = load_checked(src, lp + "mlp.gate_proj.weight", {I, D});
+      l.mlp.up_proj = load_checked(src, lp + "mlp.up_proj.weight", {I, D});
+      l.mlp.down_proj = load_checked(src, lp + "mlp.down_proj.weight", {D, I});
+    }
   }
   m->inv_freq_ = cpu::rope_inv_freq(s.rope, s.rotary_dim());
   return m;
@@ -187,9 +192,13 @@ ForwardOutput TargetModel::forward(const std::vector<int32_t>& ids, const std::v
     add_inplace(x, mixed);
     h = x;
     cpu::rms_norm(h, l.post_attention_layernorm, spec_.rms_norm_eps, zc);
-    Tensor gate = cpu::linear(h, l.mlp.gate_proj, "mlp.gate_proj");
-    cpu::swiglu(gate, cpu::linear(h, l.mlp.up_proj, "mlp.up_proj"));
-    add_inplace(x, cpu::linear(gate, l.mlp.down_proj, "mlp.down_proj"));
+    if (l.moe_layer) {
+      add_inplace(x, moe_forward(spec_, l.moe, h));
+    } else {
+      Tensor gate = cpu::linear(h, l.mlp.gate_proj, "mlp.gate_proj");
+      cpu::swiglu(gate, cpu::linear(h, l.mlp.up_proj, "mlp.up_proj"));
+      add_inplace(x, cpu::linear(gate, l.mlp.down_proj, "mlp.down_proj"));
+    }
     if (i + 1 < L && wanted(i + 1)) out.hidden_states[i + 1] = x;
   }
   if (deepest == int(L)) {
@@ -226,6 +235,7 @@ Tensor concat_taps(const ForwardOutput& f, const std::vector<int64_t>& ids) {
 }
 
 std::string gpu_unsupported_reason(const ModelSpec& s) {
+  if (s.num_experts > 0) return "mixture-of-experts layers have no GPU kernel yet (the CPU reference runs them)";
   const bool attention = std::count(s.layer_types.begin(), s.layer_types.end(), LayerKind::Attention) > 0;
   const bool gdn = std::count(s.layer_types.begin(), s.layer_types.end(), LayerKind::GatedDeltaNet) > 0;
   if (attention && s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256)

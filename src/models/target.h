@@ -37,12 +37,24 @@ struct MlpWeights {
   Tensor down_proj;           // [D, I]
 };
 
+/// Mixture-of-experts FFN (transformers Qwen2MoeSparseMoeBlock, used by Qwen3-Next and Qwen3.5-MoE;
+/// HF names under layers.{i}.mlp.*). E experts of size Im, shared expert of size Is.
+struct MoeWeights {
+  Tensor router;                // gate.weight [E, D]
+  std::vector<Tensor> gate_up;  // per expert [2*Im, D]: rows [0, Im) gate, [Im, 2*Im) up
+  std::vector<Tensor> down;     // per expert [D, Im]
+  MlpWeights shared;            // shared_expert (empty when Is == 0)
+  Tensor shared_gate;           // shared_expert_gate.weight [1, D]
+};
+
 struct LayerWeights {
   LayerKind kind = LayerKind::Attention;
   Tensor input_layernorm, post_attention_layernorm;  // [D]
   AttentionWeights attn;
   GatedDeltaNetWeights gdn;
+  bool moe_layer = false;  // the FFN is `moe` (else `mlp`)
   MlpWeights mlp;
+  MoeWeights moe;
 };
 
 /// What a forward call returns. `hidden_states` uses transformers' numbering: 0 = embeddings,
@@ -163,6 +175,17 @@ struct OpenedModel {
   std::string format;  // "safetensors" or "gguf"
 };
 OpenedModel open_model(const std::string& path);
+
+/// Experts of `prefix` ("...layers.{i}.mlp."): experts.gate_up_proj [E, 2*Im, D] and
+/// experts.down_proj [E, D, Im] (transformers 5 layout), or per expert experts.{e}.gate_proj /
+/// up_proj [Im, D] and down_proj [D, Im] (the Hub checkpoints' layout). Throws std::runtime_error
+/// naming the file and tensor on a missing tensor or a wrong shape.
+MoeWeights load_moe_weights(const ModelSpec& s, const WeightSource& src, const std::string& prefix);
+/// The mixture-of-experts FFN of x [T, D] -> [T, D] (fp32): router softmax, the top num_experts_per_tok
+/// experts (renormalized when spec.norm_topk_prob), each down(silu(gate x) * up x) weighted by its
+/// probability, plus sigmoid(shared_gate x) * shared_expert(x). Source: transformers
+/// models/qwen2_moe/modular_qwen2_moe.py (Qwen2MoeTopKRouter, Qwen2MoeSparseMoeBlock), MixtralExperts.
+Tensor moe_forward(const ModelSpec& s, const MoeWeights& w, const Tensor& x);
 
 // Architecture pieces, one file each (src/models/*.cpp).
 /// Loads attention weights of layer prefix `p` ("model.layers.3.") with shape checks.

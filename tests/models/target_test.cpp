@@ -93,13 +93,15 @@ TEST_P(TargetFixture, StopsAtDeepestRequestedLayerWithoutLmHead) {
   EXPECT_THROW(model->forward(g.ids[2], {0, int64_t(g.ids[2].size())}, opt), std::invalid_argument);
 }
 
-INSTANTIATE_TEST_SUITE_P(Target, TargetFixture, ::testing::Values("llama", "qwen3", "qwen3_hd64", "qwen3_5_text", "qwen3_5"));
+INSTANTIATE_TEST_SUITE_P(Target, TargetFixture, ::testing::Values("llama", "qwen3", "qwen3_hd64", "qwen3_5_text", "qwen3_5",
+                                                                "qwen3_5_moe", "qwen3_next"));
 
 namespace {
 /// Copies the llama fixture into `dir`, with `edit` applied to its tensors before writing.
-void write_edited_llama(const std::filesystem::path& dir,
-                        const std::function<void(std::map<std::string, Tensor>&)>& edit) {
-  const auto src = test::fixtures_dir() / "llama";
+/// A copy of fixture `name` in dir whose tensors went through `edit` (one model.safetensors).
+void write_edited(const std::string& name, const std::filesystem::path& dir,
+                  const std::function<void(std::map<std::string, Tensor>&)>& edit) {
+  const auto src = test::fixtures_dir() / name;
   std::filesystem::copy_file(src / "config.json", dir / "config.json");
   auto ck = SafetensorsCheckpoint::open(src.string());
   std::map<std::string, Tensor> ts;
@@ -108,6 +110,10 @@ void write_edited_llama(const std::filesystem::path& dir,
   std::vector<std::pair<std::string, const Tensor*>> refs;
   for (auto& [n, t] : ts) refs.emplace_back(n, &t);
   write_safetensors((dir / "model.safetensors").string(), refs);
+}
+void write_edited_llama(const std::filesystem::path& dir,
+                        const std::function<void(std::map<std::string, Tensor>&)>& edit) {
+  write_edited("llama", dir, edit);
 }
 std::string load_error(const std::filesystem::path& dir) {
   try {
@@ -153,4 +159,39 @@ TEST(TargetLoad, BadForwardInputsAreRejected) {
   const auto a = model->forward({5, 6, 7}, {0, 0, 3}, ForwardOptions{});
   const auto b = model->forward({5, 6, 7}, {0, 3}, ForwardOptions{});
   EXPECT_EQ(a.logits.data, b.logits.data);
+}
+
+// The experts of a mixture-of-experts layer stored fused (transformers 5's experts.gate_up_proj
+// [E, 2*Im, D] and experts.down_proj [E, D, Im]) give the same model as stored one by one (the
+// layout the fixtures, like the Hub checkpoints, use).
+TEST(TargetLoad, FusedAndPerExpertLayoutsAreTheSameModel) {
+  const auto per_expert = TargetModel::load((test::fixtures_dir() / "qwen3_next").string());
+  const ModelSpec& s = per_expert->spec();
+  const int64_t E = s.num_experts, Im = s.moe_intermediate_size, D = s.hidden_size;
+  test::TempDir d;
+  write_edited("qwen3_next", d.path(), [&](std::map<std::string, Tensor>& ts) {
+    for (int64_t i = 0; i < s.num_hidden_layers; ++i) {
+      if (!s.is_moe_layer(i)) continue;
+      const std::string p = "model.layers." + std::to_string(i) + ".mlp.experts.";
+      Tensor gu({E, 2 * Im, D}), dn({E, D, Im});
+      for (int64_t e = 0; e < E; ++e) {
+        const std::string ep = p + std::to_string(e) + ".";
+        std::copy_n(ts.at(ep + "gate_proj.weight").ptr(), Im * D, gu.ptr() + e * 2 * Im * D);
+        std::copy_n(ts.at(ep + "up_proj.weight").ptr(), Im * D, gu.ptr() + e * 2 * Im * D + Im * D);
+        std::copy_n(ts.at(ep + "down_proj.weight").ptr(), D * Im, dn.ptr() + e * D * Im);
+        for (const char* w : {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}) ts.erase(ep + w);
+      }
+      ts[p + "gate_up_proj"] = std::move(gu);
+      ts[p + "down_proj"] = std::move(dn);
+    }
+  });
+  const auto fused = TargetModel::load(d.path().string());
+  const std::vector<int32_t> ids{3, 17, 42, 5, 199, 0, 64};
+  const ForwardOutput a = per_expert->forward(ids, {0, 7}, ForwardOptions{});
+  const ForwardOutput b = fused->forward(ids, {0, 7}, ForwardOptions{});
+  EXPECT_EQ(a.logits.data, b.logits.data);
+  EXPECT_GT(s.num_experts, 0);
+  EXPECT_FALSE(s.is_moe_layer(1));  // mlp_only_layers: layer 1 keeps the dense MLP
+  EXPECT_FALSE(s.norm_topk_prob);
+  EXPECT_NE(gpu_unsupported_reason(s).find("mixture-of-experts"), std::string::npos);
 }
