@@ -6,6 +6,7 @@
 
 #ifdef DFLASH_HAVE_CUDA
 
+#include <array>
 #include <cmath>
 #include <random>
 
@@ -58,7 +59,7 @@ TEST(CudaGdn, Conv1dSiluMatchesTheReference) {
   if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
   std::mt19937_64 rng(1);
   const int64_t C = 37;
-  for (int K : {4, 2}) {
+  for (int K : {4, 2, 1, 8}) {
     const std::vector<int64_t> cu = cu_of({1, 63, 64, 3, 65, 127});
     const int64_t T = cu.back();
     Tensor x({T, C}), w({C, int64_t(K)});
@@ -79,39 +80,41 @@ TEST(CudaGdn, Conv1dSiluMatchesTheReference) {
 TEST(CudaGdn, PrepareMatchesTheReference) {
   if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
   std::mt19937_64 rng(2);
-  const int64_t T = 70, Hk = 2, Hv = 6, dk = 40, dv = 24, C = 2 * Hk * dk + Hv * dv;
-  const float scale = 1.f / std::sqrt(float(dk));
-  const std::vector<float> qkv = test::rand_bf16_values(size_t(T * C), rng);
-  const std::vector<float> b = test::rand_bf16_values(size_t(T * Hv), rng, 2.f), a = test::rand_bf16_values(size_t(T * Hv), rng, 4.f);
-  const std::vector<float> A_log = test::rand_bf16_values(size_t(Hv), rng), dt_bias = test::rand_bf16_values(size_t(Hv), rng);
-  auto d_qkv = device_f32(qkv);
-  auto d_b = device_f32(b), d_a = device_f32(a), d_A = device_f32(A_log), d_dt = device_f32(dt_bias);
-  auto q = poisoned<float>(size_t(T * Hk * dk)), k = poisoned<float>(size_t(T * Hk * dk)), v = poisoned<float>(size_t(T * Hv * dv));
-  cuda::DeviceArray<float> g(size_t(T * Hv)), beta(size_t(T * Hv));
-  cuda::gdn_prepare(d_qkv.data(), d_b.data(), d_a.data(), d_A.data(), d_dt.data(), T, int(Hk), int(Hv), int(dk),
-                    int(dv), scale, q.data(), k.data(), v.data(), g.data(), beta.data(), nullptr);
-  // Reference: cpu::l2_norm (eps 1e-6) and the formulas of gated_deltanet_forward (src/models/qwen3_5.cpp).
-  std::vector<float> wq, wk, wv, wg, wb;
-  for (int64_t t = 0; t < T; ++t) {
-    const float* r = qkv.data() + t * C;
-    std::vector<float> qt(r, r + Hk * dk), kt(r + Hk * dk, r + 2 * Hk * dk);
-    cpu::l2_norm(qt.data(), Hk, dk);
-    cpu::l2_norm(kt.data(), Hk, dk);
-    for (float& x : qt) x *= scale;
-    wq.insert(wq.end(), qt.begin(), qt.end());
-    wk.insert(wk.end(), kt.begin(), kt.end());
-    wv.insert(wv.end(), r + 2 * Hk * dk, r + C);
-    for (int64_t h = 0; h < Hv; ++h) {
-      const size_t i = size_t(t * Hv + h);
-      wb.push_back(cpu::sigmoid(b[i]));
-      wg.push_back(-std::exp(A_log[size_t(h)]) * cpu::softplus(a[i] + dt_bias[size_t(h)]));
+  for (auto [Hk, Hv, dk, dv] : {std::array<int64_t, 4>{2, 6, 40, 24}, std::array<int64_t, 4>{16, 48, 128, 128}}) {
+    const int64_t T = 70, C = 2 * Hk * dk + Hv * dv;
+    const float scale = 1.f / std::sqrt(float(dk));
+    const std::vector<float> qkv = test::rand_bf16_values(size_t(T * C), rng);
+    const std::vector<float> b = test::rand_bf16_values(size_t(T * Hv), rng, 2.f), a = test::rand_bf16_values(size_t(T * Hv), rng, 4.f);
+    const std::vector<float> A_log = test::rand_bf16_values(size_t(Hv), rng), dt_bias = test::rand_bf16_values(size_t(Hv), rng);
+    auto d_qkv = device_f32(qkv);
+    auto d_b = device_f32(b), d_a = device_f32(a), d_A = device_f32(A_log), d_dt = device_f32(dt_bias);
+    auto q = poisoned<float>(size_t(T * Hk * dk)), k = poisoned<float>(size_t(T * Hk * dk)), v = poisoned<float>(size_t(T * Hv * dv));
+    cuda::DeviceArray<float> g(size_t(T * Hv)), beta(size_t(T * Hv));
+    cuda::gdn_prepare(d_qkv.data(), d_b.data(), d_a.data(), d_A.data(), d_dt.data(), T, int(Hk), int(Hv), int(dk),
+                      int(dv), scale, q.data(), k.data(), v.data(), g.data(), beta.data(), nullptr);
+    // Reference: cpu::l2_norm (eps 1e-6) and the formulas of gated_deltanet_forward (src/models/qwen3_5.cpp).
+    std::vector<float> wq, wk, wv, wg, wb;
+    for (int64_t t = 0; t < T; ++t) {
+      const float* r = qkv.data() + t * C;
+      std::vector<float> qt(r, r + Hk * dk), kt(r + Hk * dk, r + 2 * Hk * dk);
+      cpu::l2_norm(qt.data(), Hk, dk);
+      cpu::l2_norm(kt.data(), Hk, dk);
+      for (float& x : qt) x *= scale;
+      wq.insert(wq.end(), qt.begin(), qt.end());
+      wk.insert(wk.end(), kt.begin(), kt.end());
+      wv.insert(wv.end(), r + 2 * Hk * dk, r + C);
+      for (int64_t h = 0; h < Hv; ++h) {
+        const size_t i = size_t(t * Hv + h);
+        wb.push_back(cpu::sigmoid(b[i]));
+        wg.push_back(-std::exp(A_log[size_t(h)]) * cpu::softplus(a[i] + dt_bias[size_t(h)]));
+      }
     }
-  }
-  EXPECT_LE(test::rel_l2(host_f32(q), wq), kTolF32);
-  EXPECT_LE(test::rel_l2(host_f32(k), wk), kTolF32);
-  EXPECT_EQ(host_f32(v), wv);  // a copy
-  EXPECT_LE(test::rel_l2(host_f32(g), wg), kTolF32);
-  EXPECT_LE(test::rel_l2(host_f32(beta), wb), kTolF32);
+    EXPECT_LE(test::rel_l2(host_f32(q), wq), kTolF32);
+    EXPECT_LE(test::rel_l2(host_f32(k), wk), kTolF32);
+    EXPECT_EQ(host_f32(v), wv);  // a copy
+    EXPECT_LE(test::rel_l2(host_f32(g), wg), kTolF32);
+    EXPECT_LE(test::rel_l2(host_f32(beta), wb), kTolF32);
+  }  // Hk 16, dk 128: each warp normalizes several heads
 }
 
 namespace {
@@ -154,6 +157,18 @@ void check_chunked(const std::vector<int64_t>& lens, int64_t Hk, int64_t Hv, int
 }
 }  // namespace
 
+TEST(CudaGdn, NoTokensPassTheInitialStateThrough) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  const int Hv = 2, dk = 8, dv = 12;
+  std::vector<float> s0(size_t(2 * Hv * dk * dv));
+  for (size_t i = 0; i < s0.size(); ++i) s0[i] = float(i) * 0.01f;
+  auto d0 = device_f32(s0);
+  auto fs = poisoned<float>(s0.size());
+  cuda::gated_delta_rule_chunked(nullptr, nullptr, nullptr, nullptr, nullptr, {0, 0, 0}, 1, Hv, dk, dv, d0.data(),
+                                 fs.data(), nullptr, nullptr);
+  EXPECT_EQ(host_f32(fs), s0);
+}
+
 TEST(CudaGdn, ChunkedMatchesTheRecurrence) {
   if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
   uint64_t seed = 10;
@@ -161,6 +176,8 @@ TEST(CudaGdn, ChunkedMatchesTheRecurrence) {
   check_chunked({3, 64, 1, 65, 130, 0, 7}, 2, 4, 24, 40, true, ++seed);  // packed, one empty sequence
   check_chunked({100, 37}, 1, 1, 8, 12, false, ++seed);                   // tiny heads, zero state
   check_chunked({4097}, 1, 2, 128, 128, true, ++seed);                    // the real head dims, long
+  check_chunked({70, 5}, 2, 2, 64, 32, true, ++seed);                     // dk > dv
+  check_chunked({130}, 1, 3, 32, 96, false, ++seed);                      // a second, partial block of 64 value columns
   EXPECT_THROW(cuda::gated_delta_rule_chunked(nullptr, nullptr, nullptr, nullptr, nullptr, {0, 1}, 2, 3, 32, 32, nullptr,
                                               nullptr, nullptr, nullptr),
                std::invalid_argument);  // Hv % Hk != 0

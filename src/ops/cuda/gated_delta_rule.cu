@@ -412,7 +412,26 @@ __global__ void gated_rms_norm_kernel(const float* x, const float* z, const floa
 
 }  // namespace
 
+namespace {
+/// Lets `kernel` use `bytes` of dynamic shared memory; a device offering less is refused with the
+/// numbers. (The attribute is per kernel and device: callers on one device with other head dims
+/// would race on it, which a process serving one target never does.)
+template <typename Kernel>
+void allow_shared_memory(Kernel kernel, size_t bytes, const char* what) {
+  int dev = 0, optin = 0;
+  DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
+  DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  if (bytes > size_t(optin))
+    throw std::runtime_error(std::string("gated_delta_rule_chunked: ") + what + " needs " + std::to_string(bytes) +
+                             " bytes of shared memory per block for these head dims; this GPU offers " +
+                             std::to_string(optin) + " (A100 / H100 / H200: 166-232 KB)");
+  DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+}
+}  // namespace
+
 std::vector<int32_t> sequence_starts(const std::vector<int64_t>& cu) {
+  if (!cu.empty() && cu.back() > INT32_MAX)
+    throw std::invalid_argument("sequence_starts: " + std::to_string(cu.back()) + " rows do not fit int32");
   std::vector<int32_t> r(cu.empty() ? 0 : size_t(cu.back()));
   for (size_t s = 0; s + 1 < cu.size(); ++s)
     for (int64_t t = cu[s]; t < cu[s + 1]; ++t) r[size_t(t)] = int32_t(cu[s]);
@@ -451,6 +470,8 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
                                 " cu_seqlens entries");
   const int nseq = int(cu.size()) - 1;
   const int64_t T = cu.back();
+  if (T > INT32_MAX / 2)
+    throw std::invalid_argument("gated_delta_rule_chunked: " + std::to_string(T) + " tokens do not fit int32 indices");
   std::vector<Chunk> chunks;
   std::vector<int32_t> first{0};
   for (int s = 0; s < nseq; ++s) {
@@ -470,7 +491,7 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
       P(size_t(nch * Hv * kChunk * kChunk), stream), G(size_t(T * Hv), stream);
   if (nch) {
     const size_t smem = (2 * kChunk * (std::max(dk, dv) + 4) + 2 * kChunk * (kChunk + 1) + 3 * kChunk) * sizeof(float);
-    DFLASH_CUDA_CHECK(cudaFuncSetAttribute(chunk_prepare_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    allow_shared_memory(chunk_prepare_kernel, smem, "chunk_prepare");
     chunk_prepare_kernel<<<dim3(unsigned(nch), unsigned(Hv)), kThreads, smem, stream>>>(
         q, k, v, g, beta, d_chunks.data(), Hk, Hv, dk, dv, w.data(), u.data(), P.data(), G.data());
     DFLASH_CUDA_CHECK_LAUNCH();
@@ -480,8 +501,7 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   const size_t smem_state = (dk * kCols + kChunk * (dk + 4) + kChunk * (kCols + 4) + 2 * kChunk) * sizeof(float);
   // Three blocks per SM (registers capped by __launch_bounds__, shared memory carved out to the most):
   // the 384 blocks of a 48-head sequence in one wave on an H100 / H200.
-  DFLASH_CUDA_CHECK(
-      cudaFuncSetAttribute(chunk_state_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_state)));
+  allow_shared_memory(chunk_state_kernel, smem_state, "chunk_state");
   DFLASH_CUDA_CHECK(cudaFuncSetAttribute(chunk_state_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                          cudaSharedmemCarveoutMaxShared));
   chunk_state_kernel<<<dim3(unsigned(nseq), unsigned(Hv), unsigned((dv + kCols - 1) / kCols)), kThreads, smem_state,
@@ -491,7 +511,7 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   if (!nch) return;
   // The outputs, every chunk in parallel.
   const size_t smem_out = (kChunk * (dk + 4) + dk * 68 + kChunk * 68 + kChunk * (kChunk + 4)) * sizeof(float);
-  DFLASH_CUDA_CHECK(cudaFuncSetAttribute(chunk_out_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_out)));
+  allow_shared_memory(chunk_out_kernel, smem_out, "chunk_out");
   chunk_out_kernel<<<dim3(unsigned(nch), unsigned(Hv), unsigned((dv + 63) / 64)), kThreads, smem_out, stream>>>(
       q, H.data(), U.data(), P.data(), G.data(), d_chunks.data(), Hk, Hv, dk, dv, o);
   DFLASH_CUDA_CHECK_LAUNCH();
