@@ -19,8 +19,10 @@ void ModelSpec::validate(const std::string& where) const {
   };
   pos(vocab_size, "vocab_size");
   pos(hidden_size, "hidden_size");
+  pos(num_hidden_layers, "num_hidden_layers", 4096);
+  if (num_experts < 0) fail("num_experts must not be negative (got " + std::to_string(num_experts) + ")");
   bool any_dense = false;
-  for (int64_t i = 0; i < num_hidden_layers; ++i) any_dense = any_dense || !is_moe_layer(i);
+  for (int64_t i = 0; i < num_hidden_layers && !any_dense; ++i) any_dense = !is_moe_layer(i);
   if (any_dense) pos(intermediate_size, "intermediate_size");
   if (num_experts > 0) {
     if (arch != Arch::Qwen3_5) fail("mixture-of-experts layers exist only in Qwen3.5/3.6-MoE and Qwen3-Next models");
@@ -28,9 +30,14 @@ void ModelSpec::validate(const std::string& where) const {
     pos(num_experts_per_tok, "num_experts_per_tok", num_experts);
     pos(moe_intermediate_size, "moe_intermediate_size");
     pos(decoder_sparse_step, "decoder_sparse_step", 4096);
-    if (shared_expert_intermediate_size < 0) fail("shared_expert_intermediate_size must not be negative");
+    if (shared_expert_intermediate_size < 0 || shared_expert_intermediate_size > (int64_t(1) << 24))
+      fail("shared_expert_intermediate_size must be in [0, 16777216] (got " +
+           std::to_string(shared_expert_intermediate_size) + ")");
+    for (int64_t i : mlp_only_layers)
+      if (i < 0 || i >= num_hidden_layers)
+        fail("mlp_only_layers holds layer " + std::to_string(i) + ", outside the " + std::to_string(num_hidden_layers) +
+             " layers");
   }
-  pos(num_hidden_layers, "num_hidden_layers", 4096);
   pos(num_attention_heads, "num_attention_heads", 4096);
   pos(num_key_value_heads, "num_key_value_heads", 4096);
   pos(head_dim, "head_dim", 4096);

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <stdexcept>
+#include <string>
 
 #include "models/target.h"
 #include "ops/activation.h"
@@ -57,6 +59,9 @@ MoeWeights load_moe_weights(const ModelSpec& s, const WeightSource& src, const s
 Tensor moe_forward(const ModelSpec& s, const MoeWeights& w, const Tensor& x) {
   const int64_t T = x.dim(0), D = x.dim(1), E = s.num_experts, k = s.num_experts_per_tok;
   const int64_t Im = s.moe_intermediate_size;
+  if (k <= 0 || k > E || int64_t(w.gate_up.size()) != E)
+    throw std::invalid_argument("moe_forward: " + std::to_string(k) + " experts per token of " + std::to_string(E) +
+                                " (" + std::to_string(w.gate_up.size()) + " loaded)");
   const Tensor logits = cpu::linear(x, w.router, "mlp.gate");  // [T, E]
   // Router: softmax over the experts, the k largest probabilities (lower index first on ties),
   // renormalized to sum 1 when norm_topk_prob. Tokens are then grouped by expert.
@@ -66,6 +71,10 @@ Tensor moe_forward(const ModelSpec& s, const MoeWeights& w, const Tensor& x) {
   for (int64_t t = 0; t < T; ++t) {
     const float* l = logits.row(t);
     const float m = *std::max_element(l, l + E);
+    for (int64_t e = 0; e < E; ++e)
+      if (!std::isfinite(l[e]))
+        throw std::runtime_error("mixture of experts: router logit of expert " + std::to_string(e) + " for token " +
+                                 std::to_string(t) + " is not finite (the layer's input holds NaN / Inf)");
     double z = 0;
     for (int64_t e = 0; e < E; ++e) z += p[size_t(e)] = std::exp(double(l[e]) - double(m));
     for (double& v : p) v /= z;

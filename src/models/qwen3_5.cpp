@@ -56,14 +56,23 @@ ModelSpec qwen3_5_spec_from_config(const nlohmann::json& cfg, const std::string&
     if (next) {
       s.norm_topk_prob = t.value("norm_topk_prob", true);
       if (t.contains("decoder_sparse_step")) s.decoder_sparse_step = hf::req_int(t, "decoder_sparse_step", where);
-      if (auto it = t.find("mlp_only_layers"); it != t.end() && it->is_array())
+      if (auto it = t.find("mlp_only_layers"); it != t.end() && !it->is_null()) {
+        if (!it->is_array()) throw std::runtime_error(where + ": mlp_only_layers must be a list of layer indices");
         for (const auto& v : *it) {
           if (!v.is_number_integer()) throw std::runtime_error(where + ": mlp_only_layers holds a non-integer");
           s.mlp_only_layers.push_back(v.get<int64_t>());
         }
+      }
       s.gdn_fused_projections = true;
+    } else if (s.num_experts <= 0) {
+      throw std::runtime_error(where + ": num_experts must be positive in a Qwen3.5-MoE config (got " +
+                               std::to_string(s.num_experts) + ")");
     }
   }
+  // The layer plan below is built from num_hidden_layers: bound it first (ModelSpec::validate's limit).
+  if (s.num_hidden_layers <= 0 || s.num_hidden_layers > 4096)
+    throw std::runtime_error(where + ": num_hidden_layers must be in [1, 4096] (got " +
+                             std::to_string(s.num_hidden_layers) + ")");
 
   s.linear_num_key_heads = hf::req_int(t, "linear_num_key_heads", where);
   s.linear_num_value_heads = hf::req_int(t, "linear_num_value_heads", where);

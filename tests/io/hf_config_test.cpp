@@ -1,6 +1,8 @@
 // config.json -> ModelSpec for every supported architecture, and clear errors for bad configs.
 #include <gtest/gtest.h>
 
+#include <functional>
+
 #include "io/hf_config.h"
 #include "io/json_file.h"
 #include "test_util.h"
@@ -156,4 +158,41 @@ TEST(HfConfig, HugeNumberInAnIntegerFieldIsRefused) {
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("max_position_embeddings"), std::string::npos) << e.what();
   }
+}
+
+// Mixture-of-experts configs (Qwen3.5-MoE, Qwen3-Next): the fixtures parse; hostile values are clear
+// errors, found before any allocation that scales with them.
+TEST(HfConfig, MixtureOfExpertsFieldsAndTheirErrors) {
+  const json next = read_json_file((test::fixtures_dir() / "qwen3_next" / "config.json").string());
+  const json moe = read_json_file((test::fixtures_dir() / "qwen3_5_moe" / "config.json").string());
+  const ModelSpec n = model_spec_from_hf_config(next, "next");
+  EXPECT_EQ(n.architecture, "Qwen3NextForCausalLM");
+  EXPECT_TRUE(n.gdn_fused_projections);
+  EXPECT_EQ(n.mlp_only_layers, (std::vector<int64_t>{1}));
+  EXPECT_TRUE(n.is_moe_layer(0) && !n.is_moe_layer(1) && n.is_moe_layer(2));
+  const ModelSpec m = model_spec_from_hf_config(moe, "moe");
+  EXPECT_EQ(m.architecture, "Qwen3_5MoeForConditionalGeneration");
+  EXPECT_EQ(m.intermediate_size, 0);  // no dense MLP
+  EXPECT_TRUE(m.norm_topk_prob);
+  auto edited = [](json c, const std::function<void(json&)>& f) {
+    f(c.contains("text_config") ? c["text_config"] : c);
+    return error_of(c);
+  };
+  EXPECT_NE(edited(moe, [](json& t) { t["num_experts"] = -6; }).find("num_experts must be positive"), std::string::npos);
+  EXPECT_NE(edited(next, [](json& t) { t["num_experts"] = -6; }).find("num_experts must not be negative"),
+            std::string::npos);
+  EXPECT_NE(edited(next, [](json& t) { t["mlp_only_layers"] = {99}; }).find("mlp_only_layers holds layer 99"),
+            std::string::npos);
+  EXPECT_NE(edited(next, [](json& t) { t["mlp_only_layers"] = "1"; }).find("must be a list"), std::string::npos);
+  EXPECT_NE(edited(next, [](json& t) { t["num_experts_per_tok"] = 7; }).find("num_experts_per_tok"), std::string::npos);
+  EXPECT_NE(edited(moe, [](json& t) { t["shared_expert_intermediate_size"] = int64_t(1) << 50; })
+                .find("shared_expert_intermediate_size"),
+            std::string::npos);
+  json huge = next;
+  huge.erase("layer_types");
+  huge["num_hidden_layers"] = int64_t(1) << 40;
+  EXPECT_NE(error_of(huge).find("num_hidden_layers must be in [1, 4096]"), std::string::npos);
+  huge = next;
+  huge["num_hidden_layers"] = int64_t(1) << 40;  // with an explicit layer list: no walk over 2^40 layers
+  EXPECT_NE(error_of(huge).find("num_hidden_layers"), std::string::npos);
 }

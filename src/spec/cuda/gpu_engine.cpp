@@ -94,14 +94,14 @@ class GpuDrafter final : public BlockDrafter {
     std::vector<uint16_t> all;
     std::vector<int64_t> cu{0};
     const int64_t width = int64_t(config().target_layer_ids.size()) * config().hidden_size;
-    for (std::vector<uint16_t>& p : pending_) {
+    for (const std::vector<uint16_t>& p : pending_) {
       all.insert(all.end(), p.begin(), p.end());
       cu.push_back(int64_t(all.size()) / width);
-      p.clear();
     }
     if (all.empty()) return;
     const cuda::StreamBuffer<uint16_t> taps = cuda::upload(all, s_.s);
     gpu_.extend_context(reinterpret_cast<const cuda::bf16*>(taps.data()), cu);
+    for (std::vector<uint16_t>& p : pending_) p.clear();  // only once they are in the cache
   }
 
   OwnedStream s_;
