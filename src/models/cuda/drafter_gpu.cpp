@@ -375,7 +375,7 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   std::vector<int32_t> used, used_labels;
   std::vector<float> coef;
   for (int64_t r = 0; r < Q; ++r)
-    if (wts[size_t(r)] > 0 || opt.argmax_all_rows) {
+    if (wts[size_t(r)] > 0) {
       used.push_back(int32_t(r));
       used_labels.push_back(labels[size_t(r)]);
       coef.push_back(wsum > 0 ? float(wts[size_t(r)] / wsum) : 0.f);
@@ -420,7 +420,6 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   res.slot_correct.assign(size_t(B), 0);
   res.slot_count.assign(size_t(B), 0);
   double lsum = 0;
-  if (opt.argmax_all_rows) res.argmax = h_amax;  // used = every row, in order
   for (int64_t i = 0; i < Qc; ++i) {
     const size_t r = size_t(used[size_t(i)]);
     if (wts[r] <= 0) continue;

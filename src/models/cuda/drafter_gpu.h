@@ -32,9 +32,6 @@ struct DrafterGpuStepOptions {
   /// Activation recomputation: keep only each layer's input through the forward and run the layer
   /// again in the backward (about one more forward of the layers; saves their activations).
   bool recompute = false;
-  /// Drafting: run the LM head over every query row (not only rows with a loss weight) and return
-  /// each row's argmax token in DrafterGpuStepResult::argmax.
-  bool argmax_all_rows = false;
 };
 
 struct DrafterGpuStepResult {
@@ -44,7 +41,6 @@ struct DrafterGpuStepResult {
   /// "backward" (whole passes, cross entropy excluded), "attention_fwd", "attention_bwd" (inside
   /// them), "cross_entropy" (fused forward + backward).
   std::vector<std::pair<std::string, double>> stage_ms;
-  std::vector<int32_t> argmax;  // [num_blocks * B] with argmax_all_rows: the most likely token of each row
   bool nonfinite_taps = false;  // the taps held NaN / Inf (the loss and gradients are then meaningless)
 };
 
