@@ -20,6 +20,9 @@ What it writes (one directory per model, each made from scratch):
                  (6 experts, top 2, renormalized, a shared expert)
   qwen3_next/     Qwen3NextForCausalLM: fused in_proj_qkvz / in_proj_ba, experts in layers 0 and 2, a dense
                  MLP in layer 1 (mlp_only_layers), router without renormalization, 1-D RoPE
+  qwen3_5_moe_hd64/, qwen3_next_hd64/  the two MoE fixtures above with attention head_dim 64 and 8 experts
+                 (top 3): the GPU MoE path; made like the *_hd64 fixtures below (half gain, stacked experts
+                 scaled like linear layers, golden_bf16_weights.safetensors).
   qwen3_5_text_hd64/, qwen3_5_hd64/  the two Qwen3.5 formats above with attention head_dim 64 (the GPU
                  attention kernels' smallest) and GatedDeltaNet heads dk 32 / dv 40, GVA 2: the GPU hybrid path.
                  Linear layers at half gain (BF16_LINEAR_GAIN). They also get golden_bf16_weights.safetensors
@@ -263,13 +266,15 @@ def moe_text_kwargs(**extra):
     )
     kw.update(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=32)
     kw.update(extra)
+    if kw["head_dim"] == 64:  # rotary 16: 8 frequencies
+        kw["rope_parameters"]["mrope_section"] = [3, 3, 2]
     return kw
 
 
-def build_qwen3_5_moe():
+def build_qwen3_5_moe(**extra):
     from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
-    text = moe_text_kwargs()
+    text = moe_text_kwargs(**extra)
     del text["intermediate_size"]  # Qwen3_5MoeTextConfig has none: every layer is sparse
     vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, in_channels=3, patch_size=2,
                   temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=40, num_position_embeddings=16)
@@ -278,25 +283,38 @@ def build_qwen3_5_moe():
     return Qwen3_5MoeForConditionalGeneration, cfg
 
 
-def build_qwen3_next():
+def build_qwen3_next(**extra):
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     # Layer 1 keeps the dense MLP (mlp_only_layers); the router does not renormalize (norm_topk_prob
     # False: the other branch of the Qwen3.5-MoE router); plain 1-D RoPE.
-    kw = moe_text_kwargs(mlp_only_layers=[1], norm_topk_prob=False, decoder_sparse_step=1)
+    kw = moe_text_kwargs(mlp_only_layers=[1], norm_topk_prob=False, decoder_sparse_step=1, **extra)
     kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.25}
     return Qwen3NextForCausalLM, Qwen3NextConfig(**kw, attn_implementation="eager")
 
 
-BF16_WEIGHT_GOLDENS = ("qwen3_5_text_hd64", "qwen3_5_hd64")
+# The GPU MoE fixtures: attention head_dim 64, 8 experts of which 3 per token
+# (the GPU grouped GEMM's widths are multiples of 8: hidden 40, experts 24, shared expert 32).
+MOE_HD64 = dict(head_dim=64, num_experts=8, num_experts_per_tok=3)
+
+
+def build_qwen3_5_moe_hd64():
+    return build_qwen3_5_moe(**MOE_HD64)
+
+
+def build_qwen3_next_hd64():
+    return build_qwen3_next(**MOE_HD64)
+
+
+BF16_WEIGHT_GOLDENS = ("qwen3_5_text_hd64", "qwen3_5_hd64", "qwen3_5_moe_hd64", "qwen3_next_hd64")
 # The GPU hybrid fixtures' linear layers have half the unit gain: with gain 1, four random layers amplify
 # rounding so much that a CPU emulation of bf16 GEMM inputs (bf16 weights, fp32 elsewhere) already
 # moves the logits by 1.6% against the exact forward of the same bf16 weights, and no bf16 path can be
 # told from a wrong one at the 1e-2 bound. Layers that write smaller updates to the residual stream, as
 # trained models do, keep the bound meaningful.
 BF16_LINEAR_GAIN = 0.5
-TEXT_ONLY = ("llama", "qwen3", "qwen3_hd64", "qwen3_5_text", "qwen3_5_text_hd64", "qwen3_next")
-WRAPPERS = ("qwen3_5", "qwen3_5_hd64", "qwen3_5_moe")
+TEXT_ONLY = ("llama", "qwen3", "qwen3_hd64", "qwen3_5_text", "qwen3_5_text_hd64", "qwen3_next", "qwen3_next_hd64")
+WRAPPERS = ("qwen3_5", "qwen3_5_hd64", "qwen3_5_moe", "qwen3_5_moe_hd64")
 
 
 MODELS = {
@@ -309,6 +327,8 @@ MODELS = {
     "qwen3_5_hd64": build_qwen3_5_hd64,
     "qwen3_5_moe": build_qwen3_5_moe,
     "qwen3_next": build_qwen3_next,
+    "qwen3_5_moe_hd64": build_qwen3_5_moe_hd64,
+    "qwen3_next_hd64": build_qwen3_next_hd64,
 }
 
 
@@ -341,7 +361,7 @@ def is_tied(model):
 
 
 @torch.no_grad()
-def nasty_init(model, seed, linear_gain=1.0):
+def nasty_init(model, seed, linear_gain=1.0, experts_as_linear=False):
     """Re-initialize every parameter (see the module docstring of the brief):
     Linear weights linear_gain*randn/sqrt(in), biases randn*0.2, embeddings randn*0.5, plain RMSNorm 1+0.3*randn,
     zero-centered (Qwen3.5) RMSNorm 0.3*randn, GDN gated norm 1+0.3*randn, A_log log(U(0.5, 8)),
@@ -381,6 +401,9 @@ def nasty_init(model, seed, linear_gain=1.0):
                 kind, val = "linear(gain*n/sqrt(in))", linear_gain * randn(shape) / math.sqrt(mod.in_features)
             else:
                 kind, val = "bias(0.2n)", 0.2 * randn(shape)
+        elif experts_as_linear and pname in ("gate_up_proj", "down_proj") and p.dim() == 3:
+            # stacked experts [E, out, in]: each a linear map, scaled like nn.Linear
+            kind, val = "experts(gain*n/sqrt(in))", linear_gain * randn(shape) / math.sqrt(shape[-1])
         elif isinstance(mod, torch.nn.Conv1d) and pname == "weight":
             kind, val = "conv1d(0.3n)", 0.3 * randn(shape)
         else:
@@ -663,7 +686,8 @@ def build_one(name, out_root):
     check(is_tied(model) == want_tied, f"lm_head tied={is_tied(model)}, wanted {want_tied}")
 
     gain = BF16_LINEAR_GAIN if name in BF16_WEIGHT_GOLDENS else 1.0
-    counts = nasty_init(model, WEIGHT_SEED + sum(map(ord, name)), linear_gain=gain)
+    counts = nasty_init(model, WEIGHT_SEED + sum(map(ord, name)), linear_gain=gain,
+                        experts_as_linear=name in BF16_WEIGHT_GOLDENS)
     print(f"  init: {counts}")
     check(is_tied(model) == want_tied, "tying changed during init")
     check(all(p.dtype == torch.float32 for p in model.parameters()), "non-float32 parameter")
@@ -682,7 +706,8 @@ def build_one(name, out_root):
     print(f"  config.json: model_type={cfg_json.get('model_type')} architectures={cfg_json.get('architectures')}")
     exp_type = {"llama": "llama", "qwen3": "qwen3", "qwen3_hd64": "qwen3", "qwen3_5_text": "qwen3_5_text",
                 "qwen3_5": "qwen3_5", "qwen3_5_text_hd64": "qwen3_5_text", "qwen3_5_hd64": "qwen3_5",
-                "qwen3_5_moe": "qwen3_5_moe", "qwen3_next": "qwen3_next"}[name]
+                "qwen3_5_moe": "qwen3_5_moe", "qwen3_next": "qwen3_next", "qwen3_5_moe_hd64": "qwen3_5_moe",
+                "qwen3_next_hd64": "qwen3_next"}[name]
     check(cfg_json.get("model_type") == exp_type, f"config model_type {cfg_json.get('model_type')} != {exp_type}")
 
     # reload exactly as a user would and compare every weight with the in-memory model

@@ -8,7 +8,7 @@ namespace dflash {
 
 namespace {
 
-constexpr const char* kPresetNames = "qwen3-8b, qwen3.6-27b, tiny";
+constexpr const char* kPresetNames = "qwen3-8b, qwen3.6-27b, qwen3.6-35b-a3b, tiny";
 
 std::invalid_argument unknown_preset(const std::string& where, const std::string& name) {
   return std::invalid_argument(where + ": unknown preset '" + name + "' (" + kPresetNames + ")");
@@ -48,6 +48,22 @@ ModelSpec qwen3_6_27b_spec() {
   return s;
 }
 
+/// Qwen3.6-35B-A3B (= Qwen3.5-35B-A3B, transformers Qwen3_5MoeTextConfig's defaults): 30 GatedDeltaNet +
+/// 10 gated attention layers, hidden 2048, every FFN a mixture of 256 experts (top 8, renormalized) of
+/// width 512 plus a shared expert of 512.
+ModelSpec qwen3_6_35b_a3b_spec() {
+  ModelSpec s = qwen3_6_27b_spec();
+  s.architecture = "Qwen3_5MoeForConditionalGeneration";
+  s.model_type = "qwen3_5_moe";
+  s.hidden_size = 2048, s.intermediate_size = 0, s.num_hidden_layers = 40;
+  s.num_attention_heads = 16, s.num_key_value_heads = 2;
+  s.linear_num_value_heads = 32;
+  s.num_experts = 256, s.num_experts_per_tok = 8, s.moe_intermediate_size = 512, s.shared_expert_intermediate_size = 512;
+  s.norm_topk_prob = true;
+  s.layer_types.resize(size_t(s.num_hidden_layers));
+  return s;
+}
+
 }  // namespace
 
 DrafterBenchPreset drafter_bench_preset(const std::string& name, const std::string& where) {
@@ -59,6 +75,10 @@ DrafterBenchPreset drafter_bench_preset(const std::string& name, const std::stri
     p.V = 151936, p.S = 3072, c.mask_token_id = 151669;
   } else if (name == "qwen3.6-27b") {  // d 5120, vocab 248320, S 4096
     c.hidden_size = 5120, c.intermediate_size = 17408, c.rope_theta = 1e7, c.num_target_layers = 64;
+    p.V = 248320, p.S = 4096, c.mask_token_id = 248070;
+  } else if (name == "qwen3.6-35b-a3b") {  // d 2048 (intermediate 3 x hidden: the target has no dense MLP)
+    c.hidden_size = 2048, c.intermediate_size = 6144, c.rope_theta = 1e7, c.num_target_layers = 40;
+    c.num_attention_heads = 16, c.num_key_value_heads = 4;
     p.V = 248320, p.S = 4096, c.mask_token_id = 248070;
   } else if (name == "tiny") {  // smoke test of the command itself
     c.hidden_size = 256, c.intermediate_size = 512, c.num_attention_heads = 4, c.num_key_value_heads = 2;
@@ -80,6 +100,7 @@ PipelineBenchPreset pipeline_bench_preset(const std::string& name) {
   if (name == "qwen3-8b") p.target = qwen3_spec(36, 4096, 12288, 32, 8, 128, 151936);
   else if (name == "tiny") p.target = qwen3_spec(8, 256, 512, 4, 2, 64, 1000);
   else if (name == "qwen3.6-27b") p.target = qwen3_6_27b_spec();
+  else if (name == "qwen3.6-35b-a3b") p.target = qwen3_6_35b_a3b_spec();
   else throw unknown_preset(where, name);
   p.target.validate(where + " --preset " + name);
   const std::string why = gpu_unsupported_reason(p.target);

@@ -59,7 +59,7 @@ void add_bench_drafter_step(CLI::App& bench, Runner& run) {
   static int64_t seq = 0, anchors = 512;
   static int steps = 10, warmup = 3;
   static bool no_record = false, recompute = false;
-  cmd->add_option("--preset", preset, "qwen3-8b | qwen3.6-27b | tiny")->required();
+  cmd->add_option("--preset", preset, "qwen3-8b | qwen3.6-27b | qwen3.6-35b-a3b | tiny")->required();
   cmd->add_option("--seq", seq, "Context length S (default: the preset's, 3072 / 4096)");
   cmd->add_option("--anchors", anchors, "Anchors per sequence")->capture_default_str()->check(CLI::Range(int64_t(1), int64_t(1) << 16));
   cmd->add_option("--steps", steps, "Timed steps (the median is recorded)")->capture_default_str()->check(CLI::Range(1, 10000));
@@ -86,7 +86,7 @@ void add_bench_pipeline(CLI::App& bench, Runner& run) {
   static int64_t seq = 0, anchors = 512;
   static int steps = 10, warmup = 3;
   static bool no_record = false;
-  cmd->add_option("--preset", preset, "qwen3-8b | tiny (qwen3.6-27b is refused: no GatedDeltaNet GPU kernel yet)")
+  cmd->add_option("--preset", preset, "qwen3-8b | qwen3.6-27b | qwen3.6-35b-a3b | tiny")
       ->required();
   cmd->add_option("--seq", seq, "Context length S (default: the preset's, 3072 for qwen3-8b)")
       ->check(CLI::Range(int64_t(0), int64_t(1) << 20));
@@ -140,7 +140,7 @@ void add_bench(CLI::App& app, Runner& run) {
   tf->add_option("--tokens", tokens, "Sequence length T (default 256 on the CPU, 4096 with --device cuda)")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   tf->add_option("--repeat", repeat, "Timed runs (the median is recorded)")->capture_default_str()->check(CLI::Range(1, 1000));
   tf->add_option("--preset", preset, "Preset name in the record (default: the model's file name); with --device cuda: "
-                                     "qwen3.6-27b | qwen3-8b | tiny");
+                                     "qwen3.6-27b | qwen3.6-35b-a3b | qwen3-8b | tiny");
   tf->add_option("--layers", layers, "--device cuda: only the preset's first N layers")->check(CLI::Range(int64_t(1), int64_t(1024)));
   tf->add_option("--device", device, "Device")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   tf->add_option("--results", results, "Directory of the JSONL records")->capture_default_str();

@@ -66,7 +66,7 @@ nlohmann::json describe(const std::string& path) {
   for (int64_t i = 0; i < s.num_hidden_layers; ++i) {
     nlohmann::json k = nlohmann::json::object();
     nlohmann::json refused = nlohmann::json::object();
-    for (const KernelChoice& c : layer_kernels(s, s.layer_types[size_t(i)])) {
+    for (const KernelChoice& c : layer_kernels(s, i)) {
       k[c.device] = c.kernel.empty() ? nlohmann::json(nullptr) : nlohmann::json(c.kernel);
       if (c.kernel.empty()) refused[c.device] = c.refused_because;
     }

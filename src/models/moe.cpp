@@ -56,25 +56,24 @@ MoeWeights load_moe_weights(const ModelSpec& s, const WeightSource& src, const s
   return w;
 }
 
-Tensor moe_forward(const ModelSpec& s, const MoeWeights& w, const Tensor& x) {
-  const int64_t T = x.dim(0), D = x.dim(1), E = s.num_experts, k = s.num_experts_per_tok;
-  const int64_t Im = s.moe_intermediate_size;
-  if (k <= 0 || k > E || int64_t(w.gate_up.size()) != E)
-    throw std::invalid_argument("moe_forward: " + std::to_string(k) + " experts per token of " + std::to_string(E) +
-                                " (" + std::to_string(w.gate_up.size()) + " loaded)");
-  const Tensor logits = cpu::linear(x, w.router, "mlp.gate");  // [T, E]
-  // Router: softmax over the experts, the k largest probabilities (lower index first on ties),
-  // renormalized to sum 1 when norm_topk_prob. Tokens are then grouped by expert.
-  std::vector<std::vector<std::pair<int64_t, float>>> routed(static_cast<size_t>(E));  // (token, weight)
+MoeRouting moe_route(const Tensor& logits, int64_t k, bool norm_topk_prob) {
+  const int64_t T = logits.dim(0), E = logits.dim(1);
+  if (k <= 0 || k > E)
+    throw std::invalid_argument("moe_route: " + std::to_string(k) + " experts per token of " + std::to_string(E));
+  // Softmax over the experts, the k largest probabilities (lower index first on ties), renormalized
+  // to sum 1 when norm_topk_prob.
+  MoeRouting r;
+  r.ids.resize(size_t(T * k));
+  r.weights.resize(size_t(T * k));
   std::vector<int64_t> order(static_cast<size_t>(E));
   std::vector<double> p(static_cast<size_t>(E));
   for (int64_t t = 0; t < T; ++t) {
     const float* l = logits.row(t);
-    const float m = *std::max_element(l, l + E);
     for (int64_t e = 0; e < E; ++e)
       if (!std::isfinite(l[e]))
         throw std::runtime_error("mixture of experts: router logit of expert " + std::to_string(e) + " for token " +
                                  std::to_string(t) + " is not finite (the layer's input holds NaN / Inf)");
+    const float m = *std::max_element(l, l + E);
     double z = 0;
     for (int64_t e = 0; e < E; ++e) z += p[size_t(e)] = std::exp(double(l[e]) - double(m));
     for (double& v : p) v /= z;
@@ -86,9 +85,23 @@ Tensor moe_forward(const ModelSpec& s, const MoeWeights& w, const Tensor& x) {
     for (int64_t j = 0; j < k; ++j) sum += p[size_t(order[size_t(j)])];
     for (int64_t j = 0; j < k; ++j) {
       const int64_t e = order[size_t(j)];
-      routed[size_t(e)].emplace_back(t, float(s.norm_topk_prob ? p[size_t(e)] / sum : p[size_t(e)]));
+      r.ids[size_t(t * k + j)] = int32_t(e);
+      r.weights[size_t(t * k + j)] = float(norm_topk_prob ? p[size_t(e)] / sum : p[size_t(e)]);
     }
   }
+  return r;
+}
+
+Tensor moe_forward(const ModelSpec& s, const MoeWeights& w, const Tensor& x) {
+  const int64_t T = x.dim(0), D = x.dim(1), E = s.num_experts, k = s.num_experts_per_tok;
+  const int64_t Im = s.moe_intermediate_size;
+  if (k <= 0 || k > E || int64_t(w.gate_up.size()) != E)
+    throw std::invalid_argument("moe_forward: " + std::to_string(k) + " experts per token of " + std::to_string(E) +
+                                " (" + std::to_string(w.gate_up.size()) + " loaded)");
+  const MoeRouting route = moe_route(cpu::linear(x, w.router, "mlp.gate"), k, s.norm_topk_prob);
+  // Tokens grouped by expert: (token, weight).
+  std::vector<std::vector<std::pair<int64_t, float>>> routed(static_cast<size_t>(E));
+  for (int64_t i = 0; i < T * k; ++i) routed[size_t(route.ids[size_t(i)])].emplace_back(i / k, route.weights[size_t(i)]);
   Tensor y({T, D});
   for (int64_t e = 0; e < E; ++e) {
     const auto& rt = routed[size_t(e)];

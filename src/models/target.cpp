@@ -235,7 +235,12 @@ Tensor concat_taps(const ForwardOutput& f, const std::vector<int64_t>& ids) {
 }
 
 std::string gpu_unsupported_reason(const ModelSpec& s) {
-  if (s.num_experts > 0) return "mixture-of-experts layers have no GPU kernel yet (the CPU reference runs them)";
+  if (s.num_experts > 0 && (s.hidden_size % 8 || s.moe_intermediate_size % 8 || s.num_experts > 1024 ||
+                            s.num_experts_per_tok > 32))
+    return "mixture of experts with hidden " + std::to_string(s.hidden_size) + ", expert width " +
+           std::to_string(s.moe_intermediate_size) + ", " + std::to_string(s.num_experts_per_tok) + " of " +
+           std::to_string(s.num_experts) +
+           " experts (the GPU kernels take widths that are multiples of 8, up to 1024 experts and 32 per token)";
   const bool attention = std::count(s.layer_types.begin(), s.layer_types.end(), LayerKind::Attention) > 0;
   const bool gdn = std::count(s.layer_types.begin(), s.layer_types.end(), LayerKind::GatedDeltaNet) > 0;
   if (attention && s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256)
@@ -250,21 +255,27 @@ std::string gpu_unsupported_reason(const ModelSpec& s) {
   return "";
 }
 
-std::vector<KernelChoice> layer_kernels(const ModelSpec& s, LayerKind kind) {
+std::vector<KernelChoice> layer_kernels(const ModelSpec& s, int64_t layer) {
+  const LayerKind kind = s.layer_types.at(size_t(layer));
+  const bool moe = s.is_moe_layer(layer);
   std::vector<KernelChoice> r;
-  r.push_back({"cpu", kind == LayerKind::Attention ? "cpu::causal_attention (reference, fp32)"
-                                                   : "cpu::gated_delta_rule_recurrent + causal_conv1d_silu (reference, fp32)",
+  r.push_back({"cpu",
+               std::string(kind == LayerKind::Attention ? "cpu::causal_attention (reference, fp32)"
+                                                        : "cpu::gated_delta_rule_recurrent + causal_conv1d_silu (reference, fp32)") +
+                   (moe ? "; experts: moe_forward (reference, fp32)" : ""),
                ""});
 #ifdef DFLASH_HAVE_CUDA
   const std::string why = gpu_unsupported_reason(s);
   if (why.empty())
     r.push_back({"cuda",
-                 kind == LayerKind::Attention
-                     ? "cuda::masked_attention_forward<head_dim " + std::to_string(s.head_dim) +
-                           "> (causal varlen, mma.sync bf16, fp32 softmax)" +
-                           (s.attn_output_gate() ? " + sigmoid output gate" : "") + " + cuBLASLt bf16 GEMMs"
-                     : "cuda::causal_conv1d_silu + gated_delta_rule_chunked (chunk 64, WY/UT form, fp32 state) + "
-                       "gated_rms_norm + cuBLASLt bf16 GEMMs",
+                 (kind == LayerKind::Attention
+                      ? "cuda::masked_attention_forward<head_dim " + std::to_string(s.head_dim) +
+                            "> (causal varlen, mma.sync bf16, fp32 softmax)" +
+                            (s.attn_output_gate() ? " + sigmoid output gate" : "") + " + cuBLASLt bf16 GEMMs"
+                      : std::string("cuda::causal_conv1d_silu + gated_delta_rule_chunked (chunk 64, WY/UT form, fp32 state) + "
+                                    "gated_rms_norm + cuBLASLt bf16 GEMMs")) +
+                     (moe ? "; experts: cuda::moe_route (on-device top-k) + grouped_gemm (mma.sync bf16, no host sync)"
+                          : ""),
                  ""});
   else
     r.push_back({"cuda", "", why});  // no fallback is offered

@@ -160,12 +160,14 @@ class TargetModel {
   std::vector<float> inv_freq_;
 };
 
-/// Kernels that run a layer of kind `kind` of model `s` on each device of this build (reference on
-/// CPU; with CUDA, the GPU kernels or the reason the GPU backend refuses the model).
-std::vector<KernelChoice> layer_kernels(const ModelSpec& s, LayerKind kind);
+/// Kernels that run layer `layer` of model `s` (its mixer, and its FFN when that is a mixture of
+/// experts) on each device of this build (reference on CPU; with CUDA, the GPU kernels or the reason
+/// the GPU backend refuses the model).
+std::vector<KernelChoice> layer_kernels(const ModelSpec& s, int64_t layer);
 
 /// Why the GPU backend cannot run model `s` ("" when it can): attention head_dim outside {64, 128,
-/// 256}, an odd rotary dimension, GatedDeltaNet head dims above 128 or a conv kernel above 8.
+/// 256}, an odd rotary dimension, GatedDeltaNet head dims above 128 or a conv kernel above 8;
+/// mixture-of-experts widths not multiples of 8, more than 1024 experts or 32 per token.
 std::string gpu_unsupported_reason(const ModelSpec& s);
 
 /// Opens the weights of MODEL (directory or .gguf) and reads its spec, without loading tensors.
@@ -181,6 +183,17 @@ OpenedModel open_model(const std::string& path);
 /// up_proj [Im, D] and down_proj [D, Im] (the Hub checkpoints' layout). Throws std::runtime_error
 /// naming the file and tensor on a missing tensor or a wrong shape.
 MoeWeights load_moe_weights(const ModelSpec& s, const WeightSource& src, const std::string& prefix);
+/// The router's choice per token: ids [T * k] (expert of token t's j-th pick at t * k + j, the most
+/// likely first) and their weights [T * k].
+struct MoeRouting {
+  std::vector<int32_t> ids;
+  std::vector<float> weights;
+};
+/// Router of logits [T, E] (fp32): softmax over the experts (in double), the k most likely (lower
+/// index first on ties), weights = their probabilities, renormalized to sum 1 when norm_topk_prob
+/// (transformers Qwen2MoeTopKRouter). Throws std::invalid_argument for k outside 1..E and
+/// std::runtime_error naming the token and expert of a non-finite logit.
+MoeRouting moe_route(const Tensor& logits, int64_t k, bool norm_topk_prob);
 /// The mixture-of-experts FFN of x [T, D] -> [T, D] (fp32): router softmax, the top num_experts_per_tok
 /// experts (renormalized when spec.norm_topk_prob), each down(silu(gate x) * up x) weighted by its
 /// probability, plus sigmoid(shared_gate x) * shared_expert(x). Source: transformers

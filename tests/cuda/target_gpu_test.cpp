@@ -1,6 +1,6 @@
 // The target forward on the GPU (bf16) against transformers' goldens (tests/fixtures/qwen3_hd64 and the
-// Qwen3.5 hybrids qwen3_5_text_hd64 / qwen3_5_hd64, head_dim 64: the smallest head the GPU attention
-// takes), single sequences and a packed batch; the
+// Qwen3.5 hybrids qwen3_5_text_hd64 / qwen3_5_hd64 and the MoE targets qwen3_5_moe_hd64 / qwen3_next_hd64,
+// head_dim 64: the smallest head the GPU attention takes), single sequences and a packed batch; the
 // training taps equal the forward's hidden states; models the GPU backend cannot run are refused
 // with the reason.
 #include <gtest/gtest.h>
@@ -117,6 +117,31 @@ TEST(CudaTarget, Qwen3_5HybridsMatchTransformersInBf16) {
   DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
 }
 
+// Mixture-of-experts targets (Qwen3.5-MoE wrapper: every layer sparse, renormalized top 3 of 8, a shared
+// expert; Qwen3-Next: fused projections, a dense layer, no renormalization), same method as above.
+TEST(CudaTarget, MixtureOfExpertsMatchTransformersInBf16) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  cudaStream_t s;
+  DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
+  for (const char* name : {"qwen3_5_moe_hd64", "qwen3_next_hd64"}) {
+    const auto model = TargetModel::load((test::fixtures_dir() / name).string());
+    TargetGpu gpu(*model, s);
+    check_against_golden(name, gpu, *model, "golden_bf16_weights.safetensors");
+    // the taps path runs the same layers
+    const std::vector<int32_t> ids{5, 17, 3, 99, 42, 7, 150};
+    const int64_t T = int64_t(ids.size()), D = model->spec().hidden_size;
+    cuda::DeviceArray<cuda::bf16> taps(size_t(T * D));
+    gpu.forward_taps(ids, {0, T}, {1}, taps.data());
+    ForwardOptions o;
+    o.hidden_states = {2};
+    const auto one = gpu.forward(ids, {0, T}, o);
+    std::vector<uint16_t> h(taps.size());
+    DFLASH_CUDA_CHECK(cudaMemcpy(h.data(), taps.data(), h.size() * 2, cudaMemcpyDeviceToHost));
+    for (int64_t i = 0; i < T * D; ++i) ASSERT_EQ(h[size_t(i)], f32_to_bf16(one.hidden_states.at(2).data[size_t(i)]));
+  }
+  DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
+}
+
 TEST(CudaTarget, RefusesWhatItCannotRunAndSaysWhy) {
   const auto hybrid = TargetModel::load((test::fixtures_dir() / "qwen3_5_text").string());
   EXPECT_NE(gpu_unsupported_reason(hybrid->spec()).find("head_dim 16"), std::string::npos);
@@ -129,6 +154,14 @@ TEST(CudaTarget, RefusesWhatItCannotRunAndSaysWhy) {
   EXPECT_NE(gpu_unsupported_reason(small_heads->spec()).find("head_dim 16"), std::string::npos);
   const auto ok = TargetModel::load((test::fixtures_dir() / "qwen3_hd64").string());
   EXPECT_EQ(gpu_unsupported_reason(ok->spec()), "");
+  ModelSpec moe = wide;
+  moe.linear_value_head_dim = 64;
+  moe.hidden_size = 48, moe.num_experts = 8, moe.num_experts_per_tok = 2, moe.moe_intermediate_size = 24;
+  EXPECT_EQ(gpu_unsupported_reason(moe), "");
+  moe.moe_intermediate_size = 20;
+  EXPECT_NE(gpu_unsupported_reason(moe).find("multiples of 8"), std::string::npos);
+  moe.moe_intermediate_size = 24, moe.num_experts = 2048;
+  EXPECT_NE(gpu_unsupported_reason(moe).find("1024 experts"), std::string::npos);
 }
 
 #endif

@@ -21,7 +21,11 @@ double forward_flops(const ModelSpec& s, int64_t T, int64_t layers, bool lm_head
   const double dk = double(s.linear_key_head_dim), dv = double(s.linear_value_head_dim);
   double f = 0;
   for (int64_t i = 0; i < layers; ++i) {
-    f += 2 * t * 3 * D * I;  // MLP
+    if (s.is_moe_layer(i))  // router (+ shared gate), the k experts each token visits, the shared expert
+      f += 2 * t * D * (double(s.num_experts) + 1 + 3 * double(s.num_experts_per_tok * s.moe_intermediate_size) +
+                        3 * double(s.shared_expert_intermediate_size));
+    else
+      f += 2 * t * 3 * D * I;  // MLP
     if (s.layer_types[size_t(i)] == LayerKind::GatedDeltaNet)
       f += 2 * t * D * ((2 * Hk * dk + Hv * dv) + Hv * dv + 2 * Hv + Hv * dv);
     else

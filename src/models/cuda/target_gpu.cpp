@@ -13,6 +13,7 @@
 #include "ops/cuda/gated_delta_rule.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/masked_attention.h"
+#include "ops/cuda/moe.h"
 #include "ops/cuda/norm.h"
 #include "ops/cuda/rope.h"
 #include "ops/rope.h"
@@ -26,9 +27,11 @@ using cuda::StreamBuffer;
 
 namespace {
 
-DeviceArray<bf16> to_bf16(const Tensor& t, cudaStream_t s) {
-  std::vector<uint16_t> h(t.data.size());
-  for (size_t i = 0; i < h.size(); ++i) h[i] = f32_to_bf16(t.data[i]);
+/// The tensors, concatenated in order, as one bf16 device array.
+DeviceArray<bf16> to_bf16(const std::vector<const Tensor*>& ts, cudaStream_t s) {
+  std::vector<uint16_t> h;
+  for (const Tensor* t : ts)
+    for (float v : t->data) h.push_back(f32_to_bf16(v));
   DeviceArray<bf16> d(h.size());
   if (!h.empty()) {
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(d.data(), h.data(), h.size() * 2, cudaMemcpyHostToDevice, s));
@@ -36,6 +39,7 @@ DeviceArray<bf16> to_bf16(const Tensor& t, cudaStream_t s) {
   }
   return d;
 }
+DeviceArray<bf16> to_bf16(const Tensor& t, cudaStream_t s) { return to_bf16(std::vector<const Tensor*>{&t}, s); }
 
 struct LayerGpu {
   LayerKind kind = LayerKind::Attention;
@@ -45,6 +49,13 @@ struct LayerGpu {
   // out_proj [D, Hv*dv] bf16; conv1d [C, K], A_log / dt_bias [Hv], norm [dv] fp32.
   DeviceArray<bf16> qkv, z, b, a, out;
   DeviceArray<float> conv, A_log, dt_bias, gnorm;
+  // Mixture of experts (instead of gate / up / down): see cuda::MoeWeightsGpu.
+  bool moe = false;
+  DeviceArray<bf16> router, experts_gate_up, experts_down, shared_gate, shared_up, shared_down;
+  cuda::MoeWeightsGpu moe_weights() const {
+    return {router.data(), experts_gate_up.data(), experts_down.data(), shared_gate.data(), shared_up.data(),
+            shared_down.data()};
+  }
 };
 
 std::vector<float> host_f32(const StreamBuffer<bf16>& b, int64_t n, cudaStream_t s) {
@@ -96,8 +107,23 @@ TargetGpu::TargetGpu(const TargetModel& m, cudaStream_t stream) : impl_(new Impl
         g.k_norm = DeviceArray<float>(l.attn.k_norm.data, stream);
       }
     }
-    g.gate = to_bf16(l.mlp.gate_proj, stream), g.up = to_bf16(l.mlp.up_proj, stream);
-    g.down = to_bf16(l.mlp.down_proj, stream);
+    g.moe = l.moe_layer;
+    if (g.moe) {
+      const MoeWeights& w = l.moe;
+      std::vector<const Tensor*> router{&w.router}, gate_up, down;
+      if (spec_.shared_expert_intermediate_size > 0) router.push_back(&w.shared_gate);
+      for (const Tensor& t : w.gate_up) gate_up.push_back(&t);
+      for (const Tensor& t : w.down) down.push_back(&t);
+      g.router = to_bf16(router, stream), g.experts_gate_up = to_bf16(gate_up, stream);
+      g.experts_down = to_bf16(down, stream);
+      if (spec_.shared_expert_intermediate_size > 0) {
+        g.shared_gate = to_bf16(w.shared.gate_proj, stream), g.shared_up = to_bf16(w.shared.up_proj, stream);
+        g.shared_down = to_bf16(w.shared.down_proj, stream);
+      }
+    } else {
+      g.gate = to_bf16(l.mlp.gate_proj, stream), g.up = to_bf16(l.mlp.up_proj, stream);
+      g.down = to_bf16(l.mlp.down_proj, stream);
+    }
     g.in_ln = DeviceArray<float>(l.input_layernorm.data, stream);
     g.post_ln = DeviceArray<float>(l.post_attention_layernorm.data, stream);
     I.layers.push_back(std::move(g));
@@ -145,7 +171,15 @@ TargetGpu::TargetGpu(const ModelSpec& spec, uint64_t seed, cudaStream_t stream) 
       g.o = matrix(D, H * Dh);
       if (spec_.has_qk_norm()) g.q_norm = ones(Dh), g.k_norm = ones(Dh);
     }
-    g.gate = matrix(Im, D), g.up = matrix(Im, D), g.down = matrix(D, Im);
+    g.moe = spec_.is_moe_layer(i);
+    if (g.moe) {
+      const int64_t E = spec_.num_experts, Em = spec_.moe_intermediate_size, Es = spec_.shared_expert_intermediate_size;
+      g.router = matrix(E + (Es > 0 ? 1 : 0), D), g.experts_gate_up = matrix(E * 2 * Em, D);
+      g.experts_down = matrix(E * D, Em);
+      if (Es > 0) g.shared_gate = matrix(Es, D), g.shared_up = matrix(Es, D), g.shared_down = matrix(D, Es);
+    } else {
+      g.gate = matrix(Im, D), g.up = matrix(Im, D), g.down = matrix(D, Im);
+    }
     g.in_ln = ones(D), g.post_ln = ones(D);
     I.layers.push_back(std::move(g));
   }
@@ -253,6 +287,8 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
   StreamBuffer<bf16> gnormed(hybrid ? size_t(T * Hv * dv) : 0, s);  // out_proj's input
   const bool gated = sp.attn_output_gate();
   StreamBuffer<bf16> qg(gated ? size_t(T * H * 2 * Dh) : 0, s), og(gated ? size_t(T * H * Dh) : 0, s);
+  const cuda::MoeShape moe_shape{T, D, int(sp.num_experts), int(sp.num_experts_per_tok), sp.moe_intermediate_size,
+                                 sp.shared_expert_intermediate_size, sp.norm_topk_prob};
   for (int64_t i = 0; i <= last; ++i) {
     const LayerGpu& l = I.layers[size_t(i)];
     cuda::rms_norm_forward(x.data(), l.in_ln.data(), h.data(), nullptr, T, D, sp.rms_norm_eps, zc, s);
@@ -305,10 +341,14 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
       linear(o.data(), D, H * Dh, l.o, x.data(), 1.f);  // x += o_proj(o)
     }
     cuda::rms_norm_forward(x.data(), l.post_ln.data(), h.data(), nullptr, T, D, sp.rms_norm_eps, zc, s);
-    linear(h.data(), Im, D, l.gate, g.data(), 0.f);
-    linear(h.data(), Im, D, l.up, u.data(), 0.f);
-    cuda::swiglu_forward(g.data(), u.data(), g.data(), T * Im, s);
-    linear(g.data(), D, Im, l.down, x.data(), 1.f);  // x += down_proj(act)
+    if (l.moe) {
+      cuda::moe_ffn_forward(I.gemm, moe_shape, l.moe_weights(), h.data(), x.data());  // x += moe(h)
+    } else {
+      linear(h.data(), Im, D, l.gate, g.data(), 0.f);
+      linear(h.data(), Im, D, l.up, u.data(), 0.f);
+      cuda::swiglu_forward(g.data(), u.data(), g.data(), T * Im, s);
+      linear(g.data(), D, Im, l.down, x.data(), 1.f);  // x += down_proj(act)
+    }
     on_hidden(i + 1, x.data());
   }
   if (cached)

@@ -1,0 +1,76 @@
+// Tensor-core building blocks shared by the hand-written kernels (sm_80+): mma.sync m16n8k16 with
+// bf16 inputs and fp32 accumulation, ldmatrix fragment loads from shared memory, cp.async copies.
+// Fragment layout of mma.sync m16n8k16 (PTX ISA, "Matrix Fragments for mma.m16n8k16"): lane l holds,
+// with g = l / 4 and t = l % 4,
+//   A (16x16, row-major): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
+//   B (16x8, k x n):      b0 = (k 2t..2t+1, n g), b1 = (k 2t+8..2t+9, n g)
+//   C (16x8):             c0, c1 = (g, 2t..2t+1), c2, c3 = (g+8, 2t..2t+1)
+#pragma once
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace dflash::cuda::mma {
+
+using bf16 = __nv_bfloat16;
+
+/// c += A B (one m16n8k16 tile).
+__device__ __forceinline__ void mma16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t ld32(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+/// Two floats rounded to a bf16 pair (lo in the low half).
+__device__ __forceinline__ uint32_t pack(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+/// The A fragment at (row0, col0) of a row-major smem matrix (leading dimension ld, rows 16-byte
+/// aligned), one ldmatrix.x4.
+__device__ __forceinline__ void load_a_x4(uint32_t a[4], const bf16* m, int ld, int row0, int col0, int lane) {
+  const unsigned addr =
+      unsigned(__cvta_generic_to_shared(m + (row0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + col0 + ((lane >> 4) & 1) * 8));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+               : "r"(addr));
+}
+
+/// B fragments of two n-tiles at once: B[k][n] = m[n0 + n][k0 + k] for n-tiles n0 (b[0], b[1]) and
+/// n0 + 8 (b[2], b[3]) (m row-major, ld, rows 16-byte aligned), one ldmatrix.x4.
+__device__ __forceinline__ void load_b_x4(uint32_t b[4], const bf16* m, int ld, int n0, int k0, int lane) {
+  const unsigned addr =
+      unsigned(__cvta_generic_to_shared(m + (n0 + (lane & 7) + ((lane >> 4) & 1) * 8) * ld + k0 + ((lane >> 3) & 1) * 8));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+               : "r"(addr));
+}
+
+/// B fragments of two n-tiles where B[k][n] = m[k0 + k][n0 + n]: n-tile n0 (b[0], b[1]) and n0 + 8
+/// (b[2], b[3]), transposed by ldmatrix.x4.trans.
+__device__ __forceinline__ void load_b_trans_x4(uint32_t b[4], const bf16* m, int ld, int k0, int n0, int lane) {
+  const unsigned addr =
+      unsigned(__cvta_generic_to_shared(m + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + ((lane >> 4) & 1) * 8));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+               : "r"(addr));
+}
+
+// cp.async: 16-byte global -> shared copies that complete in the background (zero-filled when !valid).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  const unsigned d = unsigned(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+/// Waits until at most N committed groups (the newest) are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+}  // namespace dflash::cuda::mma
