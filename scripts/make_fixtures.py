@@ -511,7 +511,7 @@ def check_layout(name, keys, cfg_text, tied):
         dense = set(getattr(cfg_text, "mlp_only_layers", None) or [])
         moe_layers = {i for i in range(L) if i not in dense and (i + 1) % getattr(cfg_text, "decoder_sparse_step", 1) == 0}
     for i in range(L):
-        if name == "qwen3_next" and lt[i] == LIN:
+        if name.startswith("qwen3_next") and lt[i] == LIN:
             need = ["linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight", "linear_attn.conv1d.weight",
                     "linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.norm.weight", "linear_attn.out_proj.weight"]
         elif name.startswith("qwen3_5") and lt[i] == LIN:

@@ -100,7 +100,7 @@ TEST(CudaMoe, GroupedGemmMatchesTheReferenceOnRaggedGroups) {
   std::mt19937_64 rng(11);
   const int E = 7, k = 2;
   const int64_t N = 272, K = 264;
-  const std::vector<int> want = {64, 0, 1, 130, 63, 65, 0};  // picks per expert; sum = T * k
+  const std::vector<int> want = {64, 0, 1, 130, 63, 65, 1};  // picks per expert; sum = T * k
   std::vector<int32_t> ids;
   for (int e = 0; e < E; ++e) ids.insert(ids.end(), size_t(want[size_t(e)]), e);
   std::shuffle(ids.begin(), ids.end(), rng);
