@@ -60,6 +60,8 @@ def main():
         model = cls(cfg).eval()
     torch.set_default_dtype(torch.float32)
     build_s = time.time() - t0
+    mlp = model.model.layers[0].mlp  # initialized weights spread the routing as a trained router would
+    init_std = {"router": mlp.gate.weight.float().std().item(), "experts_gate_up": mlp.experts.gate_up_proj.float().std().item()}
     ids = torch.randint(0, cfg.vocab_size, (1, a.tokens), device="cuda")
     times = []
     with torch.no_grad():
@@ -82,7 +84,7 @@ def main():
             "shape": shape, "flash_linear_attention": fla_version,
             "experts_implementation": getattr(cfg, "_experts_implementation", None),
             "attn_implementation": getattr(cfg, "_attn_implementation", None),
-            "transformers": transformers.__version__, "torch": torch.__version__, "build_s": build_s,
+            "init_std": init_std, "transformers": transformers.__version__, "torch": torch.__version__, "build_s": build_s,
             "peak_gb": torch.cuda.max_memory_allocated() / 1e9,
             "what": "transformers forward with lm_head, random bf16 weights, batch 1, no cache; CUDA events"}}))
 
