@@ -121,7 +121,7 @@ namespace {
 /// One chunked-vs-recurrent comparison: random normalized q / k, v, g = -20 u^4 (u uniform:
 /// mostly mild decays, some down to -20), beta uniform in [0, 1], an optional random initial state.
 void check_chunked(const std::vector<int64_t>& lens, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, bool init,
-                   uint64_t seed) {
+                   uint64_t seed, bool recurrent = false) {
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<float> uni(0.f, 1.f);
   const std::vector<int64_t> cu = cu_of(lens);
@@ -137,16 +137,23 @@ void check_chunked(const std::vector<int64_t>& lens, int64_t Hk, int64_t Hv, int
   for (float& x : beta.data) x = uni(rng);
   if (init)
     for (float& x : s0.data) x = 0.1f * (uni(rng) - 0.5f);
-  Tensor want_state;
-  const Tensor want = cpu::gated_delta_rule_recurrent(q, k, v, g, beta, 1.f, false, cu, init ? &s0 : nullptr, &want_state);
+  Tensor want_state, want_tokens;
+  const Tensor want = cpu::gated_delta_rule_recurrent(q, k, v, g, beta, 1.f, false, cu, init ? &s0 : nullptr, &want_state,
+                                                      recurrent ? &want_tokens : nullptr);
   auto dq = device_f32(q.data), dk_ = device_f32(k.data), dv_ = device_f32(v.data);
   auto dg = device_f32(g.data), db = device_f32(beta.data), ds0 = device_f32(s0.data);
   auto fs = poisoned<float>(s0.data.size());
   auto o = poisoned<float>(size_t(T * Hv * dv));
-  cuda::gated_delta_rule_chunked(dq.data(), dk_.data(), dv_.data(), dg.data(), db.data(), cu, int(Hk), int(Hv),
-                                 int(dk), int(dv), init ? ds0.data() : nullptr, fs.data(), o.data(), nullptr);
-  const std::vector<float> got = host_f32(o), state = host_f32(fs);
-  std::string what = "T";
+  auto tokens = recurrent ? poisoned<float>(size_t(T * Hv * dk * dv)) : cuda::DeviceArray<float>();
+  if (recurrent)  // the state in place: s0 (zeros without init) in, the final state out
+    cuda::gated_delta_rule_recurrent(dq.data(), dk_.data(), dv_.data(), dg.data(), db.data(), cu, int(Hk), int(Hv),
+                                     int(dk), int(dv), ds0.data(), tokens.data(), o.data(), nullptr);
+  else
+    cuda::gated_delta_rule_chunked(dq.data(), dk_.data(), dv_.data(), dg.data(), db.data(), cu, int(Hk), int(Hv),
+                                   int(dk), int(dv), init ? ds0.data() : nullptr, fs.data(), o.data(), nullptr);
+  const std::vector<float> got = host_f32(o), state = host_f32(recurrent ? ds0 : fs);
+  if (recurrent) EXPECT_LE(test::rel_l2(host_f32(tokens), want_tokens.data), kTolChunked) << "every token's state";
+  std::string what = recurrent ? "recurrent, T" : "T";
   for (int64_t l : lens) what += " " + std::to_string(l);
   what += ", Hk " + std::to_string(Hk) + " Hv " + std::to_string(Hv) + " dk " + std::to_string(dk) + " dv " +
           std::to_string(dv) + (init ? ", initial state" : "");
@@ -184,6 +191,61 @@ TEST(CudaGdn, ChunkedMatchesTheRecurrence) {
   EXPECT_THROW(cuda::gated_delta_rule_chunked(nullptr, nullptr, nullptr, nullptr, nullptr, {0, 1}, 1, 1, 32, 10, nullptr,
                                               nullptr, nullptr, nullptr),
                std::invalid_argument);  // dv not a multiple of 4
+}
+
+// The token-by-token kernel of decoding / verification: outputs, final state and every token's state.
+TEST(CudaGdn, RecurrentMatchesTheReference) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  uint64_t seed = 40;
+  check_chunked({1}, 2, 6, 32, 48, true, ++seed, true);
+  check_chunked({5, 0, 16, 1}, 2, 4, 24, 40, true, ++seed, true);  // packed, an idle sequence, partial column block
+  check_chunked({17}, 1, 2, 128, 128, true, ++seed, true);         // the real head dims
+  check_chunked({9, 3}, 2, 2, 64, 12, false, ++seed, true);        // dk > dv, zero state
+  EXPECT_THROW(cuda::gated_delta_rule_recurrent(nullptr, nullptr, nullptr, nullptr, nullptr, {0, 1}, 1, 1, 256, 32,
+                                                nullptr, nullptr, nullptr, nullptr),
+               std::invalid_argument);  // dk above 128
+}
+
+// The conv continuing cached windows, and the windows moved past the new tokens, against the CPU
+// reference's window form (cpu::causal_conv1d_silu with a window, TargetCache's history).
+TEST(CudaGdn, Conv1dWithWindowsMatchesTheReference) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  std::mt19937_64 rng(3);
+  const int64_t C = 20;
+  for (int K : {4, 2, 8}) {
+    const std::vector<int64_t> lens{3, 0, 1, 12};
+    const std::vector<int64_t> cu = cu_of(lens);
+    const int64_t T = cu.back(), n = int64_t(lens.size()), K1 = K - 1;
+    Tensor x({T, C}), w({C, int64_t(K)}), window({n, K1, C});
+    x.data = test::rand_bf16_values(size_t(T * C), rng);
+    w.data = test::rand_bf16_values(size_t(C * K), rng, 0.5f);
+    window.data = test::rand_bf16_values(window.data.size(), rng);
+    const Tensor want = cpu::causal_conv1d_silu(x, w, cu, &window);
+    std::vector<int32_t> seq_of, cu32;
+    for (size_t q = 0; q < lens.size(); ++q) {
+      cu32.push_back(int32_t(cu[q]));
+      seq_of.insert(seq_of.end(), size_t(lens[q]), int32_t(q));
+    }
+    cu32.push_back(int32_t(T));
+    auto dx = device_f32(x.data), dw = device_f32(w.data), dwin = device_f32(window.data);
+    auto d_seq = cuda::upload(seq_of, nullptr), d_cu = cuda::upload(cu32, nullptr);
+    auto y = poisoned<float>(size_t(T * C));
+    auto hist = poisoned<float>(size_t((n * K1 + T) * C));
+    cuda::causal_conv1d_silu_window(dx.data(), dw.data(), dwin.data(), d_seq.data(), d_cu.data(), T, C, K, y.data(),
+                                    nullptr);
+    EXPECT_LE(test::rel_l2(host_f32(y), want.data), kTolF32) << "K " << K;
+    cuda::conv_window_advance(dwin.data(), dx.data(), d_cu.data(), int(n), T, C, K, hist.data(), nullptr);
+    // Expected: per sequence, history = [old window ; its rows of x], the new window its last K-1 rows.
+    std::vector<float> want_hist, want_win;
+    for (int64_t q = 0; q < n; ++q) {
+      std::vector<float> h(window.ptr() + q * K1 * C, window.ptr() + (q + 1) * K1 * C);
+      h.insert(h.end(), x.ptr() + cu[size_t(q)] * C, x.ptr() + cu[size_t(q) + 1] * C);
+      want_hist.insert(want_hist.end(), h.begin(), h.end());
+      want_win.insert(want_win.end(), h.end() - K1 * C, h.end());
+    }
+    EXPECT_EQ(host_f32(hist), want_hist) << "K " << K;
+    EXPECT_EQ(host_f32(dwin), want_win) << "K " << K;
+  }
 }
 
 TEST(CudaGdn, GatedRmsNormAndOutputGateMatchTheReference) {

@@ -77,6 +77,14 @@ struct TargetGpu::Impl {
   DeviceArray<float> norm;
   DeviceArray<double> inv_freq;
   KvCache cache;
+  /// Decoding state of the GatedDeltaNet layers (empty for attention layers), per layer.
+  struct GdnCache {
+    DeviceArray<float> window, state;                     // [n, K-1, C], [n, Hv, dk, dv]
+    DeviceArray<float> state_before, hist, token_states;  // of the last keep_rollback forward
+  };
+  std::vector<GdnCache> gdn;
+  std::vector<int64_t> rollback_from;  // per sequence: its length before that forward (-1: none)
+  std::vector<int64_t> rollback_cu;    // that forward's cu_seqlens (rows of hist and token_states)
   explicit Impl(cudaStream_t st) : s(st), gemm(st) {}
 };
 
@@ -213,7 +221,8 @@ void check_batch(const ModelSpec& sp, const std::vector<int32_t>& ids, const std
 }  // namespace
 
 StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu, int64_t last,
-                                          const std::function<void(int64_t, const float*)>& on_hidden, bool cached) {
+                                          const std::function<void(int64_t, const float*)>& on_hidden, bool cached,
+                                          bool keep_rollback) {
   Impl& I = *impl_;
   const ModelSpec& sp = spec_;
   cudaStream_t s = I.s;
@@ -223,6 +232,7 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
   const bool zc = sp.zero_centered_norm();
   KvCache& C = I.cache;
   if (cached) {
+    if (I.gdn.size() != size_t(sp.num_hidden_layers)) throw std::invalid_argument("forward_cached: call reset_cache first");
     if (int64_t(cu.size()) != C.n + 1)
       throw std::invalid_argument("forward_cached: cu_seqlens needs " + std::to_string(C.n + 1) + " entries for " +
                                   std::to_string(C.n) + " cached sequences");
@@ -280,6 +290,18 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
   const int64_t dv = sp.linear_value_head_dim, Cg = 2 * Hk * dk + Hv * dv;
   const bool hybrid = has_gated_deltanet(sp);
   StreamBuffer<int32_t> d_start = cuda::upload(hybrid ? cuda::sequence_starts(cu) : std::vector<int32_t>{}, s);
+  // With a cache: each token's sequence and the cu_seqlens as int32 for the windowed conv.
+  std::vector<int32_t> seq_of, cu32;
+  if (cached && hybrid) {
+    for (size_t q = 0; q + 1 < cu.size(); ++q) {
+      cu32.push_back(int32_t(cu[q]));
+      seq_of.insert(seq_of.end(), size_t(cu[q + 1] - cu[q]), int32_t(q));
+    }
+    cu32.push_back(int32_t(cu.back()));
+  }
+  auto d_seq_of = cuda::upload(seq_of, s), d_cu32 = cuda::upload(cu32, s);
+  const int Kc = int(sp.linear_conv_kernel_dim);
+  const int64_t state_elems = Hv * dk * dv;
   auto gbuf = [&](int64_t n) { return StreamBuffer<float>(hybrid ? size_t(n) : 0, s); };  // fp32 activations
   StreamBuffer<float> gpre = gbuf(T * Cg), gconv = gbuf(T * Cg), gz = gbuf(T * Hv * dv), gq = gbuf(T * Hk * dk),
                       gk = gbuf(T * Hk * dk), gv = gbuf(T * Hv * dv), go = gbuf(T * Hv * dv), gb = gbuf(T * Hv),
@@ -296,16 +318,36 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
       // transformers Qwen3_5GatedDeltaNet (no cache): conv1d + SiLU over q|k|v, gates, the chunked
       // gated delta rule, gated RMSNorm with silu(z), out_proj.
       linear(h.data(), Cg, D, l.qkv, gpre.data(), 0.f);
-      cuda::causal_conv1d_silu(gpre.data(), l.conv.data(), d_start.data(), T, Cg, int(sp.linear_conv_kernel_dim),
-                               gconv.data(), s);
+      Impl::GdnCache* gc = cached ? &I.gdn[size_t(i)] : nullptr;
+      if (gc) {  // continue each sequence's conv window, then move it past the new tokens
+        cuda::causal_conv1d_silu_window(gpre.data(), l.conv.data(), gc->window.data(), d_seq_of.data(), d_cu32.data(), T,
+                                        Cg, Kc, gconv.data(), s);
+        const size_t hist_rows = size_t(C.n * (Kc - 1) + T);
+        if (keep_rollback && gc->hist.size() < hist_rows * size_t(Cg)) gc->hist = DeviceArray<float>(hist_rows * size_t(Cg));
+        StreamBuffer<float> tmp(keep_rollback ? 0 : hist_rows * size_t(Cg), s);
+        cuda::conv_window_advance(gc->window.data(), gpre.data(), d_cu32.data(), C.n, T, Cg, Kc,
+                                  keep_rollback ? gc->hist.data() : tmp.data(), s);
+      } else {
+        cuda::causal_conv1d_silu(gpre.data(), l.conv.data(), d_start.data(), T, Cg, Kc, gconv.data(), s);
+      }
       linear(h.data(), Hv * dv, D, l.z, gz.data(), 0.f);
       linear(h.data(), Hv, D, l.b, gb.data(), 0.f);
       linear(h.data(), Hv, D, l.a, ga.data(), 0.f);
       cuda::gdn_prepare(gconv.data(), gb.data(), ga.data(), l.A_log.data(), l.dt_bias.data(), T, int(Hk), int(Hv),
                         int(dk), int(dv), float(1.0 / std::sqrt(double(dk))), gq.data(), gk.data(), gv.data(), gg.data(),
                         gbeta.data(), s);
-      cuda::gated_delta_rule_chunked(gq.data(), gk.data(), gv.data(), gg.data(), gbeta.data(), cu, int(Hk), int(Hv),
-                                     int(dk), int(dv), nullptr, nullptr, go.data(), s);
+      if (gc && keep_rollback) {  // token by token, keeping every token's state
+        const size_t n_state = size_t(C.n * state_elems);
+        if (gc->state_before.size() < n_state) gc->state_before = DeviceArray<float>(n_state);
+        if (gc->token_states.size() < size_t(T * state_elems)) gc->token_states = DeviceArray<float>(size_t(T * state_elems));
+        DFLASH_CUDA_CHECK(cudaMemcpyAsync(gc->state_before.data(), gc->state.data(), n_state * 4, cudaMemcpyDeviceToDevice, s));
+        cuda::gated_delta_rule_recurrent(gq.data(), gk.data(), gv.data(), gg.data(), gbeta.data(), cu, int(Hk), int(Hv),
+                                         int(dk), int(dv), gc->state.data(), gc->token_states.data(), go.data(), s);
+      } else {  // the cached state in and out (in place: each block reads its slice before writing it)
+        cuda::gated_delta_rule_chunked(gq.data(), gk.data(), gv.data(), gg.data(), gbeta.data(), cu, int(Hk), int(Hv),
+                                       int(dk), int(dv), gc ? gc->state.data() : nullptr, gc ? gc->state.data() : nullptr,
+                                       go.data(), s);
+      }
       cuda::gated_rms_norm(go.data(), gz.data(), l.gnorm.data(), gnormed.data(), T * Hv, dv, sp.rms_norm_eps, s);
       linear(gnormed.data(), D, Hv * dv, l.out, x.data(), 1.f);  // x += out_proj(o)
     } else {
@@ -351,24 +393,69 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
     }
     on_hidden(i + 1, x.data());
   }
-  if (cached)
-    for (int q = 0; q < C.n; ++q) C.len[size_t(q)] += cu[size_t(q) + 1] - cu[size_t(q)];
+  if (cached) {
+    if (hybrid) I.rollback_cu = keep_rollback ? cu : std::vector<int64_t>{};
+    for (int q = 0; q < C.n; ++q) {
+      if (hybrid) I.rollback_from[size_t(q)] = keep_rollback ? C.len[size_t(q)] : -1;
+      C.len[size_t(q)] += cu[size_t(q) + 1] - cu[size_t(q)];
+    }
+  }
   return x;
 }
 
 void TargetGpu::reset_cache(int n_seq) {
-  if (has_gated_deltanet(spec_))
-    throw std::invalid_argument("decoding a GatedDeltaNet hybrid on the GPU (recurrent state cache) is not built yet: "
-                                "use --device cpu");
   if (n_seq < 0) throw std::invalid_argument("reset_cache: negative number of sequences");
-  KvCache& C = impl_->cache;
-  C = KvCache(n_seq, spec_.num_hidden_layers, spec_.num_key_value_heads * spec_.head_dim);
+  Impl& I = *impl_;
+  const ModelSpec& sp = spec_;
+  I.cache = KvCache(n_seq, sp.num_hidden_layers, sp.num_key_value_heads * sp.head_dim);
+  I.gdn.clear();
+  I.gdn.resize(size_t(sp.num_hidden_layers));
+  I.rollback_from.assign(size_t(n_seq), -1);
+  I.rollback_cu.clear();
+  const int64_t C = 2 * sp.linear_num_key_heads * sp.linear_key_head_dim + sp.linear_num_value_heads * sp.linear_value_head_dim;
+  const int64_t state = sp.linear_num_value_heads * sp.linear_key_head_dim * sp.linear_value_head_dim;
+  for (int64_t i = 0; i < sp.num_hidden_layers; ++i) {
+    if (sp.layer_types[size_t(i)] != LayerKind::GatedDeltaNet) continue;
+    Impl::GdnCache& g = I.gdn[size_t(i)];
+    g.window = DeviceArray<float>(size_t(n_seq * (sp.linear_conv_kernel_dim - 1) * C));
+    g.state = DeviceArray<float>(size_t(n_seq * state));
+    g.window.fill_bytes(0, I.s);
+    g.state.fill_bytes(0, I.s);
+  }
 }
 
 void TargetGpu::truncate_cache(int s, int64_t length) {
-  KvCache& C = impl_->cache;
+  Impl& I = *impl_;
+  KvCache& C = I.cache;
   if (s < 0 || s >= C.n || length < 0 || length > C.len[size_t(s)])
     throw std::invalid_argument("truncate_cache: sequence " + std::to_string(s) + ", length " + std::to_string(length));
+  if (length == C.len[size_t(s)]) return;
+  const ModelSpec& sp = spec_;
+  const int64_t K1 = sp.linear_conv_kernel_dim - 1;
+  const int64_t Cg = 2 * sp.linear_num_key_heads * sp.linear_key_head_dim + sp.linear_num_value_heads * sp.linear_value_head_dim;
+  const int64_t St = sp.linear_num_value_heads * sp.linear_key_head_dim * sp.linear_value_head_dim;
+  const int64_t from = I.rollback_from[size_t(s)];
+  if (length > 0 && has_gated_deltanet(sp) && (from < 0 || length < from))
+    throw std::invalid_argument("truncate_cache: GatedDeltaNet states of sequence " + std::to_string(s) +
+                                " are kept only back to length " + std::to_string(from) +
+                                " (run forward_cached with keep_rollback); asked for " + std::to_string(length));
+  for (Impl::GdnCache& g : I.gdn) {
+    if (!g.state.size()) continue;
+    float* window = g.window.data() + s * K1 * Cg;
+    float* state = g.state.data() + s * St;
+    if (length == 0) {  // empty again
+      DFLASH_CUDA_CHECK(cudaMemsetAsync(window, 0, size_t(K1 * Cg) * 4, I.s));
+      DFLASH_CUDA_CHECK(cudaMemsetAsync(state, 0, size_t(St) * 4, I.s));
+      continue;
+    }
+    // history row of token j of the last forward: s * (K-1) + cu[s] + j; window after token j = rows j .. j + K-2
+    const int64_t j = length - from, row0 = I.rollback_cu[size_t(s)];
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(window, g.hist.data() + (s * K1 + row0 + j) * Cg, size_t(K1 * Cg) * 4,
+                                      cudaMemcpyDeviceToDevice, I.s));
+    const float* src = j == 0 ? g.state_before.data() + s * St : g.token_states.data() + (row0 + j - 1) * St;
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(state, src, size_t(St) * 4, cudaMemcpyDeviceToDevice, I.s));
+  }
+  if (length == 0) I.rollback_from[size_t(s)] = -1;
   C.len[size_t(s)] = length;
 }
 
@@ -402,7 +489,7 @@ ForwardOutput TargetGpu::forward_impl(const std::vector<int32_t>& ids, const std
     DFLASH_CUDA_CHECK(cudaStreamSynchronize(I.s));
     out.hidden_states[int(j)] = std::move(t);
   };
-  StreamBuffer<float> x = run_layers(ids, cu, last, keep, cached);
+  StreamBuffer<float> x = run_layers(ids, cu, last, keep, cached, cached && opt.keep_rollback);
   if (last == L - 1) finish_forward(x, T, opt, out, argmax);
   return out;
 }

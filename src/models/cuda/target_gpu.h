@@ -47,18 +47,25 @@ class TargetGpu {
 
   // Decoding (src/spec/decoder.h): a KV cache per layer for a batch of sequences, bf16 keys (after
   // q/k norm and RoPE) and values, grown as needed.
-  /// Drops any earlier cache and starts `n_seq` empty sequences. Throws std::invalid_argument for
-  /// a model with GatedDeltaNet layers (their recurrent state cache is not on the GPU yet).
+  /// Drops any earlier cache and starts `n_seq` empty sequences (GatedDeltaNet layers: zero conv
+  /// windows and recurrent states, fp32). Throws std::runtime_error when out of memory.
   void reset_cache(int n_seq);
   /// As TargetModel::forward with a TargetCache: cu_seqlens [n_seq + 1] gives each cached sequence
   /// its new tokens (positions continue from its length); every layer runs;
   /// logits (when opt.logits) and hidden states come back to the host as float32, and, when
   /// `argmax` is given, the most likely token of every row (computed on the GPU without the logits
-  /// leaving it). Throws std::invalid_argument for bad ids or cu_seqlens, std::runtime_error when the
-  /// cache cannot grow (out of memory).
+  /// leaving it). GatedDeltaNet layers continue each sequence's conv window and state: through the
+  /// chunked kernel, or with opt.keep_rollback token by token (gated_delta_rule_recurrent), keeping
+  /// the state after every new token (n x Hv x dk x dv floats per layer) so that truncate_cache can
+  /// drop any suffix of them. Throws std::invalid_argument for bad ids or cu_seqlens,
+  /// std::runtime_error when the cache cannot grow (out of memory).
   ForwardOutput forward_cached(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu_seqlens,
                                const ForwardOptions& opt, std::vector<int32_t>* argmax = nullptr);
-  /// Keeps the first `length` tokens of cached sequence s (rollback; attention layers only).
+  /// Keeps the first `length` tokens of cached sequence s (speculative decoding's rollback, as
+  /// TargetCache::rollback): attention layers drop keys / values; GatedDeltaNet layers restore the
+  /// window and state saved after token `length` of the last forward_cached, which must have run
+  /// with keep_rollback and begun at or before `length` (std::invalid_argument otherwise).
+  /// length 0 empties the sequence.
   void truncate_cache(int s, int64_t length);
   int64_t cached_length(int s) const;
 
@@ -70,7 +77,7 @@ class TargetGpu {
   /// With `cached`, sequence s continues cached sequence s and its keys / values join the cache.
   cuda::StreamBuffer<float> run_layers(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu, int64_t last,
                                        const std::function<void(int64_t, const float*)>& on_hidden,
-                                       bool cached = false);
+                                       bool cached = false, bool keep_rollback = false);
   ForwardOutput forward_impl(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu,
                              const ForwardOptions& opt, bool cached, std::vector<int32_t>* argmax);
   /// Final norm, hidden_states[L], logits and argmax of x [T, D] into out / argmax.

@@ -47,6 +47,32 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
                               const std::vector<int64_t>& cu_seqlens, int Hk, int Hv, int dk, int dv,
                               const float* initial_state, float* final_state, float* o, cudaStream_t stream);
 
+// ---- Decoding and speculative verification (src/ops/cuda/gated_delta_decode.cu) ----
+// Per sequence s of a cached batch: window [n_seq, K-1, C] holds the last K-1 conv inputs before the
+// new tokens (zeros at the start), state [n_seq, Hv, dk, dv] the recurrent state; cu_seqlens gives
+// each sequence's new tokens (it may have none).
+
+/// causal_conv1d_silu continuing cached windows: rows before a sequence's first new token come from
+/// its window (window[s][K-1-j] is the input j + 1 rows back). x [T, C], w [C, K], seq_of [T] and
+/// cu [n_seq + 1] int32 (device) -> y [T, C]. K <= 8 (std::invalid_argument).
+void causal_conv1d_silu_window(const float* x, const float* w, const float* window, const int32_t* seq_of,
+                               const int32_t* cu, int64_t T, int64_t C, int K, float* y, cudaStream_t stream);
+
+/// After a cached forward: hist [n_seq * (K-1) + T, C] = per sequence s, from row s * (K-1) + cu[s],
+/// its old window then its new conv inputs (the CPU TargetCache's window_hist); then each window
+/// becomes the last K-1 rows of its history. window and hist must not overlap.
+void conv_window_advance(float* window, const float* x, const int32_t* cu, int n_seq, int64_t T, int64_t C, int K,
+                         float* hist, cudaStream_t stream);
+
+/// The gated delta rule token by token (as cpu::gated_delta_rule_recurrent, for q / k already
+/// normalized and scaled by gdn_prepare): per sequence s and token, S = exp(g) S; u = beta (v - S^T k);
+/// S += k u^T; o = S^T q. state [n_seq, Hv, dk, dv] is read and updated in place; token_states (when
+/// given) [T, Hv, dk, dv] gets the state after every token (for rollback). dk <= 128, dv <= 128
+/// (std::invalid_argument). For the few tokens of a decoding / verification step.
+void gated_delta_rule_recurrent(const float* q, const float* k, const float* v, const float* g, const float* beta,
+                                const std::vector<int64_t>& cu_seqlens, int Hk, int Hv, int dk, int dv, float* state,
+                                float* token_states, float* o, cudaStream_t stream);
+
 /// Gated RMSNorm (Qwen3_5RMSNormGated): per row of n, y = w * (x * rsqrt(mean(x^2) + eps)) * silu(z),
 /// in fp32. x, z [rows, n] fp32, w [n] fp32 -> y [rows, n] bf16 (out_proj's GEMM input).
 void gated_rms_norm(const float* x, const float* z, const float* w, bf16* y, int64_t rows, int64_t n, double eps,

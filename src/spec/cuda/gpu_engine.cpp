@@ -1,5 +1,6 @@
-// The GPU decoding engine (dense targets: TargetGpu with its KV cache) and the GPU drafter (DrafterGpu
+// The GPU decoding engine (TargetGpu with its KV cache and GatedDeltaNet states) and the GPU drafter (DrafterGpu
 // drafting from its context key / value cache, as the CPU reference drafter).
+#include <algorithm>
 #include <stdexcept>
 
 #include "models/cuda/drafter_gpu.h"
@@ -30,17 +31,19 @@ class GpuDecoder final : public TargetDecoder {
   GpuDecoder(const TargetModel& m, std::vector<int64_t> taps, int device)
       : s_(device), gpu_(m, s_.s), taps_(std::move(taps)) {
     check_tap_layer_ids(m.spec(), taps_);
-    gpu_.reset_cache(0);  // refuses, before any work, a model the GPU cannot decode yet
+    gpu_.reset_cache(0);
   }
   const ModelSpec& spec() const override { return gpu_.spec(); }
   void reset(int n) override { gpu_.reset_cache(n); }
   void clear(int s) override { gpu_.truncate_cache(s, 0); }
-  std::vector<DecodeOutput> feed(const std::vector<std::vector<int32_t>>& tokens, bool, bool logits) override {
+  std::vector<DecodeOutput> feed(const std::vector<std::vector<int32_t>>& tokens, bool keep_rollback,
+                                 bool logits) override {
     std::vector<int32_t> ids, amax;
     std::vector<int64_t> cu;
     pack_feed(tokens, &ids, &cu);
     ForwardOptions fo;
     fo.logits = logits;
+    fo.keep_rollback = keep_rollback;
     fo.hidden_states = tap_hidden_states(taps_);
     const ForwardOutput f = gpu_.forward_cached(ids, cu, fo, &amax);
     return split_feed_output(f, cu, taps_, &amax, logits);
@@ -48,8 +51,9 @@ class GpuDecoder final : public TargetDecoder {
   void rollback(int s, int64_t length) override { gpu_.truncate_cache(s, length); }
   int64_t length(int s) const override { return gpu_.cached_length(s); }
   std::string describe() const override {
+    const bool gdn = std::count(spec().layer_types.begin(), spec().layer_types.end(), LayerKind::GatedDeltaNet) > 0;
     return "cuda (bf16 weights, KV cache, masked_attention_forward<head_dim " + std::to_string(gpu_.spec().head_dim) +
-           ">, cuBLASLt)";
+           ">, cuBLASLt" + (gdn ? ", GatedDeltaNet conv windows and states (recurrent kernel when verifying)" : "") + ")";
   }
 
  private:
