@@ -94,7 +94,7 @@ TEST_P(TargetFixture, StopsAtDeepestRequestedLayerWithoutLmHead) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Target, TargetFixture, ::testing::Values("llama", "qwen3", "qwen3_hd64", "qwen3_5_text", "qwen3_5",
-                                                                "qwen3_5_moe", "qwen3_next", "qwen3_5_moe_hd64"));
+                                                                "qwen3_5_moe", "qwen3_next", "qwen3_5_moe_hd64", "qwen3_next_hd64"));
 
 namespace {
 /// Copies the llama fixture into `dir`, with `edit` applied to its tensors before writing.
