@@ -59,6 +59,7 @@ if command -v compute-sanitizer >/dev/null; then
 fi
 inspect=$("$build/dflash" inspect tests/fixtures/qwen3_5 2>&1 | sed -n '1,20p')
 inspect_dense=$("$build/dflash" inspect tests/fixtures/qwen3_hd64 2>&1 | sed -n '/^devices/,$p')
+inspect_moe=$("$build/dflash" inspect tests/fixtures/qwen3_next_hd64 2>&1 | sed -n '/^experts/p;/^devices/,$p')
 # dflash train on one GPU vs the CPU reference: same tiny target (qwen3_hd64), same synthetic data,
 # same seed; the loss curves should agree to bf16 noise.
 train_cmp=""
@@ -109,9 +110,12 @@ if [ "${GPU_CHECK_BENCH:-1}" != 0 ]; then
   bench=$(tail -n 4 "$out/drafter-step.md" 2>/dev/null)
   # The GatedDeltaNet kernels and the Qwen3.6-27B hybrid target forward (random weights).
   DFLASH_COMMIT="$commit" "$build/dflash" bench gdn --results "$out" >>"$log" 2>&1 || tests_rc=1
-  DFLASH_COMMIT="$commit" "$build/dflash" bench target-forward --device cuda --preset qwen3.6-27b --results "$out" \
-    >>"$log" 2>&1 || tests_rc=1
-  bench+=$'\n'"$(tail -n 3 "$out/gdn.md" 2>/dev/null)"$'\n'"$(tail -n 2 "$out/target-forward.md" 2>/dev/null)"
+  # ... and the Qwen3.6-35B-A3B mixture-of-experts target (256 experts, top 8).
+  for p in qwen3.6-27b qwen3.6-35b-a3b; do
+    DFLASH_COMMIT="$commit" "$build/dflash" bench target-forward --device cuda --preset "$p" --results "$out" \
+      >>"$log" 2>&1 || tests_rc=1
+  done
+  bench+=$'\n'"$(tail -n 3 "$out/gdn.md" 2>/dev/null)"$'\n'"$(tail -n 4 "$out/target-forward.md" 2>/dev/null)"
 fi
 # The training pipeline of one sample (target taps + drafter step, colocated on one GPU): the tiny
 # smoke run always (printed, not recorded); qwen3-8b with the benchmarks (appended to $out/pipeline.*).
@@ -164,6 +168,10 @@ fi
   echo '## dflash inspect tests/fixtures/qwen3_hd64 (a model the GPU backend runs)'
   echo '```'
   echo "$inspect_dense"
+  echo '```'
+  echo '## dflash inspect tests/fixtures/qwen3_next_hd64 (mixture of experts on the GPU)'
+  echo '```'
+  echo "$inspect_moe"
   echo '```'
   echo '## dflash train: --device cuda vs the CPU reference (qwen3_hd64 target, synthetic data, 60 steps)'
   echo '```'
