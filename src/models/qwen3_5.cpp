@@ -202,7 +202,7 @@ Tensor gated_deltanet_forward(const ModelSpec& s, const GatedDeltaNetWeights& w,
         c.state_hist = Tensor({n + 1, Hv, dk, dv});
         std::copy(c.state.data.begin(), c.state.data.end(), c.state_hist.ptr());
         std::copy_n(token_states.ptr() + b * St, n * St, c.state_hist.ptr() + St);
-      } else {
+      } else if (n > 0) {  // these tokens cannot be dropped; an idle sequence keeps its history
         c.window_hist = c.state_hist = Tensor();
       }
       std::copy_n(final_state.ptr() + i * St, St, c.state.ptr());

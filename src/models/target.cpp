@@ -209,8 +209,12 @@ ForwardOutput TargetModel::forward(const std::vector<int32_t>& ids, const std::v
   if (cache)
     for (int s = 0; s < cache->num_seqs(); ++s) {
       TargetCache::Seq& q = cache->seqs[size_t(s)];
-      q.rollback_from = opt.keep_rollback ? q.length : -1;
-      q.length += cu[size_t(s) + 1] - cu[size_t(s)];
+      const int64_t n = cu[size_t(s) + 1] - cu[size_t(s)];
+      // A forward without keep_rollback seals the tokens it adds; a sequence it gives no tokens keeps
+      // what an earlier verification saved (continuous batching prefills new prompts in between).
+      if (opt.keep_rollback) q.rollback_from = q.length;
+      else if (n > 0) q.rollback_from = -1;
+      q.length += n;
     }
   return out;
 }

@@ -87,17 +87,24 @@ TEST_P(CudaDecodeTargets, CachedForwardEqualsFullForward) {
                   kTolBf16Target);
         at[q] += step[q];
       }
-      if (at[0] == 26) {  // roll sequence 0 back by 6 and feed other tokens there: the next step checks it
+      if (p == 2) {
+        // Roll sequence 0 back by 6 (in two truncations) and sequence 1 to before the whole step (the
+        // state saved before it), then feed other tokens there: the next step checks them.
+        gpu.truncate_cache(0, 22);
         gpu.truncate_cache(0, 20);
-        at[0] = 20;
+        gpu.truncate_cache(1, 201);
         for (size_t i = 20; i < 26; ++i) seqs[0][i] = int32_t((seqs[0][i] + 7) % V);
+        for (size_t i = 201; i < 217; ++i) seqs[1][i] = int32_t((seqs[1][i] + 3) % V);
+        at[0] = 20, at[1] = 201;
+        if (hybrid)  // sequence 2 had no tokens in that step: nothing of it can be dropped
+          EXPECT_THROW(gpu.truncate_cache(2, int64_t(at[2]) - 1), std::invalid_argument);
       }
     }
-    EXPECT_EQ(gpu.cached_length(1), 300);
+    EXPECT_EQ(gpu.cached_length(1), 284);
     EXPECT_THROW(gpu.truncate_cache(0, 1000), std::invalid_argument);
     EXPECT_THROW(gpu.forward_cached({1}, {0, 1}, o), std::invalid_argument);  // 1 sequence given, 3 cached
     if (hybrid)  // the last step kept no per-token states: its tokens cannot be dropped, only all of them
-      EXPECT_THROW(gpu.truncate_cache(1, 299), std::invalid_argument);
+      EXPECT_THROW(gpu.truncate_cache(1, 283), std::invalid_argument);
     gpu.truncate_cache(1, 0);  // emptied: starts again from zero states
     const ForwardOutput again = gpu.forward_cached({seqs[1][0], seqs[1][1]}, {0, 0, 2, 2}, o);
     const ForwardOutput want = gpu.forward({seqs[1][0], seqs[1][1]}, {0, 2}, ForwardOptions{});
@@ -129,6 +136,16 @@ TEST_P(CudaDecodeTargets, SpeculativeEqualsPlainGreedyOnTheGpuEngine) {
     EXPECT_EQ(spec.seqs[q].tokens, plain.seqs[q].tokens) << "prompt " << q << " (oracle drafter)";
     EXPECT_EQ(spec_random.seqs[q].tokens, plain.seqs[q].tokens) << "prompt " << q << " (random drafter)";
   }
+  // Continuous batching: two slots, three prompts, prompt 0 stopping early, so prompt 2's prefill
+  // runs between prompt 1's verification and its rollback.
+  const std::vector<std::vector<int32_t>> ps3{ps[0], ps[1], random_ids(5, 200, 6)};
+  GenerateOptions cb = o;
+  cb.max_batch = 2;
+  cb.stop_token_ids = {plain.seqs[0].tokens[4]};
+  const auto plain3 = generate(*dec, nullptr, ps3, cb);
+  const auto spec3 = generate(*dec, random.get(), ps3, cb);
+  EXPECT_TRUE(plain3.seqs[0].stopped);
+  for (size_t q = 0; q < ps3.size(); ++q) EXPECT_EQ(spec3.seqs[q].tokens, plain3.seqs[q].tokens) << "prompt " << q;
   const AcceptanceStats a = acceptance_stats(spec.seqs, cfg.block_size);
   for (int64_t j = 1; j <= cfg.block_size; ++j) EXPECT_GT(a.histogram[size_t(j)], 0) << j;
 }

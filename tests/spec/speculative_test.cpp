@@ -99,6 +99,14 @@ TEST_P(SpecFixture, ContinuousBatchingChangesNothing) {
     }
     EXPECT_EQ(finished, int64_t(ps.size()));
   }
+  // Prompt 0 stops early, so prompt 2's prefill runs in the same step as prompt 1's verification:
+  // between that verification and its rollback (which GatedDeltaNet states must survive).
+  o.max_batch = 2;
+  o.stop_token_ids = {all.seqs[0].tokens[4]};
+  const auto plain = generate(*decoder, nullptr, ps, o);
+  const auto spec = generate(*decoder, drafter.get(), ps, o);
+  EXPECT_TRUE(plain.seqs[0].stopped);
+  for (size_t s = 0; s < ps.size(); ++s) EXPECT_EQ(spec.seqs[s].tokens, plain.seqs[s].tokens) << "prompt " << s;
 }
 
 TEST_P(SpecFixture, GreedyIsLosslessForEveryAcceptanceLength) {

@@ -339,7 +339,16 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
       if (gc && keep_rollback) {  // token by token, keeping every token's state
         const size_t n_state = size_t(C.n * state_elems);
         if (gc->state_before.size() < n_state) gc->state_before = DeviceArray<float>(n_state);
-        if (gc->token_states.size() < size_t(T * state_elems)) gc->token_states = DeviceArray<float>(size_t(T * state_elems));
+        if (gc->token_states.size() < size_t(T * state_elems)) {
+          gc->token_states = DeviceArray<float>();
+          try {
+            gc->token_states = DeviceArray<float>(size_t(T * state_elems));
+          } catch (const std::runtime_error& e) {
+            throw std::runtime_error("verifying " + std::to_string(T) + " tokens keeps every token's GatedDeltaNet state (" +
+                                     std::to_string(double(T * state_elems) * 4 / (1 << 30)) +
+                                     " GiB per layer): lower the batch size or the block size (" + e.what() + ")");
+          }
+        }
         DFLASH_CUDA_CHECK(cudaMemcpyAsync(gc->state_before.data(), gc->state.data(), n_state * 4, cudaMemcpyDeviceToDevice, s));
         cuda::gated_delta_rule_recurrent(gq.data(), gk.data(), gv.data(), gg.data(), gbeta.data(), cu, int(Hk), int(Hv),
                                          int(dk), int(dv), gc->state.data(), gc->token_states.data(), go.data(), s);
@@ -394,10 +403,14 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
     on_hidden(i + 1, x.data());
   }
   if (cached) {
-    if (hybrid) I.rollback_cu = keep_rollback ? cu : std::vector<int64_t>{};
+    // As TargetCache: a forward without keep_rollback seals the tokens it adds; a sequence it gives
+    // no tokens keeps what the last verification saved (hist and token_states are left alone).
+    if (hybrid && keep_rollback) I.rollback_cu = cu;
     for (int q = 0; q < C.n; ++q) {
-      if (hybrid) I.rollback_from[size_t(q)] = keep_rollback ? C.len[size_t(q)] : -1;
-      C.len[size_t(q)] += cu[size_t(q) + 1] - cu[size_t(q)];
+      const int64_t n = cu[size_t(q) + 1] - cu[size_t(q)];
+      if (hybrid && keep_rollback) I.rollback_from[size_t(q)] = C.len[size_t(q)];
+      else if (hybrid && n > 0) I.rollback_from[size_t(q)] = -1;
+      C.len[size_t(q)] += n;
     }
   }
   return x;
@@ -427,31 +440,39 @@ void TargetGpu::reset_cache(int n_seq) {
 void TargetGpu::truncate_cache(int s, int64_t length) {
   Impl& I = *impl_;
   KvCache& C = I.cache;
-  if (s < 0 || s >= C.n || length < 0 || length > C.len[size_t(s)])
-    throw std::invalid_argument("truncate_cache: sequence " + std::to_string(s) + ", length " + std::to_string(length));
+  if (s < 0 || s >= C.n)
+    throw std::invalid_argument("truncate_cache: sequence " + std::to_string(s) + " of " + std::to_string(C.n));
+  if (length < 0 || length > C.len[size_t(s)])
+    throw std::invalid_argument("truncate_cache: length " + std::to_string(length) + " outside [0, " +
+                                std::to_string(C.len[size_t(s)]) + "] (sequence " + std::to_string(s) + ")");
   if (length == C.len[size_t(s)]) return;
   const ModelSpec& sp = spec_;
   const int64_t K1 = sp.linear_conv_kernel_dim - 1;
   const int64_t Cg = 2 * sp.linear_num_key_heads * sp.linear_key_head_dim + sp.linear_num_value_heads * sp.linear_value_head_dim;
   const int64_t St = sp.linear_num_value_heads * sp.linear_key_head_dim * sp.linear_value_head_dim;
   const int64_t from = I.rollback_from[size_t(s)];
-  if (length > 0 && has_gated_deltanet(sp) && (from < 0 || length < from))
+  if (length > 0 && has_gated_deltanet(sp) && from < 0)
+    throw std::invalid_argument("truncate_cache: sequence " + std::to_string(s) + "'s last tokens came from a " +
+                                "forward_cached without keep_rollback: its GatedDeltaNet states cannot go back to " +
+                                std::to_string(length));
+  if (length > 0 && has_gated_deltanet(sp) && length < from)
     throw std::invalid_argument("truncate_cache: GatedDeltaNet states of sequence " + std::to_string(s) +
-                                " are kept only back to length " + std::to_string(from) +
-                                " (run forward_cached with keep_rollback); asked for " + std::to_string(length));
+                                " are kept only back to length " + std::to_string(from) + "; asked for " +
+                                std::to_string(length));
   for (Impl::GdnCache& g : I.gdn) {
     if (!g.state.size()) continue;
     float* window = g.window.data() + s * K1 * Cg;
     float* state = g.state.data() + s * St;
     if (length == 0) {  // empty again
-      DFLASH_CUDA_CHECK(cudaMemsetAsync(window, 0, size_t(K1 * Cg) * 4, I.s));
+      if (K1 > 0) DFLASH_CUDA_CHECK(cudaMemsetAsync(window, 0, size_t(K1 * Cg) * 4, I.s));
       DFLASH_CUDA_CHECK(cudaMemsetAsync(state, 0, size_t(St) * 4, I.s));
       continue;
     }
     // history row of token j of the last forward: s * (K-1) + cu[s] + j; window after token j = rows j .. j + K-2
     const int64_t j = length - from, row0 = I.rollback_cu[size_t(s)];
-    DFLASH_CUDA_CHECK(cudaMemcpyAsync(window, g.hist.data() + (s * K1 + row0 + j) * Cg, size_t(K1 * Cg) * 4,
-                                      cudaMemcpyDeviceToDevice, I.s));
+    if (K1 > 0)
+      DFLASH_CUDA_CHECK(cudaMemcpyAsync(window, g.hist.data() + (s * K1 + row0 + j) * Cg, size_t(K1 * Cg) * 4,
+                                        cudaMemcpyDeviceToDevice, I.s));
     const float* src = j == 0 ? g.state_before.data() + s * St : g.token_states.data() + (row0 + j - 1) * St;
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(state, src, size_t(St) * 4, cudaMemcpyDeviceToDevice, I.s));
   }

@@ -53,7 +53,7 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
 // each sequence's new tokens (it may have none).
 
 /// causal_conv1d_silu continuing cached windows: rows before a sequence's first new token come from
-/// its window (window[s][K-1-j] is the input j + 1 rows back). x [T, C], w [C, K], seq_of [T] and
+/// its window (window[s][K-2-j] is the input j + 1 rows back). x [T, C], w [C, K], seq_of [T] and
 /// cu [n_seq + 1] int32 (device) -> y [T, C]. K <= 8 (std::invalid_argument).
 void causal_conv1d_silu_window(const float* x, const float* w, const float* window, const int32_t* seq_of,
                                const int32_t* cu, int64_t T, int64_t C, int K, float* y, cudaStream_t stream);

@@ -266,6 +266,10 @@ void grouped_gemm(const bf16* A, const int32_t* a_rows, const bf16* B, const int
 void moe_ffn_forward(GemmContext& gemm, const MoeShape& s, const MoeWeightsGpu& w, const bf16* h, float* x) {
   check_experts(s.E, s.k, "moe_ffn_forward");
   if (s.T <= 0) return;
+  if (s.T * s.k / GBM + s.E >= 65536)  // grouped_gemm's grid; also keeps row offsets within int32
+    throw std::invalid_argument("moe_ffn_forward: " + std::to_string(s.T) + " tokens x " + std::to_string(s.k) +
+                                " experts each exceed one forward's " + std::to_string((65535 - s.E) * GBM) +
+                                " expert rows: run fewer tokens per forward");
   cudaStream_t st = gemm.stream();
   const int64_t T = s.T, D = s.D, Im = s.Im, Is = s.Is, n = T * s.k, ld = s.E + (Is > 0 ? 1 : 0);
   StreamBuffer<float> logits(size_t(T * ld), st), wts(size_t(n), st);

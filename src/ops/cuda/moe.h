@@ -36,8 +36,9 @@ void moe_permute(const int32_t* ids, const int32_t* counts, int64_t T, int E, in
 ///   C [r, :] = A [a_rows ? a_rows[r] : r, :] @ B[e]^T   for r in offsets[e]..offsets[e+1], every e,
 /// A [*, K] bf16, B [E, N, K] bf16 (nn.Linear weights per expert), C [total_rows, N] fp32. The
 /// expert of each tile comes from tile_start (device memory, moe_permute): no host synchronisation.
-/// total_rows = offsets[E] (known on the host: T * k). Requires N and K multiples of 8 and
-/// total_rows / kGroupedGemmRows + E < 65536 (std::invalid_argument).
+/// total_rows = offsets[E] (known on the host: T * k). Requires N and K multiples of 8, A and B
+/// 16-byte aligned (as every device allocation is) and total_rows / kGroupedGemmRows + E < 65536
+/// (std::invalid_argument).
 void grouped_gemm(const bf16* A, const int32_t* a_rows, const bf16* B, const int32_t* offsets, const int32_t* tile_start,
                   int E, int64_t total_rows, int64_t N, int64_t K, float* C, cudaStream_t stream);
 
