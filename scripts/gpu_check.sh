@@ -34,7 +34,8 @@ for lib in libcublasLt.so.13 libnccl.so.2; do
   fi
 done
 
-export DFLASH_SOURCE_DIR="$root" DFLASH_BINARY="$root/$build/dflash"
+case "$build" in /*) bin_dir="$build" ;; *) bin_dir="$root/$build" ;; esac  # BUILD_DIR absolute or relative
+export DFLASH_SOURCE_DIR="$root" DFLASH_BINARY="$bin_dir/dflash"
 "$build/dflash_tests" --gtest_brief=1 >"$out/gpu_tests.log" 2>&1
 tests_rc=$?
 summary=$(grep -E '^\[  (PASSED|FAILED)  \]|tests? ran|SKIPPED \]' "$out/gpu_tests.log" | head -n 5)
