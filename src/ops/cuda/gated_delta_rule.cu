@@ -16,13 +16,14 @@
 #include <string>
 
 #include "ops/cuda/gated_delta_rule.h"
+#include "ops/cuda/mma.cuh"
 
 namespace dflash::cuda {
 
 namespace {
 
 constexpr int kChunk = 64;      // tokens per chunk
-constexpr int kCols = 16;       // state columns (value features) per chunk_state block
+constexpr int kCols = 32;       // state columns (value features) per chunk_state block
 constexpr int kThreads = 256;
 
 __device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
@@ -235,11 +236,26 @@ __global__ void __launch_bounds__(kThreads) chunk_prepare_kernel(const float* q,
   if (tid < L) G_out[int64_t(ch.start + tid) * Hv + h] = G[tid];
 }
 
-/// One block per (sequence, value head, 16 state columns): walks the sequence's chunks in order and
+/// Rows [0, 64) of a [T, H, n] fp32 tensor (head h, columns c0 .. c0 + ncols - 1, ncols % 4 == 0,
+/// rows from `start`) into dst [64][ld] with cp.async: rows >= L and columns >= ncols are zero-filled
+/// (columns up to `width`). Completes at the next cp.async wait.
+__device__ __forceinline__ void load_rows_async(float* dst, int ld, int width, const float* src, int start, int L, int H,
+                                                int h, int n, int c0, int ncols) {
+  const int n4 = width / 4;
+  for (int e = threadIdx.x; e < kChunk * n4; e += kThreads) {
+    const int r = e / n4, c = (e - r * n4) * 4;
+    const bool ok = r < L && c < ncols;
+    mma::cp_async16(dst + r * ld + c, ok ? src + (int64_t(start + r) * H + h) * n + c0 + c : src, ok);
+  }
+}
+
+/// One block per (sequence, value head, 32 state columns): walks the sequence's chunks in order and
 /// keeps only what is sequential: saves the state before each chunk (H [chunks, Hv, dk, dv]), the
 /// chunk's U = u - w S0 (U [T, Hv, dv]), then S = exp(G_L) S0 + (diag(exp(G_L - G)) K)^T U.
-/// Thread tiles: U rows ur + 32 r (r < 2) x columns 2 cp, 2 cp + 1; S rows 4 mg .. 4 mg + 3 x the same.
-__global__ void __launch_bounds__(kThreads, 3) chunk_state_kernel(const float* k, const float* w_in, const float* u_in,
+/// Loads run ahead of the math (cp.async): the chunk's keys while U is computed, the next chunk's w,
+/// u and gates while the state is updated. Thread tiles: U rows ur + 32 r (r < 2) x columns
+/// 4 cp .. 4 cp + 3; S rows 4 ur .. 4 ur + 3 x the same columns.
+__global__ void __launch_bounds__(kThreads, 2) chunk_state_kernel(const float* k, const float* w_in, const float* u_in,
                                                                const float* G_in, const Chunk* chunks,
                                                                const int32_t* first_chunk, int Hk, int Hv, int dk,
                                                                int dv, const float* init, float* final_state,
@@ -249,83 +265,107 @@ __global__ void __launch_bounds__(kThreads, 3) chunk_state_kernel(const float* k
   constexpr int ldu = kCols + 4;
   const int ld = dk + 4;
   float* S = sm;                          // [dk][kCols] state columns c0 .. c0 + kCols - 1
-  float* X = S + dk * kCols;              // [64][ld] w rows, then decayed k rows
-  float* U = X + kChunk * ld;             // [64][ldu]
-  float* G = U + kChunk * ldu;            // [64]
-  float* D = G + kChunk;                  // [64] exp(G_L - G_j)
+  float* Xw = S + dk * kCols;             // [64][ld] w rows of the current chunk
+  float* Xk = Xw + kChunk * ld;           // [64][ld] k rows of the current chunk
+  float* Ub = Xk + kChunk * ld;           // 2 x [64][ldu] u, then U (buffer ci & 1)
+  float* Gb = Ub + 2 * kChunk * ldu;      // 2 x [64] in-chunk cumulative gates (buffer ci & 1)
+  float* D = Gb + 2 * kChunk;             // [64] exp(G_L - G_j)
   const int seq = blockIdx.x, h = blockIdx.y, c0 = blockIdx.z * kCols, kh = h / (Hv / Hk), tid = threadIdx.x;
-  const int cp = tid % (kCols / 2), c = 2 * cp, ur = tid / (kCols / 2);  // ur < 32
+  const int cp = tid % (kCols / 4), c = 4 * cp, ur = tid / (kCols / 4);  // ur < 32
+  const int ncols = min(kCols, dv - c0);
   const int64_t state_off = (int64_t(seq) * Hv + h) * dk * dv;
   for (int e = tid; e < dk * kCols; e += kThreads) {
     const int m = e / kCols, cc = e % kCols;
-    S[e] = init && c0 + cc < dv ? init[state_off + int64_t(m) * dv + c0 + cc] : 0.f;
+    S[e] = init && cc < ncols ? init[state_off + int64_t(m) * dv + c0 + cc] : 0.f;
   }
+  const int c_first = first_chunk[seq], c_end = first_chunk[seq + 1];
+  // w, u and the gates of chunk ci into Xw, Ub[ci & 1], Gb[ci & 1] (one cp.async group).
+  auto fetch_next = [&](int ci) {
+    if (ci < c_end) {
+      const Chunk ch = chunks[ci];
+      float* Gd = Gb + (ci & 1) * kChunk;
+      load_rows_async(Xw, ld, dk, w_in, ch.start, ch.len, Hv, h, dk, 0, dk);
+      load_rows_async(Ub + (ci & 1) * kChunk * ldu, ldu, kCols, u_in, ch.start, ch.len, Hv, h, dv, c0, ncols);
+      if (tid < kChunk) mma::cp_async4(Gd + tid, G_in + int64_t(ch.start + min(tid, ch.len - 1)) * Hv + h, tid < ch.len);
+    }
+    mma::cp_async_commit();
+  };
+  fetch_next(c_first);
+  mma::cp_async_wait<0>();
   __syncthreads();
-  for (int ci = first_chunk[seq]; ci < first_chunk[seq + 1]; ++ci) {
+  for (int ci = c_first; ci < c_end; ++ci) {
     const Chunk ch = chunks[ci];
     const int L = ch.len;
+    float* U = Ub + (ci & 1) * kChunk * ldu;
+    const float* G = Gb + (ci & 1) * kChunk;
+    load_rows_async(Xk, ld, dk, k, ch.start, L, Hk, kh, dk, 0, dk);  // keys, for the state update below
+    mma::cp_async_commit();
     float* Hc = H_out + (int64_t(ci) * Hv + h) * dk * dv;  // the state before this chunk
     for (int e = tid; e < dk * kCols; e += kThreads) {
       const int m = e / kCols, cc = e % kCols;
-      if (c0 + cc < dv) Hc[int64_t(m) * dv + c0 + cc] = S[e];
+      if (cc < ncols) Hc[int64_t(m) * dv + c0 + cc] = S[e];
     }
-    load_rows(X, ld, w_in, ch.start, L, Hv, h, dk, nullptr);
-    load_tile(U, kChunk, ldu, min(kCols, dv - c0), [&](int r) {
-      return r < L ? u_in + (int64_t(ch.start + r) * Hv + h) * dv + c0 : static_cast<const float*>(nullptr);
-    }, nullptr);
-    if (tid < kChunk) G[tid] = tid < L ? G_in[int64_t(ch.start + tid) * Hv + h] : 0.f;
-    __syncthreads();
     if (tid < kChunk) D[tid] = tid < L ? __expf(G[L - 1] - G[tid]) : 0.f;
     // U = u_hat - w S0
-    float acc[2][2] = {};
+    float acc[2][4] = {};
     for (int m = 0; m < dk; m += 4) {
-      float2 sv[4];
+      float4 sv[4];
 #pragma unroll
-      for (int mm = 0; mm < 4; ++mm) sv[mm] = *reinterpret_cast<const float2*>(S + (m + mm) * kCols + c);
+      for (int mm = 0; mm < 4; ++mm) sv[mm] = *reinterpret_cast<const float4*>(S + (m + mm) * kCols + c);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float4 x = *reinterpret_cast<const float4*>(X + (ur + 32 * r) * ld + m);
+        const float4 x = *reinterpret_cast<const float4*>(Xw + (ur + 32 * r) * ld + m);
         acc[r][0] += x.x * sv[0].x + x.y * sv[1].x + x.z * sv[2].x + x.w * sv[3].x;
         acc[r][1] += x.x * sv[0].y + x.y * sv[1].y + x.z * sv[2].y + x.w * sv[3].y;
+        acc[r][2] += x.x * sv[0].z + x.y * sv[1].z + x.z * sv[2].z + x.w * sv[3].z;
+        acc[r][3] += x.x * sv[0].w + x.y * sv[1].w + x.z * sv[2].w + x.w * sv[3].w;
       }
     }
-    __syncthreads();  // X (w) is read: keys next
+    __syncthreads();  // Xw (w) and D are done with: the next chunk's w, u and gates load behind the update
+    fetch_next(ci + 1);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int i = ur + 32 * r;
       if (i >= L) continue;
       float* ui = U + i * ldu + c;
-      ui[0] -= acc[r][0], ui[1] -= acc[r][1];
       float* dst = U_out + (int64_t(ch.start + i) * Hv + h) * dv + c0 + c;
-      if (c0 + c < dv) dst[0] = ui[0];
-      if (c0 + c + 1 < dv) dst[1] = ui[1];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        ui[q] -= acc[r][q];
+        if (c + q < ncols) dst[q] = ui[q];
+      }
     }
-    load_rows(X, ld, k, ch.start, L, Hk, kh, dk, D);  // keys times exp(G_L - G_j)
+    mma::cp_async_wait<1>();  // the keys (not the next chunk's loads)
     __syncthreads();
     // S = exp(G_L) S0 + (diag(exp(G_L - G)) K)^T U
     const int m0 = 4 * ur;
     if (m0 < dk) {
       const float gl = __expf(G[L - 1]);
-      float sa[4][2];
+      float sa[4][4];
 #pragma unroll
-      for (int r = 0; r < 4; ++r) sa[r][0] = gl * S[(m0 + r) * kCols + c], sa[r][1] = gl * S[(m0 + r) * kCols + c + 1];
+      for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) sa[r][q] = gl * S[(m0 + r) * kCols + c + q];
       for (int j = 0; j < L; ++j) {
-        const float4 x = *reinterpret_cast<const float4*>(X + j * ld + m0);
-        const float2 uv = *reinterpret_cast<const float2*>(U + j * ldu + c);
-        sa[0][0] += x.x * uv.x, sa[0][1] += x.x * uv.y;
-        sa[1][0] += x.y * uv.x, sa[1][1] += x.y * uv.y;
-        sa[2][0] += x.z * uv.x, sa[2][1] += x.z * uv.y;
-        sa[3][0] += x.w * uv.x, sa[3][1] += x.w * uv.y;
+        const float4 kx = *reinterpret_cast<const float4*>(Xk + j * ld + m0);
+        const float f = D[j];
+        const float x[4] = {kx.x * f, kx.y * f, kx.z * f, kx.w * f};
+        const float4 uv = *reinterpret_cast<const float4*>(U + j * ldu + c);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) sa[r][0] += x[r] * uv.x, sa[r][1] += x[r] * uv.y, sa[r][2] += x[r] * uv.z, sa[r][3] += x[r] * uv.w;
       }
 #pragma unroll
-      for (int r = 0; r < 4; ++r) S[(m0 + r) * kCols + c] = sa[r][0], S[(m0 + r) * kCols + c + 1] = sa[r][1];
+      for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) S[(m0 + r) * kCols + c + q] = sa[r][q];
     }
+    mma::cp_async_wait<0>();  // the next chunk's w, u and gates
     __syncthreads();
   }
   if (final_state)
     for (int e = tid; e < dk * kCols; e += kThreads) {
       const int m = e / kCols, cc = e % kCols;
-      if (c0 + cc < dv) final_state[state_off + int64_t(m) * dv + c0 + cc] = S[e];
+      if (cc < ncols) final_state[state_off + int64_t(m) * dv + c0 + cc] = S[e];
     }
 }
 
@@ -498,9 +538,10 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   }
   // The sequential part: states before each chunk and the chunks' U.
   StreamBuffer<float> H(size_t(nch * Hv * dk * dv), stream), U(size_t(T * Hv * dv), stream);
-  const size_t smem_state = (dk * kCols + kChunk * (dk + 4) + kChunk * (kCols + 4) + 2 * kChunk) * sizeof(float);
-  // Three blocks per SM (registers capped by __launch_bounds__, shared memory carved out to the most):
-  // the 384 blocks of a 48-head sequence in one wave on an H100 / H200.
+  const size_t smem_state =
+      (dk * kCols + 2 * kChunk * (dk + 4) + 2 * kChunk * (kCols + 4) + 3 * kChunk) * sizeof(float);
+  // Two blocks per SM (registers capped by __launch_bounds__, shared memory carved out to the most):
+  // the 192 blocks of a 48-head sequence in one wave on an H100 / H200.
   allow_shared_memory(chunk_state_kernel, smem_state, "chunk_state");
   DFLASH_CUDA_CHECK(cudaFuncSetAttribute(chunk_state_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                          cudaSharedmemCarveoutMaxShared));

@@ -102,11 +102,6 @@ __device__ void load_rows(bf16* dst, int ld, const bf16* src, int N, int heads, 
   }
 }
 // cp.async (sm_80+): the next tile is fetched while the current one is computed on (double buffering).
-/// 4-byte cp.async (through L1); zero-fills when !valid.
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
-  const unsigned d = unsigned(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 4 : 0));
-}
 /// Waits until at most one committed group (the newest) is still in flight.
 __device__ __forceinline__ void cp_async_wait_prev() { cp_async_wait<1>(); }
 
