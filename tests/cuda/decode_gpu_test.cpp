@@ -96,15 +96,17 @@ TEST_P(CudaDecodeTargets, CachedForwardEqualsFullForward) {
         for (size_t i = 20; i < 26; ++i) seqs[0][i] = int32_t((seqs[0][i] + 7) % V);
         for (size_t i = 201; i < 217; ++i) seqs[1][i] = int32_t((seqs[1][i] + 3) % V);
         at[0] = 20, at[1] = 201;
-        if (hybrid)  // sequence 2 had no tokens in that step: nothing of it can be dropped
+        if (hybrid) {  // sequence 2 had no tokens in that step: nothing of it can be dropped
           EXPECT_THROW(gpu.truncate_cache(2, int64_t(at[2]) - 1), std::invalid_argument);
+        }
       }
     }
     EXPECT_EQ(gpu.cached_length(1), 284);
     EXPECT_THROW(gpu.truncate_cache(0, 1000), std::invalid_argument);
     EXPECT_THROW(gpu.forward_cached({1}, {0, 1}, o), std::invalid_argument);  // 1 sequence given, 3 cached
-    if (hybrid)  // the last step kept no per-token states: its tokens cannot be dropped, only all of them
+    if (hybrid) {  // the last step kept no per-token states: its tokens cannot be dropped, only all of them
       EXPECT_THROW(gpu.truncate_cache(1, 283), std::invalid_argument);
+    }
     gpu.truncate_cache(1, 0);  // emptied: starts again from zero states
     const ForwardOutput again = gpu.forward_cached({seqs[1][0], seqs[1][1]}, {0, 0, 2, 2}, o);
     const ForwardOutput want = gpu.forward({seqs[1][0], seqs[1][1]}, {0, 2}, ForwardOptions{});

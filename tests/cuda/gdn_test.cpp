@@ -152,7 +152,9 @@ void check_chunked(const std::vector<int64_t>& lens, int64_t Hk, int64_t Hv, int
     cuda::gated_delta_rule_chunked(dq.data(), dk_.data(), dv_.data(), dg.data(), db.data(), cu, int(Hk), int(Hv),
                                    int(dk), int(dv), init ? ds0.data() : nullptr, fs.data(), o.data(), nullptr);
   const std::vector<float> got = host_f32(o), state = host_f32(recurrent ? ds0 : fs);
-  if (recurrent) EXPECT_LE(test::rel_l2(host_f32(tokens), want_tokens.data), kTolChunked) << "every token's state";
+  if (recurrent) {
+    EXPECT_LE(test::rel_l2(host_f32(tokens), want_tokens.data), kTolChunked) << "every token's state";
+  }
   std::string what = recurrent ? "recurrent, T" : "T";
   for (int64_t l : lens) what += " " + std::to_string(l);
   what += ", Hk " + std::to_string(Hk) + " Hv " + std::to_string(Hv) + " dk " + std::to_string(dk) + " dv " +
