@@ -63,8 +63,9 @@ int run_gdn_bench(const GdnBenchOptions& o) {
       cuda::gdn_prepare(conv.data(), b.data(), a.data(), A_log.data(), dt.data(), T, Hk, Hv, dk, dv, scale, q.data(),
                         k.data(), v.data(), g.data(), beta.data(), s);
     };
+    const cuda::GdnChunkPlan plan(cu, s);  // made once per batch, as a forward does
     auto rule_run = [&] {
-      cuda::gated_delta_rule_chunked(q.data(), k.data(), v.data(), g.data(), beta.data(), cu, Hk, Hv, dk, dv, nullptr,
+      cuda::gated_delta_rule_chunked(q.data(), k.data(), v.data(), g.data(), beta.data(), plan, Hk, Hv, dk, dv, nullptr,
                                      nullptr, out.data(), s);
     };
     const double conv_ms = median(time_runs(s, o.warmup, o.steps, conv_run));

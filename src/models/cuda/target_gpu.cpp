@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <optional>
 #include <stdexcept>
 
 #include "models/cuda/kv_cache.h"
@@ -290,6 +291,8 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
   const int64_t dv = sp.linear_value_head_dim, Cg = 2 * Hk * dk + Hv * dv;
   const bool hybrid = has_gated_deltanet(sp);
   StreamBuffer<int32_t> d_start = cuda::upload(hybrid ? cuda::sequence_starts(cu) : std::vector<int32_t>{}, s);
+  std::optional<cuda::GdnChunkPlan> gdn_chunks;  // the chunk list, once for every GatedDeltaNet layer
+  if (hybrid) gdn_chunks.emplace(cu, s);
   // With a cache: each token's sequence and the cu_seqlens as int32 for the windowed conv.
   std::vector<int32_t> seq_of, cu32;
   if (cached && hybrid) {
@@ -353,9 +356,9 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
         cuda::gated_delta_rule_recurrent(gq.data(), gk.data(), gv.data(), gg.data(), gbeta.data(), cu, int(Hk), int(Hv),
                                          int(dk), int(dv), gc->state.data(), gc->token_states.data(), go.data(), s);
       } else {  // the cached state in and out (in place: each block reads its slice before writing it)
-        cuda::gated_delta_rule_chunked(gq.data(), gk.data(), gv.data(), gg.data(), gbeta.data(), cu, int(Hk), int(Hv),
-                                       int(dk), int(dv), gc ? gc->state.data() : nullptr, gc ? gc->state.data() : nullptr,
-                                       go.data(), s);
+        cuda::gated_delta_rule_chunked(gq.data(), gk.data(), gv.data(), gg.data(), gbeta.data(), *gdn_chunks, int(Hk),
+                                       int(Hv), int(dk), int(dv), gc ? gc->state.data() : nullptr,
+                                       gc ? gc->state.data() : nullptr, go.data(), s);
       }
       cuda::gated_rms_norm(go.data(), gz.data(), l.gnorm.data(), gnormed.data(), T * Hv, dv, sp.rms_norm_eps, s);
       linear(gnormed.data(), D, Hv * dv, l.out, x.data(), 1.f);  // x += out_proj(o)

@@ -83,10 +83,7 @@ __global__ void gdn_prepare_kernel(const float* qkv, const float* b, const float
   }
 }
 
-/// Chunk list entry: first row and length of one chunk, and its sequence.
-struct Chunk {
-  int32_t start, len, seq;
-};
+using Chunk = GdnChunk;
 
 /// dst [rows][ld] (ld % 4 == 0, rows * ld <= 9 * 1024) <- element (r, c) = row_ptr(r)[c] * scale[r] for
 /// c < ncols (ncols % 4 == 0) where row_ptr(r) is not null, else 0. 16-byte loads, all of a thread's
@@ -499,41 +496,53 @@ void gdn_prepare(const float* qkv, const float* b, const float* a, const float* 
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
-void gated_delta_rule_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta,
-                              const std::vector<int64_t>& cu, int Hk, int Hv, int dk, int dv, const float* init,
-                              float* final_state, float* o, cudaStream_t stream) {
-  if (Hk <= 0 || Hv % Hk != 0 || dk <= 0 || dk > 128 || dv <= 0 || dv > 128 || dk % 4 || dv % 4 || cu.size() < 2 ||
-      cu.front() != 0)
-    throw std::invalid_argument("gated_delta_rule_chunked: Hk " + std::to_string(Hk) + ", Hv " + std::to_string(Hv) +
-                                ", dk " + std::to_string(dk) + ", dv " + std::to_string(dv) +
-                                " (head dims multiples of 4, <= 128), " + std::to_string(cu.size()) +
-                                " cu_seqlens entries");
-  const int nseq = int(cu.size()) - 1;
-  const int64_t T = cu.back();
+GdnChunkPlan::GdnChunkPlan(const std::vector<int64_t>& cu, cudaStream_t stream) {
+  if (cu.size() < 2 || cu.front() != 0)
+    throw std::invalid_argument("gated_delta_rule_chunked: " + std::to_string(cu.size()) +
+                                " cu_seqlens entries (need n + 1 >= 2, from 0)");
+  nseq = int(cu.size()) - 1;
+  T = cu.back();
   if (T > INT32_MAX / 2)
     throw std::invalid_argument("gated_delta_rule_chunked: " + std::to_string(T) + " tokens do not fit int32 indices");
-  std::vector<Chunk> chunks;
-  std::vector<int32_t> first{0};
+  std::vector<Chunk> list;
+  std::vector<int32_t> fst{0};
   for (int s = 0; s < nseq; ++s) {
     if (cu[size_t(s) + 1] < cu[size_t(s)]) throw std::invalid_argument("gated_delta_rule_chunked: cu_seqlens decrease");
     for (int64_t t = cu[size_t(s)]; t < cu[size_t(s) + 1]; t += kChunk)
-      chunks.push_back({int32_t(t), int32_t(std::min<int64_t>(kChunk, cu[size_t(s) + 1] - t)), s});
-    first.push_back(int32_t(chunks.size()));
+      list.push_back({int32_t(t), int32_t(std::min<int64_t>(kChunk, cu[size_t(s) + 1] - t)), s});
+    fst.push_back(int32_t(list.size()));
   }
-  const int64_t nch = int64_t(chunks.size());
+  count = int64_t(list.size());
+  chunks = upload(list, stream);
+  first = upload(fst, stream);
+}
+
+void gated_delta_rule_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta,
+                              const std::vector<int64_t>& cu, int Hk, int Hv, int dk, int dv, const float* init,
+                              float* final_state, float* o, cudaStream_t stream) {
+  const GdnChunkPlan plan(cu, stream);
+  gated_delta_rule_chunked(q, k, v, g, beta, plan, Hk, Hv, dk, dv, init, final_state, o, stream);
+}
+
+void gated_delta_rule_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta,
+                              const GdnChunkPlan& plan, int Hk, int Hv, int dk, int dv, const float* init,
+                              float* final_state, float* o, cudaStream_t stream) {
+  if (Hk <= 0 || Hv % Hk != 0 || dk <= 0 || dk > 128 || dv <= 0 || dv > 128 || dk % 4 || dv % 4)
+    throw std::invalid_argument("gated_delta_rule_chunked: Hk " + std::to_string(Hk) + ", Hv " + std::to_string(Hv) +
+                                ", dk " + std::to_string(dk) + ", dv " + std::to_string(dv) +
+                                " (head dims multiples of 4, <= 128)");
+  const int nseq = plan.nseq;
+  const int64_t T = plan.T, nch = plan.count;
+  const Chunk* d_chunks = plan.chunks.data();
+  const int32_t* d_first = plan.first.data();
   // Empty sequences still pass their initial state through (chunk_state runs no chunk for them).
-  StreamBuffer<Chunk> d_chunks(size_t(nch), stream);
-  if (nch)
-    DFLASH_CUDA_CHECK(cudaMemcpyAsync(d_chunks.data(), chunks.data(), size_t(nch) * sizeof(Chunk), cudaMemcpyHostToDevice,
-                                      stream));
-  auto d_first = upload(first, stream);
   StreamBuffer<float> w(size_t(T * Hv * dk), stream), u(size_t(T * Hv * dv), stream),
       P(size_t(nch * Hv * kChunk * kChunk), stream), G(size_t(T * Hv), stream);
   if (nch) {
     const size_t smem = (2 * kChunk * (std::max(dk, dv) + 4) + 2 * kChunk * (kChunk + 1) + 3 * kChunk) * sizeof(float);
     allow_shared_memory(chunk_prepare_kernel, smem, "chunk_prepare");
     chunk_prepare_kernel<<<dim3(unsigned(nch), unsigned(Hv)), kThreads, smem, stream>>>(
-        q, k, v, g, beta, d_chunks.data(), Hk, Hv, dk, dv, w.data(), u.data(), P.data(), G.data());
+        q, k, v, g, beta, d_chunks, Hk, Hv, dk, dv, w.data(), u.data(), P.data(), G.data());
     DFLASH_CUDA_CHECK_LAUNCH();
   }
   // The sequential part: states before each chunk and the chunks' U.
@@ -546,7 +555,7 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   DFLASH_CUDA_CHECK(cudaFuncSetAttribute(chunk_state_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                          cudaSharedmemCarveoutMaxShared));
   chunk_state_kernel<<<dim3(unsigned(nseq), unsigned(Hv), unsigned((dv + kCols - 1) / kCols)), kThreads, smem_state,
-                       stream>>>(k, w.data(), u.data(), G.data(), d_chunks.data(), d_first.data(), Hk, Hv, dk, dv, init,
+                       stream>>>(k, w.data(), u.data(), G.data(), d_chunks, d_first, Hk, Hv, dk, dv, init,
                                  final_state, H.data(), U.data());
   DFLASH_CUDA_CHECK_LAUNCH();
   if (!nch) return;
@@ -554,7 +563,7 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   const size_t smem_out = (kChunk * (dk + 4) + dk * 68 + kChunk * 68 + kChunk * (kChunk + 4)) * sizeof(float);
   allow_shared_memory(chunk_out_kernel, smem_out, "chunk_out");
   chunk_out_kernel<<<dim3(unsigned(nch), unsigned(Hv), unsigned((dv + 63) / 64)), kThreads, smem_out, stream>>>(
-      q, H.data(), U.data(), P.data(), G.data(), d_chunks.data(), Hk, Hv, dk, dv, o);
+      q, H.data(), U.data(), P.data(), G.data(), d_chunks, Hk, Hv, dk, dv, o);
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 

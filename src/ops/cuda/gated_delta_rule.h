@@ -35,6 +35,23 @@ void gdn_prepare(const float* qkv, const float* b, const float* a, const float* 
                  int Hk, int Hv, int dk, int dv, float scale, float* q, float* k, float* v, float* g, float* beta,
                  cudaStream_t stream);
 
+/// One chunk of gated_delta_rule_chunked: first row, length (<= 64) and sequence.
+struct GdnChunk {
+  int32_t start, len, seq;
+};
+
+/// The chunks of a packed batch (cu_seqlens, host [n + 1]) on the device, made once per batch and
+/// shared by every GatedDeltaNet layer of a forward (no host-to-device copy per layer). Lives on
+/// `stream` (stream-ordered memory). Throws std::invalid_argument for bad cu_seqlens or more rows
+/// than int32 indexing allows.
+struct GdnChunkPlan {
+  GdnChunkPlan(const std::vector<int64_t>& cu_seqlens, cudaStream_t stream);
+  int nseq = 0;
+  int64_t T = 0, count = 0;
+  StreamBuffer<GdnChunk> chunks;  // [count]
+  StreamBuffer<int32_t> first;    // [nseq + 1]: sequence s owns chunks first[s] .. first[s + 1] - 1
+};
+
 /// Gated delta rule forward over packed sequences (cu_seqlens, host [n + 1]), in chunks of 64 tokens
 /// (the WY / UT form of flash-linear-attention's chunk_gated_delta_rule; fp32 inside, state fp32
 /// between chunks). q (already normalized and scaled), k [T, Hk, dk] fp32; v [T, Hv, dv] fp32; g
@@ -46,6 +63,10 @@ void gdn_prepare(const float* qkv, const float* b, const float* a, const float* 
 void gated_delta_rule_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta,
                               const std::vector<int64_t>& cu_seqlens, int Hk, int Hv, int dk, int dv,
                               const float* initial_state, float* final_state, float* o, cudaStream_t stream);
+/// The same over the chunks of `plan` (its stream is the one to pass).
+void gated_delta_rule_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta,
+                              const GdnChunkPlan& plan, int Hk, int Hv, int dk, int dv, const float* initial_state,
+                              float* final_state, float* o, cudaStream_t stream);
 
 // ---- Decoding and speculative verification (src/ops/cuda/gated_delta_decode.cu) ----
 // Per sequence s of a cached batch: window [n_seq, K-1, C] holds the last K-1 conv inputs before the
