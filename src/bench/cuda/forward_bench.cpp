@@ -37,6 +37,7 @@ double forward_flops(const ModelSpec& s, int64_t T, int64_t layers, bool lm_head
 
 int run_gdn_bench(const GdnBenchOptions& o) {
   cuda::require_device("bench gdn");
+  const PeakMemory pool_keeps_memory;  // as in a forward: temporaries reuse the pool, no OS round trips
   cudaStream_t s;
   DFLASH_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   const int Hk = 16, Hv = 48, dk = 128, dv = 128;
