@@ -28,16 +28,33 @@ constexpr int kThreads = 256;
 
 __device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
 
-__global__ void conv1d_silu_kernel(const float* x, const float* w, const int32_t* row_start, int64_t T, int64_t C,
-                                   int K, float* y) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < T * C; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t t = i / C, c = i % C, b = row_start[t];
+constexpr int kConvRun = 16;  // tokens per thread in the conv: each input is read from memory once
+
+/// A thread per (channel, run of kConvRun tokens): the last K inputs of its channel slide through
+/// registers. Rows before row_start[t] count as zero (the same sum, term by term, as the CPU reference).
+template <int K>
+__global__ void conv1d_silu_kernel(const float* __restrict__ x, const float* __restrict__ w,
+                                   const int32_t* __restrict__ row_start, int64_t T, int64_t C, float* __restrict__ y) {
+  const int64_t c = blockIdx.y * int64_t(blockDim.x) + threadIdx.x, t0 = int64_t(blockIdx.x) * kConvRun;
+  if (c >= C) return;
+  float wk[K], win[K];  // win[j] = x[t - K + 1 + j, c]
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    wk[j] = w[c * K + j];
+    const int64_t src = t0 - K + 1 + j;
+    win[j] = j < K - 1 && src >= 0 ? x[src * C + c] : 0.f;
+  }
+  const int64_t t_end = t0 + kConvRun < T ? t0 + kConvRun : T;
+  for (int64_t t = t0; t < t_end; ++t) {
+#pragma unroll
+    for (int j = 0; j + 1 < K; ++j) win[j] = win[j + 1];
+    win[K - 1] = x[t * C + c];
+    const int64_t b = row_start[t];
     float acc = 0.f;
-    for (int j = 0; j < K; ++j) {
-      const int64_t src = t - K + 1 + j;
-      if (src >= b) acc += w[c * K + j] * x[src * C + c];
-    }
-    y[i] = silu(acc);
+#pragma unroll
+    for (int j = 0; j < K; ++j)
+      if (t - K + 1 + j >= b) acc += wk[j] * win[j];
+    y[t * C + c] = silu(acc);
   }
 }
 
@@ -481,7 +498,17 @@ void causal_conv1d_silu(const float* x, const float* w, const int32_t* row_start
     throw std::invalid_argument("causal_conv1d_silu: kernel size " + std::to_string(K) + " (1..8), channels " +
                                 std::to_string(C));
   if (T == 0) return;
-  conv1d_silu_kernel<<<grid_for(T * C), 256, 0, stream>>>(x, w, row_start, T, C, K, y);
+  if ((C + 255) / 256 > 65535) throw std::invalid_argument("causal_conv1d_silu: " + std::to_string(C) + " channels");
+  const dim3 grid(unsigned((T + kConvRun - 1) / kConvRun), unsigned((C + 255) / 256));
+  switch (K) {
+#define DFLASH_CONV_CASE(k) \
+  case k:                   \
+    conv1d_silu_kernel<k><<<grid, 256, 0, stream>>>(x, w, row_start, T, C, y); \
+    break;
+    DFLASH_CONV_CASE(1) DFLASH_CONV_CASE(2) DFLASH_CONV_CASE(3) DFLASH_CONV_CASE(4)
+    DFLASH_CONV_CASE(5) DFLASH_CONV_CASE(6) DFLASH_CONV_CASE(7) DFLASH_CONV_CASE(8)
+#undef DFLASH_CONV_CASE
+  }
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
