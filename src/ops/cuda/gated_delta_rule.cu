@@ -37,12 +37,12 @@ __global__ void conv1d_silu_kernel(const float* __restrict__ x, const float* __r
                                    const int32_t* __restrict__ row_start, int64_t T, int64_t C, float* __restrict__ y) {
   const int64_t c = blockIdx.y * int64_t(blockDim.x) + threadIdx.x, t0 = int64_t(blockIdx.x) * kConvRun;
   if (c >= C) return;
-  float wk[K], win[K];  // win[j] = x[t - K + 1 + j, c]
+  float wk[K], win[K];  // at token t: win[j] = x[t - K + 1 + j, c]; before the first, x[t0 - K + j, c]
 #pragma unroll
   for (int j = 0; j < K; ++j) {
     wk[j] = w[c * K + j];
-    const int64_t src = t0 - K + 1 + j;
-    win[j] = j < K - 1 && src >= 0 ? x[src * C + c] : 0.f;
+    const int64_t src = t0 - K + j;
+    win[j] = src >= 0 ? x[src * C + c] : 0.f;
   }
   const int64_t t_end = t0 + kConvRun < T ? t0 + kConvRun : T;
   for (int64_t t = t0; t < t_end; ++t) {
