@@ -263,12 +263,17 @@ __device__ __forceinline__ void load_rows_async(float* dst, int ld, int width, c
   }
 }
 
+/// Padded key dim of chunk_state (whole 16-row tiles; the padding rows stay zero).
+__host__ __device__ constexpr int state_rows(int dk) { return (dk + 15) / 16 * 16; }
+
 /// One block per (sequence, value head, 32 state columns): walks the sequence's chunks in order and
 /// keeps only what is sequential: saves the state before each chunk (H [chunks, Hv, dk, dv]), the
 /// chunk's U = u - w S0 (U [T, Hv, dv]), then S = exp(G_L) S0 + (diag(exp(G_L - G)) K)^T U.
-/// Loads run ahead of the math (cp.async): the chunk's keys while U is computed, the next chunk's w,
-/// u and gates while the state is updated. Thread tiles: U rows ur + 32 r (r < 2) x columns
-/// 4 cp .. 4 cp + 3; S rows 4 ur .. 4 ur + 3 x the same columns.
+/// Both products on tensor cores in 3xTF32 (about fp32 precision; mma_3xtf32). Loads run ahead of
+/// the math (cp.async): the chunk's keys while U is computed, the next chunk's w, u and gates while
+/// the state is updated. Warp w computes U rows 16 (w / 2) .. + 15 x columns 16 (w % 2) .. + 15, and
+/// the state rows 16 w .. 16 w + 15 x all 32 columns. Row strides are padded so that every fragment
+/// load is free of bank conflicts.
 __global__ void __launch_bounds__(kThreads, 2) chunk_state_kernel(const float* k, const float* w_in, const float* u_in,
                                                                const float* G_in, const Chunk* chunks,
                                                                const int32_t* first_chunk, int Hk, int Hv, int dk,
@@ -276,21 +281,21 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_state_kernel(const float* k
                                                                float* H_out, float* U_out) {
   extern __shared__ float4 sm4[];
   float* sm = reinterpret_cast<float*>(sm4);
-  constexpr int ldu = kCols + 4;
-  const int ld = dk + 4;
-  float* S = sm;                          // [dk][kCols] state columns c0 .. c0 + kCols - 1
-  float* Xw = S + dk * kCols;             // [64][ld] w rows of the current chunk
-  float* Xk = Xw + kChunk * ld;           // [64][ld] k rows of the current chunk
-  float* Ub = Xk + kChunk * ld;           // 2 x [64][ldu] u, then U (buffer ci & 1)
+  constexpr int ldS = kCols + 8, ldu = kCols + 8;
+  const int dkp = state_rows(dk), ldw = dkp + 4, ldk = dkp + 8;
+  float* S = sm;                          // [dkp][ldS] state columns c0 .. c0 + kCols - 1
+  float* Xw = S + dkp * ldS;              // [64][ldw] w rows of the current chunk
+  float* Xk = Xw + kChunk * ldw;          // [64][ldk] k rows of the current chunk
+  float* Ub = Xk + kChunk * ldk;          // 2 x [64][ldu] u, then U (buffer ci & 1)
   float* Gb = Ub + 2 * kChunk * ldu;      // 2 x [64] in-chunk cumulative gates (buffer ci & 1)
   float* D = Gb + 2 * kChunk;             // [64] exp(G_L - G_j)
   const int seq = blockIdx.x, h = blockIdx.y, c0 = blockIdx.z * kCols, kh = h / (Hv / Hk), tid = threadIdx.x;
-  const int cp = tid % (kCols / 4), c = 4 * cp, ur = tid / (kCols / 4);  // ur < 32
+  const int lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
   const int ncols = min(kCols, dv - c0);
   const int64_t state_off = (int64_t(seq) * Hv + h) * dk * dv;
-  for (int e = tid; e < dk * kCols; e += kThreads) {
+  for (int e = tid; e < dkp * kCols; e += kThreads) {
     const int m = e / kCols, cc = e % kCols;
-    S[e] = init && cc < ncols ? init[state_off + int64_t(m) * dv + c0 + cc] : 0.f;
+    S[m * ldS + cc] = init && m < dk && cc < ncols ? init[state_off + int64_t(m) * dv + c0 + cc] : 0.f;
   }
   const int c_first = first_chunk[seq], c_end = first_chunk[seq + 1];
   // w, u and the gates of chunk ci into Xw, Ub[ci & 1], Gb[ci & 1] (one cp.async group).
@@ -298,7 +303,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_state_kernel(const float* k
     if (ci < c_end) {
       const Chunk ch = chunks[ci];
       float* Gd = Gb + (ci & 1) * kChunk;
-      load_rows_async(Xw, ld, dk, w_in, ch.start, ch.len, Hv, h, dk, 0, dk);
+      load_rows_async(Xw, ldw, dkp, w_in, ch.start, ch.len, Hv, h, dk, 0, dk);
       load_rows_async(Ub + (ci & 1) * kChunk * ldu, ldu, kCols, u_in, ch.start, ch.len, Hv, h, dv, c0, ncols);
       if (tid < kChunk) mma::cp_async4(Gd + tid, G_in + int64_t(ch.start + min(tid, ch.len - 1)) * Hv + h, tid < ch.len);
     }
@@ -307,71 +312,77 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_state_kernel(const float* k
   fetch_next(c_first);
   mma::cp_async_wait<0>();
   __syncthreads();
+  const int um = 16 * (warp / 2), un = 16 * (warp % 2);  // this warp's U tile
+  const int sm0 = 16 * warp;                             // this warp's state rows
   for (int ci = c_first; ci < c_end; ++ci) {
     const Chunk ch = chunks[ci];
     const int L = ch.len;
     float* U = Ub + (ci & 1) * kChunk * ldu;
     const float* G = Gb + (ci & 1) * kChunk;
-    load_rows_async(Xk, ld, dk, k, ch.start, L, Hk, kh, dk, 0, dk);  // keys, for the state update below
+    load_rows_async(Xk, ldk, dkp, k, ch.start, L, Hk, kh, dk, 0, dk);  // keys, for the state update below
     mma::cp_async_commit();
     float* Hc = H_out + (int64_t(ci) * Hv + h) * dk * dv;  // the state before this chunk
     for (int e = tid; e < dk * kCols; e += kThreads) {
       const int m = e / kCols, cc = e % kCols;
-      if (cc < ncols) Hc[int64_t(m) * dv + c0 + cc] = S[e];
+      if (cc < ncols) Hc[int64_t(m) * dv + c0 + cc] = S[m * ldS + cc];
     }
     if (tid < kChunk) D[tid] = tid < L ? __expf(G[L - 1] - G[tid]) : 0.f;
-    // U = u_hat - w S0
+    // w S0 for this warp's 16 x 16 tile of U
     float acc[2][4] = {};
-    for (int m = 0; m < dk; m += 4) {
-      float4 sv[4];
+    for (int k0 = 0; k0 < dkp; k0 += 8) {
+      const float* xr = Xw + (um + g) * ldw + k0 + t;
+      const mma::Tf32Split a[4] = {mma::split_tf32(xr[0]), mma::split_tf32(xr[8 * ldw]), mma::split_tf32(xr[4]),
+                                   mma::split_tf32(xr[8 * ldw + 4])};
 #pragma unroll
-      for (int mm = 0; mm < 4; ++mm) sv[mm] = *reinterpret_cast<const float4*>(S + (m + mm) * kCols + c);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float4 x = *reinterpret_cast<const float4*>(Xw + (ur + 32 * r) * ld + m);
-        acc[r][0] += x.x * sv[0].x + x.y * sv[1].x + x.z * sv[2].x + x.w * sv[3].x;
-        acc[r][1] += x.x * sv[0].y + x.y * sv[1].y + x.z * sv[2].y + x.w * sv[3].y;
-        acc[r][2] += x.x * sv[0].z + x.y * sv[1].z + x.z * sv[2].z + x.w * sv[3].z;
-        acc[r][3] += x.x * sv[0].w + x.y * sv[1].w + x.z * sv[2].w + x.w * sv[3].w;
+      for (int nn = 0; nn < 2; ++nn) {
+        const float* sb = S + (k0 + t) * ldS + un + 8 * nn + g;
+        const mma::Tf32Split b[2] = {mma::split_tf32(sb[0]), mma::split_tf32(sb[4 * ldS])};
+        mma::mma_3xtf32(acc[nn], a, b);
       }
     }
     __syncthreads();  // Xw (w) and D are done with: the next chunk's w, u and gates load behind the update
     fetch_next(ci + 1);
+    // U = u_hat - w S0
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int i = ur + 32 * r;
-      if (i >= L) continue;
-      float* ui = U + i * ldu + c;
-      float* dst = U_out + (int64_t(ch.start + i) * Hv + h) * dv + c0 + c;
+    for (int nn = 0; nn < 2; ++nn)
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        ui[q] -= acc[r][q];
-        if (c + q < ncols) dst[q] = ui[q];
+      for (int half = 0; half < 2; ++half) {
+        const int row = um + g + 8 * half;
+        if (row >= L) continue;
+        const int col = un + 8 * nn + 2 * t;
+        float* ui = U + row * ldu + col;
+        ui[0] -= acc[nn][2 * half], ui[1] -= acc[nn][2 * half + 1];
+        float* dst = U_out + (int64_t(ch.start + row) * Hv + h) * dv + c0 + col;
+        if (col < ncols) dst[0] = ui[0], dst[1] = ui[1];  // ncols and col are even
       }
-    }
     mma::cp_async_wait<1>();  // the keys (not the next chunk's loads)
     __syncthreads();
-    // S = exp(G_L) S0 + (diag(exp(G_L - G)) K)^T U
-    const int m0 = 4 * ur;
-    if (m0 < dk) {
+    // S = exp(G_L) S0 + (diag(exp(G_L - G)) K)^T U for this warp's 16 state rows
+    if (sm0 < dkp) {
       const float gl = __expf(G[L - 1]);
       float sa[4][4];
 #pragma unroll
-      for (int r = 0; r < 4; ++r)
+      for (int nt = 0; nt < 4; ++nt) {
+        const float* s0 = S + (sm0 + g) * ldS + 8 * nt + 2 * t;
+        sa[nt][0] = gl * s0[0], sa[nt][1] = gl * s0[1], sa[nt][2] = gl * s0[8 * ldS], sa[nt][3] = gl * s0[8 * ldS + 1];
+      }
+      for (int j0 = 0; j0 < L; j0 += 8) {  // rows L .. are zero in Xk, D and U
+        const float d0 = D[j0 + t], d1 = D[j0 + t + 4];
+        const float* kr = Xk + (j0 + t) * ldk + sm0 + g;
+        const mma::Tf32Split a[4] = {mma::split_tf32(kr[0] * d0), mma::split_tf32(kr[8] * d0),
+                                     mma::split_tf32(kr[4 * ldk] * d1), mma::split_tf32(kr[4 * ldk + 8] * d1)};
 #pragma unroll
-        for (int q = 0; q < 4; ++q) sa[r][q] = gl * S[(m0 + r) * kCols + c + q];
-      for (int j = 0; j < L; ++j) {
-        const float4 kx = *reinterpret_cast<const float4*>(Xk + j * ld + m0);
-        const float f = D[j];
-        const float x[4] = {kx.x * f, kx.y * f, kx.z * f, kx.w * f};
-        const float4 uv = *reinterpret_cast<const float4*>(U + j * ldu + c);
-#pragma unroll
-        for (int r = 0; r < 4; ++r) sa[r][0] += x[r] * uv.x, sa[r][1] += x[r] * uv.y, sa[r][2] += x[r] * uv.z, sa[r][3] += x[r] * uv.w;
+        for (int nt = 0; nt < 4; ++nt) {
+          const float* ub = U + (j0 + t) * ldu + 8 * nt + g;
+          const mma::Tf32Split b[2] = {mma::split_tf32(ub[0]), mma::split_tf32(ub[4 * ldu])};
+          mma::mma_3xtf32(sa[nt], a, b);
+        }
       }
 #pragma unroll
-      for (int r = 0; r < 4; ++r)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) S[(m0 + r) * kCols + c + q] = sa[r][q];
+      for (int nt = 0; nt < 4; ++nt) {
+        float* s0 = S + (sm0 + g) * ldS + 8 * nt + 2 * t;
+        s0[0] = sa[nt][0], s0[1] = sa[nt][1], s0[8 * ldS] = sa[nt][2], s0[8 * ldS + 1] = sa[nt][3];
+      }
     }
     mma::cp_async_wait<0>();  // the next chunk's w, u and gates
     __syncthreads();
@@ -379,7 +390,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_state_kernel(const float* k
   if (final_state)
     for (int e = tid; e < dk * kCols; e += kThreads) {
       const int m = e / kCols, cc = e % kCols;
-      if (cc < ncols) final_state[state_off + int64_t(m) * dv + c0 + cc] = S[e];
+      if (cc < ncols) final_state[state_off + int64_t(m) * dv + c0 + cc] = S[m * ldS + cc];
     }
 }
 
@@ -574,8 +585,9 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   }
   // The sequential part: states before each chunk and the chunks' U.
   StreamBuffer<float> H(size_t(nch * Hv * dk * dv), stream), U(size_t(T * Hv * dv), stream);
+  const int dkp = state_rows(dk);
   const size_t smem_state =
-      (dk * kCols + 2 * kChunk * (dk + 4) + 2 * kChunk * (kCols + 4) + 3 * kChunk) * sizeof(float);
+      (dkp * (kCols + 8) + kChunk * (2 * dkp + 12) + 2 * kChunk * (kCols + 8) + 3 * kChunk) * sizeof(float);
   // Two blocks per SM (registers capped by __launch_bounds__, shared memory carved out to the most):
   // the 192 blocks of a 48-head sequence in one wave on an H100 / H200.
   allow_shared_memory(chunk_state_kernel, smem_state, "chunk_state");
