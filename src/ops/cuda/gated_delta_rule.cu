@@ -23,7 +23,7 @@ namespace dflash::cuda {
 namespace {
 
 constexpr int kChunk = 64;      // tokens per chunk
-constexpr int kCols = 32;       // state columns (value features) per chunk_state block
+constexpr int kCols = 64;       // state columns (value features) per chunk_state block
 constexpr int kThreads = 256;
 
 __device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
@@ -266,15 +266,15 @@ __device__ __forceinline__ void load_rows_async(float* dst, int ld, int width, c
 /// Padded key dim of chunk_state (whole 16-row tiles; the padding rows stay zero).
 __host__ __device__ constexpr int state_rows(int dk) { return (dk + 15) / 16 * 16; }
 
-/// One block per (sequence, value head, 32 state columns): walks the sequence's chunks in order and
+/// One block per (sequence, value head, 64 state columns): walks the sequence's chunks in order and
 /// keeps only what is sequential: saves the state before each chunk (H [chunks, Hv, dk, dv]), the
 /// chunk's U = u - w S0 (U [T, Hv, dv]), then S = exp(G_L) S0 + (diag(exp(G_L - G)) K)^T U.
-/// Both products on tensor cores in 3xTF32 (about fp32 precision; mma_3xtf32). Loads run ahead of
-/// the math (cp.async): the chunk's keys while U is computed, the next chunk's w, u and gates while
-/// the state is updated. Warp w computes U rows 16 (w / 2) .. + 15 x columns 16 (w % 2) .. + 15, and
-/// the state rows 16 w .. 16 w + 15 x all 32 columns. Row strides are padded so that every fragment
-/// load is free of bank conflicts.
-__global__ void __launch_bounds__(kThreads, 2) chunk_state_kernel(const float* k, const float* w_in, const float* u_in,
+/// Both products on tensor cores in 3xTF32 (about fp32 precision; mma_3xtf32). Every input of chunk
+/// ci + 1 (w, k, u, gates) loads (cp.async) while chunk ci is computed: the chain of chunks waits on
+/// no memory. Warp w computes U rows 16 (w / 2) .. + 15 x columns 32 (w % 2) .. + 31 and the state
+/// rows 16 w .. 16 w + 15 x all 64 columns. Row strides are padded so that every fragment load is
+/// free of bank conflicts. One block per SM (about 212 KB of shared memory at dk 128).
+__global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(const float* k, const float* w_in, const float* u_in,
                                                                const float* G_in, const Chunk* chunks,
                                                                const int32_t* first_chunk, int Hk, int Hv, int dk,
                                                                int dv, const float* init, float* final_state,
@@ -284,10 +284,10 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_state_kernel(const float* k
   constexpr int ldS = kCols + 8, ldu = kCols + 8;
   const int dkp = state_rows(dk), ldw = dkp + 4, ldk = dkp + 8;
   float* S = sm;                          // [dkp][ldS] state columns c0 .. c0 + kCols - 1
-  float* Xw = S + dkp * ldS;              // [64][ldw] w rows of the current chunk
-  float* Xk = Xw + kChunk * ldw;          // [64][ldk] k rows of the current chunk
-  float* Ub = Xk + kChunk * ldk;          // 2 x [64][ldu] u, then U (buffer ci & 1)
-  float* Gb = Ub + 2 * kChunk * ldu;      // 2 x [64] in-chunk cumulative gates (buffer ci & 1)
+  float* Xw = S + dkp * ldS;              // 2 x [64][ldw] w rows (buffer ci & 1)
+  float* Xk = Xw + 2 * kChunk * ldw;      // 2 x [64][ldk] k rows
+  float* Ub = Xk + 2 * kChunk * ldk;      // 2 x [64][ldu] u, then U
+  float* Gb = Ub + 2 * kChunk * ldu;      // 2 x [64] in-chunk cumulative gates
   float* D = Gb + 2 * kChunk;             // [64] exp(G_L - G_j)
   const int seq = blockIdx.x, h = blockIdx.y, c0 = blockIdx.z * kCols, kh = h / (Hv / Hk), tid = threadIdx.x;
   const int lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
@@ -298,93 +298,94 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_state_kernel(const float* k
     S[m * ldS + cc] = init && m < dk && cc < ncols ? init[state_off + int64_t(m) * dv + c0 + cc] : 0.f;
   }
   const int c_first = first_chunk[seq], c_end = first_chunk[seq + 1];
-  // w, u and the gates of chunk ci into Xw, Ub[ci & 1], Gb[ci & 1] (one cp.async group).
-  auto fetch_next = [&](int ci) {
+  // Every input of chunk ci into buffer ci & 1 (one cp.async group).
+  auto fetch = [&](int ci) {
     if (ci < c_end) {
       const Chunk ch = chunks[ci];
-      float* Gd = Gb + (ci & 1) * kChunk;
-      load_rows_async(Xw, ldw, dkp, w_in, ch.start, ch.len, Hv, h, dk, 0, dk);
-      load_rows_async(Ub + (ci & 1) * kChunk * ldu, ldu, kCols, u_in, ch.start, ch.len, Hv, h, dv, c0, ncols);
-      if (tid < kChunk) mma::cp_async4(Gd + tid, G_in + int64_t(ch.start + min(tid, ch.len - 1)) * Hv + h, tid < ch.len);
+      const int b = ci & 1;
+      load_rows_async(Xw + b * kChunk * ldw, ldw, dkp, w_in, ch.start, ch.len, Hv, h, dk, 0, dk);
+      load_rows_async(Xk + b * kChunk * ldk, ldk, dkp, k, ch.start, ch.len, Hk, kh, dk, 0, dk);
+      load_rows_async(Ub + b * kChunk * ldu, ldu, kCols, u_in, ch.start, ch.len, Hv, h, dv, c0, ncols);
+      if (tid < kChunk)
+        mma::cp_async4(Gb + b * kChunk + tid, G_in + int64_t(ch.start + min(tid, ch.len - 1)) * Hv + h, tid < ch.len);
     }
     mma::cp_async_commit();
   };
-  fetch_next(c_first);
+  fetch(c_first);
   mma::cp_async_wait<0>();
   __syncthreads();
-  const int um = 16 * (warp / 2), un = 16 * (warp % 2);  // this warp's U tile
+  const int um = 16 * (warp / 2), un = 32 * (warp % 2);  // this warp's U tile
   const int sm0 = 16 * warp;                             // this warp's state rows
   for (int ci = c_first; ci < c_end; ++ci) {
     const Chunk ch = chunks[ci];
-    const int L = ch.len;
-    float* U = Ub + (ci & 1) * kChunk * ldu;
-    const float* G = Gb + (ci & 1) * kChunk;
-    load_rows_async(Xk, ldk, dkp, k, ch.start, L, Hk, kh, dk, 0, dk);  // keys, for the state update below
-    mma::cp_async_commit();
+    const int L = ch.len, b = ci & 1;
+    const float* W = Xw + b * kChunk * ldw;
+    const float* K = Xk + b * kChunk * ldk;
+    float* U = Ub + b * kChunk * ldu;
+    const float* G = Gb + b * kChunk;
+    fetch(ci + 1);  // into the buffers chunk ci - 1 used, read before the last barrier
     float* Hc = H_out + (int64_t(ci) * Hv + h) * dk * dv;  // the state before this chunk
     for (int e = tid; e < dk * kCols; e += kThreads) {
       const int m = e / kCols, cc = e % kCols;
       if (cc < ncols) Hc[int64_t(m) * dv + c0 + cc] = S[m * ldS + cc];
     }
     if (tid < kChunk) D[tid] = tid < L ? __expf(G[L - 1] - G[tid]) : 0.f;
-    // w S0 for this warp's 16 x 16 tile of U
-    float acc[2][4] = {};
-    for (int k0 = 0; k0 < dkp; k0 += 8) {
-      const float* xr = Xw + (um + g) * ldw + k0 + t;
-      const mma::Tf32Split a[4] = {mma::split_tf32(xr[0]), mma::split_tf32(xr[8 * ldw]), mma::split_tf32(xr[4]),
-                                   mma::split_tf32(xr[8 * ldw + 4])};
+    // U = u_hat - w S0 for this warp's 16 x 32 tile
+    {
+      float acc[4][4] = {};
+      for (int k0 = 0; k0 < dkp; k0 += 8) {
+        const float* xr = W + (um + g) * ldw + k0 + t;
+        const mma::Tf32Split a[4] = {mma::split_tf32(xr[0]), mma::split_tf32(xr[8 * ldw]), mma::split_tf32(xr[4]),
+                                     mma::split_tf32(xr[8 * ldw + 4])};
 #pragma unroll
-      for (int nn = 0; nn < 2; ++nn) {
-        const float* sb = S + (k0 + t) * ldS + un + 8 * nn + g;
-        const mma::Tf32Split b[2] = {mma::split_tf32(sb[0]), mma::split_tf32(sb[4 * ldS])};
-        mma::mma_3xtf32(acc[nn], a, b);
-      }
-    }
-    __syncthreads();  // Xw (w) and D are done with: the next chunk's w, u and gates load behind the update
-    fetch_next(ci + 1);
-    // U = u_hat - w S0
-#pragma unroll
-    for (int nn = 0; nn < 2; ++nn)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = um + g + 8 * half;
-        if (row >= L) continue;
-        const int col = un + 8 * nn + 2 * t;
-        float* ui = U + row * ldu + col;
-        ui[0] -= acc[nn][2 * half], ui[1] -= acc[nn][2 * half + 1];
-        float* dst = U_out + (int64_t(ch.start + row) * Hv + h) * dv + c0 + col;
-        if (col < ncols) dst[0] = ui[0], dst[1] = ui[1];  // ncols and col are even
-      }
-    mma::cp_async_wait<1>();  // the keys (not the next chunk's loads)
-    __syncthreads();
-    // S = exp(G_L) S0 + (diag(exp(G_L - G)) K)^T U for this warp's 16 state rows
-    if (sm0 < dkp) {
-      const float gl = __expf(G[L - 1]);
-      float sa[4][4];
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const float* s0 = S + (sm0 + g) * ldS + 8 * nt + 2 * t;
-        sa[nt][0] = gl * s0[0], sa[nt][1] = gl * s0[1], sa[nt][2] = gl * s0[8 * ldS], sa[nt][3] = gl * s0[8 * ldS + 1];
-      }
-      for (int j0 = 0; j0 < L; j0 += 8) {  // rows L .. are zero in Xk, D and U
-        const float d0 = D[j0 + t], d1 = D[j0 + t + 4];
-        const float* kr = Xk + (j0 + t) * ldk + sm0 + g;
-        const mma::Tf32Split a[4] = {mma::split_tf32(kr[0] * d0), mma::split_tf32(kr[8] * d0),
-                                     mma::split_tf32(kr[4 * ldk] * d1), mma::split_tf32(kr[4 * ldk + 8] * d1)};
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          const float* ub = U + (j0 + t) * ldu + 8 * nt + g;
-          const mma::Tf32Split b[2] = {mma::split_tf32(ub[0]), mma::split_tf32(ub[4 * ldu])};
-          mma::mma_3xtf32(sa[nt], a, b);
+        for (int nn = 0; nn < 4; ++nn) {
+          const float* sb = S + (k0 + t) * ldS + un + 8 * nn + g;
+          const mma::Tf32Split bf[2] = {mma::split_tf32(sb[0]), mma::split_tf32(sb[4 * ldS])};
+          mma::mma_3xtf32(acc[nn], a, bf);
         }
       }
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
+      for (int nn = 0; nn < 4; ++nn)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = um + g + 8 * half;
+          if (row >= L) continue;
+          const int col = un + 8 * nn + 2 * t;
+          float* ui = U + row * ldu + col;
+          ui[0] -= acc[nn][2 * half], ui[1] -= acc[nn][2 * half + 1];
+          float* dst = U_out + (int64_t(ch.start + row) * Hv + h) * dv + c0 + col;
+          if (col < ncols) dst[0] = ui[0], dst[1] = ui[1];  // ncols and col are even
+        }
+    }
+    __syncthreads();  // U and D complete; every warp is done reading S
+    // S = exp(G_L) S0 + (diag(exp(G_L - G)) K)^T U for this warp's 16 state rows
+    if (sm0 < dkp) {
+      const float gl = __expf(G[L - 1]);
+      float sa[8][4];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const float* s0 = S + (sm0 + g) * ldS + 8 * nt + 2 * t;
+        sa[nt][0] = gl * s0[0], sa[nt][1] = gl * s0[1], sa[nt][2] = gl * s0[8 * ldS], sa[nt][3] = gl * s0[8 * ldS + 1];
+      }
+      for (int j0 = 0; j0 < L; j0 += 8) {  // rows L .. are zero in K, D and U
+        const float d0 = D[j0 + t], d1 = D[j0 + t + 4];
+        const float* kr = K + (j0 + t) * ldk + sm0 + g;
+        const mma::Tf32Split a[4] = {mma::split_tf32(kr[0] * d0), mma::split_tf32(kr[8] * d0),
+                                     mma::split_tf32(kr[4 * ldk] * d1), mma::split_tf32(kr[4 * ldk + 8] * d1)};
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          const float* ub = U + (j0 + t) * ldu + 8 * nt + g;
+          const mma::Tf32Split bf[2] = {mma::split_tf32(ub[0]), mma::split_tf32(ub[4 * ldu])};
+          mma::mma_3xtf32(sa[nt], a, bf);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
         float* s0 = S + (sm0 + g) * ldS + 8 * nt + 2 * t;
         s0[0] = sa[nt][0], s0[1] = sa[nt][1], s0[8 * ldS] = sa[nt][2], s0[8 * ldS + 1] = sa[nt][3];
       }
     }
-    mma::cp_async_wait<0>();  // the next chunk's w, u and gates
+    mma::cp_async_wait<0>();  // chunk ci + 1
     __syncthreads();
   }
   if (final_state)
@@ -587,9 +588,8 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   StreamBuffer<float> H(size_t(nch * Hv * dk * dv), stream), U(size_t(T * Hv * dv), stream);
   const int dkp = state_rows(dk);
   const size_t smem_state =
-      (dkp * (kCols + 8) + kChunk * (2 * dkp + 12) + 2 * kChunk * (kCols + 8) + 3 * kChunk) * sizeof(float);
-  // Two blocks per SM (registers capped by __launch_bounds__, shared memory carved out to the most):
-  // the 192 blocks of a 48-head sequence in one wave on an H100 / H200.
+      (dkp * (kCols + 8) + 2 * kChunk * (2 * dkp + 12) + 2 * kChunk * (kCols + 8) + 3 * kChunk) * sizeof(float);
+  // One block per SM: the 96 blocks of a 48-head sequence in one wave on an H100 / H200.
   allow_shared_memory(chunk_state_kernel, smem_state, "chunk_state");
   DFLASH_CUDA_CHECK(cudaFuncSetAttribute(chunk_state_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                          cudaSharedmemCarveoutMaxShared));
