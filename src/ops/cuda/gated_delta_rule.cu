@@ -23,7 +23,7 @@ namespace dflash::cuda {
 namespace {
 
 constexpr int kChunk = 64;      // tokens per chunk
-constexpr int kCols = 64;       // state columns (value features) per chunk_state block
+constexpr int kMaxCols = 64;    // state columns (value features) per chunk_state block: 32 or 64
 constexpr int kThreads = 256;
 
 __device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
@@ -266,14 +266,15 @@ __device__ __forceinline__ void load_rows_async(float* dst, int ld, int width, c
 /// Padded key dim of chunk_state (whole 16-row tiles; the padding rows stay zero).
 __host__ __device__ constexpr int state_rows(int dk) { return (dk + 15) / 16 * 16; }
 
-/// One block per (sequence, value head, 64 state columns): walks the sequence's chunks in order and
+/// One block per (sequence, value head, kCols = 32 or 64 state columns): walks the sequence's chunks in order and
 /// keeps only what is sequential: saves the state before each chunk (H [chunks, Hv, dk, dv]), the
 /// chunk's U = u - w S0 (U [T, Hv, dv]), then S = exp(G_L) S0 + (diag(exp(G_L - G)) K)^T U.
 /// Both products on tensor cores in 3xTF32 (about fp32 precision; mma_3xtf32). Every input of chunk
 /// ci + 1 (w, k, u, gates) loads (cp.async) while chunk ci is computed: the chain of chunks waits on
-/// no memory. Warp w computes U rows 16 (w / 2) .. + 15 x columns 32 (w % 2) .. + 31 and the state
-/// rows 16 w .. 16 w + 15 x all 64 columns. Row strides are padded so that every fragment load is
-/// free of bank conflicts. One block per SM (about 212 KB of shared memory at dk 128).
+/// no memory. Warp w computes U rows 16 (w / 2) .. + 15 x columns kCols / 2 (w % 2) .. and the state
+/// rows 16 w .. 16 w + 15 x all kCols columns. Row strides are padded so that every fragment load is
+/// free of bank conflicts. One block per SM (about 212 KB of shared memory at dk 128, kCols 64).
+template <int kCols>
 __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(const float* k, const float* w_in, const float* u_in,
                                                                const float* G_in, const Chunk* chunks,
                                                                const int32_t* first_chunk, int Hk, int Hv, int dk,
@@ -314,7 +315,8 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(const float* k
   fetch(c_first);
   mma::cp_async_wait<0>();
   __syncthreads();
-  const int um = 16 * (warp / 2), un = 32 * (warp % 2);  // this warp's U tile
+  constexpr int kUn = kCols / 16, kSn = kCols / 8;      // n-tiles per warp: U, state
+  const int um = 16 * (warp / 2), un = (kCols / 2) * (warp % 2);  // this warp's U tile
   const int sm0 = 16 * warp;                             // this warp's state rows
   for (int ci = c_first; ci < c_end; ++ci) {
     const Chunk ch = chunks[ci];
@@ -332,20 +334,20 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(const float* k
     if (tid < kChunk) D[tid] = tid < L ? __expf(G[L - 1] - G[tid]) : 0.f;
     // U = u_hat - w S0 for this warp's 16 x 32 tile
     {
-      float acc[4][4] = {};
+      float acc[kUn][4] = {};
       for (int k0 = 0; k0 < dkp; k0 += 8) {
         const float* xr = W + (um + g) * ldw + k0 + t;
         const mma::Tf32Split a[4] = {mma::split_tf32(xr[0]), mma::split_tf32(xr[8 * ldw]), mma::split_tf32(xr[4]),
                                      mma::split_tf32(xr[8 * ldw + 4])};
 #pragma unroll
-        for (int nn = 0; nn < 4; ++nn) {
+        for (int nn = 0; nn < kUn; ++nn) {
           const float* sb = S + (k0 + t) * ldS + un + 8 * nn + g;
           const mma::Tf32Split bf[2] = {mma::split_tf32(sb[0]), mma::split_tf32(sb[4 * ldS])};
           mma::mma_3xtf32(acc[nn], a, bf);
         }
       }
 #pragma unroll
-      for (int nn = 0; nn < 4; ++nn)
+      for (int nn = 0; nn < kUn; ++nn)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int row = um + g + 8 * half;
@@ -361,9 +363,9 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(const float* k
     // S = exp(G_L) S0 + (diag(exp(G_L - G)) K)^T U for this warp's 16 state rows
     if (sm0 < dkp) {
       const float gl = __expf(G[L - 1]);
-      float sa[8][4];
+      float sa[kSn][4];
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
+      for (int nt = 0; nt < kSn; ++nt) {
         const float* s0 = S + (sm0 + g) * ldS + 8 * nt + 2 * t;
         sa[nt][0] = gl * s0[0], sa[nt][1] = gl * s0[1], sa[nt][2] = gl * s0[8 * ldS], sa[nt][3] = gl * s0[8 * ldS + 1];
       }
@@ -373,14 +375,14 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(const float* k
         const mma::Tf32Split a[4] = {mma::split_tf32(kr[0] * d0), mma::split_tf32(kr[8] * d0),
                                      mma::split_tf32(kr[4 * ldk] * d1), mma::split_tf32(kr[4 * ldk + 8] * d1)};
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
+        for (int nt = 0; nt < kSn; ++nt) {
           const float* ub = U + (j0 + t) * ldu + 8 * nt + g;
           const mma::Tf32Split bf[2] = {mma::split_tf32(ub[0]), mma::split_tf32(ub[4 * ldu])};
           mma::mma_3xtf32(sa[nt], a, bf);
         }
       }
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
+      for (int nt = 0; nt < kSn; ++nt) {
         float* s0 = S + (sm0 + g) * ldS + 8 * nt + 2 * t;
         s0[0] = sa[nt][0], s0[1] = sa[nt][1], s0[8 * ldS] = sa[nt][2], s0[8 * ldS + 1] = sa[nt][3];
       }
@@ -586,16 +588,24 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   }
   // The sequential part: states before each chunk and the chunks' U.
   StreamBuffer<float> H(size_t(nch * Hv * dk * dv), stream), U(size_t(T * Hv * dv), stream);
+  // 64 state columns per block, or 32 when that still fits one wave (one block per SM) and 64 would
+  // leave SMs idle: the chain of chunks is the critical path, so more blocks in one wave is faster.
   const int dkp = state_rows(dk);
-  const size_t smem_state =
-      (dkp * (kCols + 8) + 2 * kChunk * (2 * dkp + 12) + 2 * kChunk * (kCols + 8) + 3 * kChunk) * sizeof(float);
-  // One block per SM: the 96 blocks of a 48-head sequence in one wave on an H100 / H200.
-  allow_shared_memory(chunk_state_kernel, smem_state, "chunk_state");
-  DFLASH_CUDA_CHECK(cudaFuncSetAttribute(chunk_state_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                         cudaSharedmemCarveoutMaxShared));
-  chunk_state_kernel<<<dim3(unsigned(nseq), unsigned(Hv), unsigned((dv + kCols - 1) / kCols)), kThreads, smem_state,
-                       stream>>>(k, w.data(), u.data(), G.data(), d_chunks, d_first, Hk, Hv, dk, dv, init,
-                                 final_state, H.data(), U.data());
+  int dev = 0, sms = 0;
+  DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
+  DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const bool narrow = int64_t(nseq) * Hv * ((dv + 31) / 32) <= sms;
+  auto launch_state = [&](auto kernel, int cols) {
+    const size_t smem =
+        (dkp * (cols + 8) + 2 * kChunk * (2 * dkp + 12) + 2 * kChunk * (cols + 8) + 3 * kChunk) * sizeof(float);
+    allow_shared_memory(kernel, smem, "chunk_state");
+    DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                           cudaSharedmemCarveoutMaxShared));
+    kernel<<<dim3(unsigned(nseq), unsigned(Hv), unsigned((dv + cols - 1) / cols)), kThreads, smem, stream>>>(
+        k, w.data(), u.data(), G.data(), d_chunks, d_first, Hk, Hv, dk, dv, init, final_state, H.data(), U.data());
+  };
+  if (narrow) launch_state(chunk_state_kernel<32>, 32);
+  else launch_state(chunk_state_kernel<kMaxCols>, kMaxCols);
   DFLASH_CUDA_CHECK_LAUNCH();
   if (!nch) return;
   // The outputs, every chunk in parallel.
