@@ -399,71 +399,67 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(const float* k
     }
 }
 
-/// acc[r][t] += sum_{k < K} A[(rq + 16 r) * lda + k] * B[k * ldb + c + t] (r, t < 4; K, lda, ldb, c
-/// multiples of 4): a thread's 4 x 4 tile of A B from 16-byte shared-memory loads.
-__device__ __forceinline__ void tile_accumulate(float (&acc)[4][4], const float* A, int lda, const float* B, int ldb,
-                                                int rq, int c, int K) {
-  for (int k = 0; k < K; k += 4) {
-    float4 b[4];
+/// acc[nt] += A B for a warp's 16-row tile and four 8-column tiles on tensor cores (3xTF32): A rows
+/// a_row .. a_row + 15 of a row-major smem matrix (lda), B [K][ldb] row-major from column b_col; K a
+/// multiple of 8.
+__device__ __forceinline__ void warp_tile_3xtf32(float (&acc)[4][4], const float* A, int lda, int a_row, const float* B,
+                                                 int ldb, int b_col, int K, int g, int t) {
+  for (int k0 = 0; k0 < K; k0 += 8) {
+    const float* ar = A + (a_row + g) * lda + k0 + t;
+    const mma::Tf32Split a[4] = {mma::split_tf32(ar[0]), mma::split_tf32(ar[8 * lda]), mma::split_tf32(ar[4]),
+                                 mma::split_tf32(ar[8 * lda + 4])};
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) b[kk] = *reinterpret_cast<const float4*>(B + (k + kk) * ldb + c);
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const float4 a4 = *reinterpret_cast<const float4*>(A + (rq + 16 * r) * lda + k);
-      const float a[4] = {a4.x, a4.y, a4.z, a4.w};
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        acc[r][0] += a[kk] * b[kk].x, acc[r][1] += a[kk] * b[kk].y, acc[r][2] += a[kk] * b[kk].z,
-            acc[r][3] += a[kk] * b[kk].w;
+    for (int nt = 0; nt < 4; ++nt) {
+      const float* br = B + (k0 + t) * ldb + b_col + 8 * nt + g;
+      const mma::Tf32Split b[2] = {mma::split_tf32(br[0]), mma::split_tf32(br[4 * ldb])};
+      mma::mma_3xtf32(acc[nt], a, b);
     }
   }
 }
 
 /// One block per (chunk, value head, 64 value columns): O = diag(exp(G)) Q S0 + P U from the saved
-/// state S0 = H[chunk] and U, all chunks in parallel. Thread tile: rows rq + 16 r (r < 4) x columns
-/// 4 cq .. 4 cq + 3.
+/// state S0 = H[chunk] and U, all chunks in parallel, on tensor cores (3xTF32). Warp w computes rows
+/// 16 (w / 2) .. + 15 x columns 32 (w % 2) .. + 31; strides padded for conflict-free fragment loads.
 __global__ void __launch_bounds__(kThreads) chunk_out_kernel(const float* q, const float* H_in, const float* U_in,
                                                              const float* P_in, const float* G_in, const Chunk* chunks,
                                                              int Hk, int Hv, int dk, int dv, float* o) {
   extern __shared__ float4 sm4[];
   float* sm = reinterpret_cast<float*>(sm4);
-  constexpr int kOut = 64, lds = kOut + 4, ldp = kChunk + 4;
-  const int ld = dk + 4;
+  constexpr int kOut = 64, lds = kOut + 8, ldp = kChunk + 4;
+  const int dk8 = (dk + 7) / 8 * 8, ld = dk8 + 4;
   float* Qs = sm;                     // [64][ld]
-  float* Ss = Qs + kChunk * ld;       // [dk][lds] state columns c0 .. c0 + 63
-  float* Us = Ss + dk * lds;          // [64][lds]
+  float* Ss = Qs + kChunk * ld;       // [dk8][lds] state columns c0 .. c0 + 63 (rows past dk zero)
+  float* Us = Ss + dk8 * lds;         // [64][lds]
   float* Pc = Us + kChunk * lds;      // [64][ldp]
   const Chunk ch = chunks[blockIdx.x];
   const int h = blockIdx.y, c0 = blockIdx.z * kOut, kh = h / (Hv / Hk), L = ch.len, tid = threadIdx.x;
   const int ncol = min(kOut, dv - c0);
   load_rows(Qs, ld, q, ch.start, L, Hk, kh, dk, nullptr);
   const float* Hc = H_in + (int64_t(blockIdx.x) * Hv + h) * dk * dv;
-  load_tile(Ss, dk, lds, ncol, [&](int m) { return Hc + int64_t(m) * dv + c0; }, nullptr);
+  load_tile(Ss, dk8, lds, ncol,
+            [&](int m) { return m < dk ? Hc + int64_t(m) * dv + c0 : static_cast<const float*>(nullptr); }, nullptr);
   load_tile(Us, kChunk, lds, ncol, [&](int r) {
     return r < L ? U_in + (int64_t(ch.start + r) * Hv + h) * dv + c0 : static_cast<const float*>(nullptr);
   }, nullptr);
   const float* P = P_in + (int64_t(blockIdx.x) * Hv + h) * kChunk * kChunk;
   load_tile(Pc, kChunk, ldp, kChunk, [&](int r) { return P + r * kChunk; }, nullptr);
   __syncthreads();
-  const int cq = tid % 16, rq = tid / 16, c = 4 * cq;
+  const int lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
+  const int mt = 16 * (warp / 2), nc = 32 * (warp % 2);
   float acc[4][4] = {};
-  tile_accumulate(acc, Qs, ld, Ss, lds, rq, c, dk);  // Q S0
+  warp_tile_3xtf32(acc, Qs, ld, mt, Ss, lds, nc, dk8, g, t);  // Q S0
+  const int r0 = mt + g, r1 = r0 + 8;
+  const float e0 = r0 < L ? __expf(G_in[int64_t(ch.start + r0) * Hv + h]) : 0.f;
+  const float e1 = r1 < L ? __expf(G_in[int64_t(ch.start + r1) * Hv + h]) : 0.f;
 #pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const int i = rq + 16 * r;
-    const float e = i < L ? __expf(G_in[int64_t(ch.start + i) * Hv + h]) : 0.f;
+  for (int nt = 0; nt < 4; ++nt) acc[nt][0] *= e0, acc[nt][1] *= e0, acc[nt][2] *= e1, acc[nt][3] *= e1;
+  warp_tile_3xtf32(acc, Pc, ldp, mt, Us, lds, nc, (L + 7) / 8 * 8, g, t);  // + P U (rows of U past L are zero)
 #pragma unroll
-    for (int t = 0; t < 4; ++t) acc[r][t] *= e;
-  }
-  tile_accumulate(acc, Pc, ldp, Us, lds, rq, c, (L + 3) / 4 * 4);  // + P U (rows of U past L are zero)
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const int i = rq + 16 * r;
-    if (i >= L) continue;
-    float* dst = o + (int64_t(ch.start + i) * Hv + h) * dv + c0;
-#pragma unroll
-    for (int t = 0; t < 4; ++t)
-      if (c + t < ncol) dst[c + t] = acc[r][t];
+  for (int nt = 0; nt < 4; ++nt) {
+    const int col = nc + 8 * nt + 2 * t;
+    if (col >= ncol) continue;  // ncol and col are even
+    if (r0 < L) *reinterpret_cast<float2*>(o + (int64_t(ch.start + r0) * Hv + h) * dv + c0 + col) = make_float2(acc[nt][0], acc[nt][1]);
+    if (r1 < L) *reinterpret_cast<float2*>(o + (int64_t(ch.start + r1) * Hv + h) * dv + c0 + col) = make_float2(acc[nt][2], acc[nt][3]);
   }
 }
 
@@ -611,7 +607,8 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   DFLASH_CUDA_CHECK_LAUNCH();
   if (!nch) return;
   // The outputs, every chunk in parallel.
-  const size_t smem_out = (kChunk * (dk + 4) + dk * 68 + kChunk * 68 + kChunk * (kChunk + 4)) * sizeof(float);
+  const int dk8 = (dk + 7) / 8 * 8;
+  const size_t smem_out = (kChunk * (dk8 + 4) + dk8 * 72 + kChunk * 72 + kChunk * (kChunk + 4)) * sizeof(float);
   allow_shared_memory(chunk_out_kernel, smem_out, "chunk_out");
   chunk_out_kernel<<<dim3(unsigned(nch), unsigned(Hv), unsigned((dv + 63) / 64)), kThreads, smem_out, stream>>>(
       q, H.data(), U.data(), P.data(), G.data(), d_chunks, Hk, Hv, dk, dv, o);
