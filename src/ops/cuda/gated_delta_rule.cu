@@ -143,27 +143,39 @@ __device__ __forceinline__ void load_rows(float* dst, int ld, const float* src, 
             scale);
 }
 
-/// dst[i][c] = sum_{j < L} M[i][j] * coef[j] * X[j][c] for i < L, c < n (n % 4 == 0): rows i = rg + 8r,
-/// columns 4 cg .. 4 cg + 3 per thread (32 x 4 = 128 columns at most). M [64][65], X [64][ld].
-__device__ __forceinline__ void lower_times_rows(const float* M, const float* coef, const float* X, int ld, int L, int n,
-                                                 float* out, int64_t out_row, int64_t out_stride) {
-  const int cg = threadIdx.x % 32, rg = threadIdx.x / 32, c = 4 * cg;
-  if (c >= n) return;
+/// out[i][c] = sum_{j < L} M[i][j] * coef[j] * X[j][c] for i < L, c < n (n % 4 == 0, n <= 128) on
+/// tensor cores (3xTF32). M [64][ldm] (ldm % 32 == 4), X [64][ld] with zero columns n .. ld - 1 and
+/// zero rows (or coef) past L. Warp w computes rows 16 (w % 4) .. + 15 and every other 8-column tile
+/// from w / 4.
+__device__ __forceinline__ void lower_times_rows(const float* M, int ldm, const float* coef, const float* X, int ld,
+                                                 int L, int n, float* out, int64_t out_row, int64_t out_stride) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+  const int mt = 16 * (warp % 4), nt0 = warp / 4, ntiles = (n + 7) / 8;
   float acc[8][4] = {};
-  for (int j = 0; j < L; ++j) {
-    float4 x = *reinterpret_cast<const float4*>(X + j * ld + c);
-    const float f = coef[j];
-    x.x *= f, x.y *= f, x.z *= f, x.w *= f;
+  for (int j0 = 0; j0 < L; j0 += 8) {
+    const float* ar = M + (mt + g) * ldm + j0 + t;
+    const mma::Tf32Split a[4] = {mma::split_tf32(ar[0]), mma::split_tf32(ar[8 * ldm]), mma::split_tf32(ar[4]),
+                                 mma::split_tf32(ar[8 * ldm + 4])};
+    const float f0 = coef[j0 + t], f1 = coef[j0 + t + 4];
 #pragma unroll
-    for (int r = 0; r < 8; ++r) {
-      const float m = M[(rg + 8 * r) * (kChunk + 1) + j];
-      acc[r][0] += m * x.x, acc[r][1] += m * x.y, acc[r][2] += m * x.z, acc[r][3] += m * x.w;
+    for (int q = 0; q < 8; ++q) {
+      const int nt = nt0 + 2 * q;
+      if (nt >= ntiles) break;
+      const float* br = X + (j0 + t) * ld + 8 * nt + g;
+      const mma::Tf32Split b[2] = {mma::split_tf32(br[0] * f0), mma::split_tf32(br[4 * ld] * f1)};
+      mma::mma_3xtf32(acc[q], a, b);
     }
   }
 #pragma unroll
-  for (int r = 0; r < 8; ++r) {
-    const int i = rg + 8 * r;
-    if (i < L) *reinterpret_cast<float4*>(out + (out_row + i) * out_stride + c) = make_float4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+  for (int q = 0; q < 8; ++q) {
+    const int col = 8 * (nt0 + 2 * q) + 2 * t;
+    if (col >= n) break;  // n and col are even
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = mt + g + 8 * half;
+      if (i < L)
+        *reinterpret_cast<float2*>(out + (out_row + i) * out_stride + col) = make_float2(acc[q][2 * half], acc[q][2 * half + 1]);
+    }
   }
 }
 
@@ -179,9 +191,10 @@ __global__ void __launch_bounds__(kThreads) chunk_prepare_kernel(const float* q,
   const int ld = max(dk, dv) + 4;    // row stride: 16-byte rows, padded
   float* Ks = sm;                    // [64][ld] keys
   float* Xs = Ks + kChunk * ld;      // [64][ld] queries, later values
-  float* M = Xs + kChunk * ld;       // [64][65] A
-  float* Tm = M + kChunk * (kChunk + 1);  // [64][65] T = (I + A)^-1
-  float* G = Tm + kChunk * (kChunk + 1);
+  constexpr int ldm = kChunk + 1, ldt = kChunk + 4;
+  float* M = Xs + kChunk * ld;       // [64][ldm] A
+  float* Tm = M + kChunk * ldm;      // [64][ldt] T = (I + A)^-1
+  float* G = Tm + kChunk * ldt;
   float* Bt = G + kChunk;            // beta
   float* Bg = Bt + kChunk;           // beta * exp(G)
   const Chunk ch = chunks[blockIdx.x];
@@ -197,38 +210,39 @@ __global__ void __launch_bounds__(kThreads) chunk_prepare_kernel(const float* q,
     for (int i = 1; i < kChunk; ++i) G[i] += G[i - 1];
   __syncthreads();
   if (tid < kChunk) Bg[tid] = Bt[tid] * __expf(G[tid]);
-  // K K^T and Q K^T: a 4 x 4 tile per thread, rows i = ti + 16 r, columns j = tj + 16 s.
+  // K K^T and Q K^T on tensor cores (3xTF32): warp w takes rows 16 (w / 2) .. + 15 and columns
+  // 32 (w % 2) .. + 31; B = K^T reads key rows, shared by both products.
   {
-    const int ti = tid / 16, tj = tid % 16;
+    const int lane = tid % 32, warp = tid / 32, gq = lane / 4, tq = lane % 4;
+    const int mt = 16 * (warp / 2), nc = 32 * (warp % 2);
     float kk[4][4] = {}, qk[4][4] = {};
-    for (int c = 0; c < dk; c += 4) {
-      float4 a[4], qa[4], b[4];
+    for (int c0 = 0; c0 < dk; c0 += 8) {
+      const float* kr = Ks + (mt + gq) * ld + c0 + tq;
+      const float* qr = Xs + (mt + gq) * ld + c0 + tq;
+      const mma::Tf32Split ka[4] = {mma::split_tf32(kr[0]), mma::split_tf32(kr[8 * ld]), mma::split_tf32(kr[4]),
+                                    mma::split_tf32(kr[8 * ld + 4])};
+      const mma::Tf32Split qa[4] = {mma::split_tf32(qr[0]), mma::split_tf32(qr[8 * ld]), mma::split_tf32(qr[4]),
+                                    mma::split_tf32(qr[8 * ld + 4])};
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        a[r] = *reinterpret_cast<const float4*>(Ks + (ti + 16 * r) * ld + c);
-        qa[r] = *reinterpret_cast<const float4*>(Xs + (ti + 16 * r) * ld + c);
-        b[r] = *reinterpret_cast<const float4*>(Ks + (tj + 16 * r) * ld + c);
+      for (int nt = 0; nt < 4; ++nt) {
+        const float* br = Ks + (nc + 8 * nt + gq) * ld + c0 + tq;  // B[c][j] = k_j[c]
+        const mma::Tf32Split b[2] = {mma::split_tf32(br[0]), mma::split_tf32(br[4])};
+        mma::mma_3xtf32(kk[nt], ka, b);
+        mma::mma_3xtf32(qk[nt], qa, b);
       }
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          kk[r][t] += a[r].x * b[t].x + a[r].y * b[t].y + a[r].z * b[t].z + a[r].w * b[t].w;
-          qk[r][t] += qa[r].x * b[t].x + qa[r].y * b[t].y + qa[r].z * b[t].z + qa[r].w * b[t].w;
-        }
     }
     float* P = P_out + (int64_t(blockIdx.x) * Hv + h) * kChunk * kChunk;
 #pragma unroll
-    for (int r = 0; r < 4; ++r)
+    for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        const int i = ti + 16 * r, j = tj + 16 * t;
+      for (int e = 0; e < 4; ++e) {
+        const int i = mt + gq + 8 * (e / 2), j = nc + 8 * nt + 2 * tq + (e % 2);
         const float decay = j <= i && i < L ? __expf(G[i] - G[j]) : 0.f;
-        M[i * (kChunk + 1) + j] = j < i ? Bt[i] * decay * kk[r][t] : 0.f;
-        P[i * kChunk + j] = decay * qk[r][t];
+        M[i * ldm + j] = j < i ? Bt[i] * decay * kk[nt][e] : 0.f;
+        P[i * kChunk + j] = decay * qk[nt][e];
       }
   }
-  for (int e = tid; e < kChunk * (kChunk + 1); e += kThreads) Tm[e] = e % (kChunk + 2) == 0 ? 1.f : 0.f;  // I
+  for (int e = tid; e < kChunk * ldt; e += kThreads) Tm[e] = e / ldt == e % ldt ? 1.f : 0.f;  // I
   __syncthreads();
   // T = (I + A)^-1, row by row: T_ij = -A_ij - sum_{m=j+1}^{i-1} A_im T_mj (j < i), T_ii = 1. Four
   // threads per column j split the sum over m; a shuffle adds their parts; one barrier per row.
@@ -237,18 +251,18 @@ __global__ void __launch_bounds__(kThreads) chunk_prepare_kernel(const float* q,
     for (int i = 1; i < L; ++i) {
       float t = 0.f;
       if (j < i)
-        for (int m = j + 1 + part; m < i; m += 4) t += M[i * (kChunk + 1) + m] * Tm[m * (kChunk + 1) + j];
+        for (int m = j + 1 + part; m < i; m += 4) t += M[i * ldm + m] * Tm[m * ldt + j];
       t += __shfl_xor_sync(0xffffffffu, t, 1);
       t += __shfl_xor_sync(0xffffffffu, t, 2);
-      if (j < i && part == 0) Tm[i * (kChunk + 1) + j] = -M[i * (kChunk + 1) + j] - t;
+      if (j < i && part == 0) Tm[i * ldt + j] = -M[i * ldm + j] - t;
       __syncthreads();
     }
   }
-  lower_times_rows(Tm, Bg, Ks, ld, L, dk, w_out + int64_t(h) * dk, ch.start, int64_t(Hv) * dk);  // w = T diag(beta e^G) K
+  lower_times_rows(Tm, ldt, Bg, Ks, ld, L, dk, w_out + int64_t(h) * dk, ch.start, int64_t(Hv) * dk);  // w = T diag(beta e^G) K
   __syncthreads();  // Xs (queries) is free now: values
   load_rows(Xs, ld, v, ch.start, L, Hv, h, dv, nullptr);
   __syncthreads();
-  lower_times_rows(Tm, Bt, Xs, ld, L, dv, u_out + int64_t(h) * dv, ch.start, int64_t(Hv) * dv);  // u = T diag(beta) V
+  lower_times_rows(Tm, ldt, Bt, Xs, ld, L, dv, u_out + int64_t(h) * dv, ch.start, int64_t(Hv) * dv);  // u = T diag(beta) V
   if (tid < L) G_out[int64_t(ch.start + tid) * Hv + h] = G[tid];
 }
 
@@ -578,7 +592,8 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   StreamBuffer<float> w(size_t(T * Hv * dk), stream), u(size_t(T * Hv * dv), stream),
       P(size_t(nch * Hv * kChunk * kChunk), stream), G(size_t(T * Hv), stream);
   if (nch) {
-    const size_t smem = (2 * kChunk * (std::max(dk, dv) + 4) + 2 * kChunk * (kChunk + 1) + 3 * kChunk) * sizeof(float);
+    const size_t smem =
+        (2 * kChunk * (std::max(dk, dv) + 4) + kChunk * (kChunk + 1) + kChunk * (kChunk + 4) + 3 * kChunk) * sizeof(float);
     allow_shared_memory(chunk_prepare_kernel, smem, "chunk_prepare");
     chunk_prepare_kernel<<<dim3(unsigned(nch), unsigned(Hv)), kThreads, smem, stream>>>(
         q, k, v, g, beta, d_chunks, Hk, Hv, dk, dv, w.data(), u.data(), P.data(), G.data());
