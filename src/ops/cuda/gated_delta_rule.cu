@@ -9,10 +9,9 @@
 // chunk_prepare runs every (chunk, value head) in parallel; chunk_state walks the chunks of one
 // sequence in order, per (sequence, value head, 32 or 64 state columns), and keeps only the sequential
 // part (U and the state before each chunk); chunk_out computes O for every chunk in parallel.
-// chunk_prepare and chunk_out are fp32 SIMT (register tiles of 4 x 4 to 8 x 4 outputs per thread over
-// 16-byte shared-memory loads); chunk_state's products run on tensor cores in 3xTF32 (about fp32
-// precision). The layer's activations between the projections' GEMMs (conv1d, q / k / v, o) are fp32
-// too: bf16 only feeds GEMMs.
+// Every matrix product of the three kernels runs on tensor cores in 3xTF32 (mma_3xtf32: about fp32
+// precision); the forward substitution for T is fp32 SIMT. The layer's activations between the
+// projections' GEMMs (conv1d, q / k / v, o) are fp32 too: bf16 only feeds GEMMs.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
