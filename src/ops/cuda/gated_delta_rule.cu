@@ -103,11 +103,11 @@ __global__ void gdn_prepare_kernel(const float* qkv, const float* b, const float
 
 using Chunk = GdnChunk;
 
-/// dst [rows][ld] (ld % 4 == 0, rows * ld <= 9 * 1024) <- element (r, c) = row_ptr(r)[c] * scale[r] for
+/// dst [rows][ld] (ld % 4 == 0, rows * ld <= 9 * 1024) <- element (r, c) = row_ptr(r)[c] for
 /// c < ncols (ncols % 4 == 0) where row_ptr(r) is not null, else 0. 16-byte loads, all of a thread's
-/// issued before its stores (the chunk loops are latency bound otherwise).
+/// issued before its stores (the chunk kernels are latency bound otherwise).
 template <typename RowPtr>
-__device__ __forceinline__ void load_tile(float* dst, int rows, int ld, int ncols, RowPtr row_ptr, const float* scale) {
+__device__ __forceinline__ void load_tile(float* dst, int rows, int ld, int ncols, RowPtr row_ptr) {
   const int n4 = ld / 4, total = rows * n4;
   float4 v[9];
 #pragma unroll
@@ -117,13 +117,7 @@ __device__ __forceinline__ void load_tile(float* dst, int rows, int ld, int ncol
     if (e < total) {
       const int r = e / n4, c = (e - r * n4) * 4;
       const float* p = c < ncols ? row_ptr(r) : nullptr;
-      if (p) {
-        v[i] = *reinterpret_cast<const float4*>(p + c);
-        if (scale) {
-          const float f = scale[r];
-          v[i].x *= f, v[i].y *= f, v[i].z *= f, v[i].w *= f;
-        }
-      }
+      if (p) v[i] = *reinterpret_cast<const float4*>(p + c);
     }
   }
 #pragma unroll
@@ -133,13 +127,11 @@ __device__ __forceinline__ void load_tile(float* dst, int rows, int ld, int ncol
   }
 }
 
-/// Rows [0, 64) of a [T, H, n] fp32 tensor (head h, rows from `start`) into dst [64][ld], times
-/// scale[r] when given; rows >= L and columns n .. ld-1 are zero (so that padded tiles add nothing).
-__device__ __forceinline__ void load_rows(float* dst, int ld, const float* src, int start, int L, int H, int h, int n,
-                                          const float* scale) {
+/// Rows [0, 64) of a [T, H, n] fp32 tensor (head h, rows from `start`) into dst [64][ld]; rows >= L
+/// and columns n .. ld-1 are zero (so that padded tiles add nothing).
+__device__ __forceinline__ void load_rows(float* dst, int ld, const float* src, int start, int L, int H, int h, int n) {
   load_tile(dst, kChunk, ld, n,
-            [&](int r) { return r < L ? src + (int64_t(start + r) * H + h) * n : static_cast<const float*>(nullptr); },
-            scale);
+            [&](int r) { return r < L ? src + (int64_t(start + r) * H + h) * n : static_cast<const float*>(nullptr); });
 }
 
 /// out[i][c] = sum_{j < L} M[i][j] * coef[j] * X[j][c] for i < L, c < n (n % 4 == 0, n <= 128) on
@@ -198,8 +190,8 @@ __global__ void __launch_bounds__(kThreads) chunk_prepare_kernel(const float* q,
   float* Bg = Bt + kChunk;           // beta * exp(G)
   const Chunk ch = chunks[blockIdx.x];
   const int h = blockIdx.y, kh = h / (Hv / Hk), L = ch.len, tid = threadIdx.x;
-  load_rows(Ks, ld, k, ch.start, L, Hk, kh, dk, nullptr);
-  load_rows(Xs, ld, q, ch.start, L, Hk, kh, dk, nullptr);
+  load_rows(Ks, ld, k, ch.start, L, Hk, kh, dk);
+  load_rows(Xs, ld, q, ch.start, L, Hk, kh, dk);
   if (tid < kChunk) {
     G[tid] = tid < L ? g[int64_t(ch.start + tid) * Hv + h] : 0.f;
     Bt[tid] = tid < L ? beta[int64_t(ch.start + tid) * Hv + h] : 0.f;
@@ -259,7 +251,7 @@ __global__ void __launch_bounds__(kThreads) chunk_prepare_kernel(const float* q,
   }
   lower_times_rows(Tm, ldt, Bg, Ks, ld, L, dk, w_out + int64_t(h) * dk, ch.start, int64_t(Hv) * dk);  // w = T diag(beta e^G) K
   __syncthreads();  // Xs (queries) is free now: values
-  load_rows(Xs, ld, v, ch.start, L, Hv, h, dv, nullptr);
+  load_rows(Xs, ld, v, ch.start, L, Hv, h, dv);
   __syncthreads();
   lower_times_rows(Tm, ldt, Bt, Xs, ld, L, dv, u_out + int64_t(h) * dv, ch.start, int64_t(Hv) * dv);  // u = T diag(beta) V
   if (tid < L) G_out[int64_t(ch.start + tid) * Hv + h] = G[tid];
@@ -447,15 +439,15 @@ __global__ void __launch_bounds__(kThreads) chunk_out_kernel(const float* q, con
   const Chunk ch = chunks[blockIdx.x];
   const int h = blockIdx.y, c0 = blockIdx.z * kOut, kh = h / (Hv / Hk), L = ch.len, tid = threadIdx.x;
   const int ncol = min(kOut, dv - c0);
-  load_rows(Qs, ld, q, ch.start, L, Hk, kh, dk, nullptr);
+  load_rows(Qs, ld, q, ch.start, L, Hk, kh, dk);
   const float* Hc = H_in + (int64_t(blockIdx.x) * Hv + h) * dk * dv;
   load_tile(Ss, dk8, lds, ncol,
-            [&](int m) { return m < dk ? Hc + int64_t(m) * dv + c0 : static_cast<const float*>(nullptr); }, nullptr);
+            [&](int m) { return m < dk ? Hc + int64_t(m) * dv + c0 : static_cast<const float*>(nullptr); });
   load_tile(Us, kChunk, lds, ncol, [&](int r) {
     return r < L ? U_in + (int64_t(ch.start + r) * Hv + h) * dv + c0 : static_cast<const float*>(nullptr);
-  }, nullptr);
+  });
   const float* P = P_in + (int64_t(blockIdx.x) * Hv + h) * kChunk * kChunk;
-  load_tile(Pc, kChunk, ldp, kChunk, [&](int r) { return P + r * kChunk; }, nullptr);
+  load_tile(Pc, kChunk, ldp, kChunk, [&](int r) { return P + r * kChunk; });
   __syncthreads();
   const int lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
   const int mt = 16 * (warp / 2), nc = 32 * (warp % 2);
