@@ -121,7 +121,7 @@ namespace {
 /// One chunked-vs-recurrent comparison: random normalized q / k, v, g = -20 u^4 (u uniform:
 /// mostly mild decays, some down to -20), beta uniform in [0, 1], an optional random initial state.
 void check_chunked(const std::vector<int64_t>& lens, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, bool init,
-                   uint64_t seed, bool recurrent = false) {
+                   uint64_t seed, bool recurrent = false, size_t shared_limit = 0) {
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<float> uni(0.f, 1.f);
   const std::vector<int64_t> cu = cu_of(lens);
@@ -148,6 +148,10 @@ void check_chunked(const std::vector<int64_t>& lens, int64_t Hk, int64_t Hv, int
   if (recurrent)  // the state in place: s0 (zeros without init) in, the final state out
     cuda::gated_delta_rule_recurrent(dq.data(), dk_.data(), dv_.data(), dg.data(), db.data(), cu, int(Hk), int(Hv),
                                      int(dk), int(dv), ds0.data(), tokens.data(), o.data(), nullptr);
+  else if (shared_limit)
+    cuda::gated_delta_rule_chunked(dq.data(), dk_.data(), dv_.data(), dg.data(), db.data(), cuda::GdnChunkPlan(cu, nullptr),
+                                   int(Hk), int(Hv), int(dk), int(dv), init ? ds0.data() : nullptr, fs.data(), o.data(),
+                                   nullptr, shared_limit);
   else
     cuda::gated_delta_rule_chunked(dq.data(), dk_.data(), dv_.data(), dg.data(), db.data(), cu, int(Hk), int(Hv),
                                    int(dk), int(dv), init ? ds0.data() : nullptr, fs.data(), o.data(), nullptr);
@@ -196,6 +200,16 @@ TEST(CudaGdn, ChunkedMatchesTheRecurrence) {
   EXPECT_THROW(cuda::gated_delta_rule_chunked(nullptr, nullptr, nullptr, nullptr, nullptr, {0, 1}, 1, 1, 32, 10, nullptr,
                                               nullptr, nullptr, nullptr),
                std::invalid_argument);  // dv not a multiple of 4
+}
+
+// Less shared memory per block than the tensor-core chunk_state needs (A100: 163 KB, against ~179 KB
+// at dk 128; 60 KB against ~65 KB at dk 24) takes the SIMT chunk_state: the same checks.
+TEST(CudaGdn, ChunkedWithLessSharedMemoryMatchesTheRecurrence) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  uint64_t seed = 30;
+  check_chunked({4097}, 1, 2, 128, 128, true, ++seed, false, 163 * 1024);
+  check_chunked({3, 64, 1, 65, 130, 0, 7}, 2, 4, 24, 40, true, ++seed, false, 60 * 1024);
+  EXPECT_THROW(check_chunked({70}, 1, 1, 128, 128, false, ++seed, false, 20 * 1024), std::runtime_error);
 }
 
 // The token-by-token kernel of decoding / verification: outputs, final state and every token's state.

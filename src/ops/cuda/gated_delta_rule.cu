@@ -270,6 +270,130 @@ __device__ __forceinline__ void load_rows_async(float* dst, int ld, int width, c
   }
 }
 
+/// The chunk_state of GPUs with less shared memory than the tensor-core kernel below needs (A100:
+/// 163 KB per block; about 103 KB here at dk 128), fp32 SIMT. One block per (sequence, value head,
+/// 32 state columns): walks the sequence's chunks in order and
+/// keeps only what is sequential: saves the state before each chunk (H [chunks, Hv, dk, dv]), the
+/// chunk's U = u - w S0 (U [T, Hv, dv]), then S = exp(G_L) S0 + (diag(exp(G_L - G)) K)^T U.
+/// Loads run ahead of the math (cp.async): the chunk's keys while U is computed, the next chunk's w,
+/// u and gates while the state is updated. Thread tiles: U rows ur + 32 r (r < 2) x columns
+/// 4 cp .. 4 cp + 3; S rows 4 ur .. 4 ur + 3 x the same columns.
+constexpr int kSimtCols = 32;
+
+__global__ void __launch_bounds__(kThreads, 2) chunk_state_simt_kernel(const float* k, const float* w_in, const float* u_in,
+                                                               const float* G_in, const Chunk* chunks,
+                                                               const int32_t* first_chunk, int Hk, int Hv, int dk,
+                                                               int dv, const float* init, float* final_state,
+                                                               float* H_out, float* U_out) {
+  extern __shared__ float4 sm4[];
+  float* sm = reinterpret_cast<float*>(sm4);
+  constexpr int ldu = kSimtCols + 4;
+  const int ld = dk + 4;
+  float* S = sm;                          // [dk][kSimtCols] state columns c0 .. c0 + kSimtCols - 1
+  float* Xw = S + dk * kSimtCols;             // [64][ld] w rows of the current chunk
+  float* Xk = Xw + kChunk * ld;           // [64][ld] k rows of the current chunk
+  float* Ub = Xk + kChunk * ld;           // 2 x [64][ldu] u, then U (buffer ci & 1)
+  float* Gb = Ub + 2 * kChunk * ldu;      // 2 x [64] in-chunk cumulative gates (buffer ci & 1)
+  float* D = Gb + 2 * kChunk;             // [64] exp(G_L - G_j)
+  const int seq = blockIdx.x, h = blockIdx.y, c0 = blockIdx.z * kSimtCols, kh = h / (Hv / Hk), tid = threadIdx.x;
+  const int cp = tid % (kSimtCols / 4), c = 4 * cp, ur = tid / (kSimtCols / 4);  // ur < 32
+  const int ncols = min(kSimtCols, dv - c0);
+  const int64_t state_off = (int64_t(seq) * Hv + h) * dk * dv;
+  for (int e = tid; e < dk * kSimtCols; e += kThreads) {
+    const int m = e / kSimtCols, cc = e % kSimtCols;
+    S[e] = init && cc < ncols ? init[state_off + int64_t(m) * dv + c0 + cc] : 0.f;
+  }
+  const int c_first = first_chunk[seq], c_end = first_chunk[seq + 1];
+  // w, u and the gates of chunk ci into Xw, Ub[ci & 1], Gb[ci & 1] (one cp.async group).
+  auto fetch_next = [&](int ci) {
+    if (ci < c_end) {
+      const Chunk ch = chunks[ci];
+      float* Gd = Gb + (ci & 1) * kChunk;
+      load_rows_async(Xw, ld, dk, w_in, ch.start, ch.len, Hv, h, dk, 0, dk);
+      load_rows_async(Ub + (ci & 1) * kChunk * ldu, ldu, kSimtCols, u_in, ch.start, ch.len, Hv, h, dv, c0, ncols);
+      if (tid < kChunk) mma::cp_async4(Gd + tid, G_in + int64_t(ch.start + min(tid, ch.len - 1)) * Hv + h, tid < ch.len);
+    }
+    mma::cp_async_commit();
+  };
+  fetch_next(c_first);
+  mma::cp_async_wait<0>();
+  __syncthreads();
+  for (int ci = c_first; ci < c_end; ++ci) {
+    const Chunk ch = chunks[ci];
+    const int L = ch.len;
+    float* U = Ub + (ci & 1) * kChunk * ldu;
+    const float* G = Gb + (ci & 1) * kChunk;
+    load_rows_async(Xk, ld, dk, k, ch.start, L, Hk, kh, dk, 0, dk);  // keys, for the state update below
+    mma::cp_async_commit();
+    float* Hc = H_out + (int64_t(ci) * Hv + h) * dk * dv;  // the state before this chunk
+    for (int e = tid; e < dk * kSimtCols; e += kThreads) {
+      const int m = e / kSimtCols, cc = e % kSimtCols;
+      if (cc < ncols) Hc[int64_t(m) * dv + c0 + cc] = S[e];
+    }
+    if (tid < kChunk) D[tid] = tid < L ? __expf(G[L - 1] - G[tid]) : 0.f;
+    // U = u_hat - w S0
+    float acc[2][4] = {};
+    for (int m = 0; m < dk; m += 4) {
+      float4 sv[4];
+#pragma unroll
+      for (int mm = 0; mm < 4; ++mm) sv[mm] = *reinterpret_cast<const float4*>(S + (m + mm) * kSimtCols + c);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float4 x = *reinterpret_cast<const float4*>(Xw + (ur + 32 * r) * ld + m);
+        acc[r][0] += x.x * sv[0].x + x.y * sv[1].x + x.z * sv[2].x + x.w * sv[3].x;
+        acc[r][1] += x.x * sv[0].y + x.y * sv[1].y + x.z * sv[2].y + x.w * sv[3].y;
+        acc[r][2] += x.x * sv[0].z + x.y * sv[1].z + x.z * sv[2].z + x.w * sv[3].z;
+        acc[r][3] += x.x * sv[0].w + x.y * sv[1].w + x.z * sv[2].w + x.w * sv[3].w;
+      }
+    }
+    __syncthreads();  // Xw (w) and D are done with: the next chunk's w, u and gates load behind the update
+    fetch_next(ci + 1);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int i = ur + 32 * r;
+      if (i >= L) continue;
+      float* ui = U + i * ldu + c;
+      float* dst = U_out + (int64_t(ch.start + i) * Hv + h) * dv + c0 + c;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        ui[q] -= acc[r][q];
+        if (c + q < ncols) dst[q] = ui[q];
+      }
+    }
+    mma::cp_async_wait<1>();  // the keys (not the next chunk's loads)
+    __syncthreads();
+    // S = exp(G_L) S0 + (diag(exp(G_L - G)) K)^T U
+    const int m0 = 4 * ur;
+    if (m0 < dk) {
+      const float gl = __expf(G[L - 1]);
+      float sa[4][4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) sa[r][q] = gl * S[(m0 + r) * kSimtCols + c + q];
+      for (int j = 0; j < L; ++j) {
+        const float4 kx = *reinterpret_cast<const float4*>(Xk + j * ld + m0);
+        const float f = D[j];
+        const float x[4] = {kx.x * f, kx.y * f, kx.z * f, kx.w * f};
+        const float4 uv = *reinterpret_cast<const float4*>(U + j * ldu + c);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) sa[r][0] += x[r] * uv.x, sa[r][1] += x[r] * uv.y, sa[r][2] += x[r] * uv.z, sa[r][3] += x[r] * uv.w;
+      }
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) S[(m0 + r) * kSimtCols + c + q] = sa[r][q];
+    }
+    mma::cp_async_wait<0>();  // the next chunk's w, u and gates
+    __syncthreads();
+  }
+  if (final_state)
+    for (int e = tid; e < dk * kSimtCols; e += kThreads) {
+      const int m = e / kSimtCols, cc = e % kSimtCols;
+      if (cc < ncols) final_state[state_off + int64_t(m) * dv + c0 + cc] = S[e];
+    }
+}
+
 /// Padded key dim of chunk_state (whole 16-row tiles; the padding rows stay zero).
 __host__ __device__ constexpr int state_rows(int dk) { return (dk + 15) / 16 * 16; }
 
@@ -487,12 +611,18 @@ namespace {
 /// Lets `kernel` use `bytes` of dynamic shared memory; a device offering less is refused with the
 /// numbers. (The attribute is per kernel and device: callers on one device with other head dims
 /// would race on it, which a process serving one target never does.)
-template <typename Kernel>
-void allow_shared_memory(Kernel kernel, size_t bytes, const char* what) {
+/// Shared memory one block of the current device may opt in to, in bytes.
+size_t device_shared_limit() {
   int dev = 0, optin = 0;
   DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
   DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  if (bytes > size_t(optin))
+  return size_t(optin);
+}
+
+template <typename Kernel>
+void allow_shared_memory(Kernel kernel, size_t bytes, const char* what) {
+  const size_t optin = device_shared_limit();
+  if (bytes > optin)
     throw std::runtime_error(std::string("gated_delta_rule_chunked: ") + what + " needs " + std::to_string(bytes) +
                              " bytes of shared memory per block for these head dims; this GPU offers " +
                              std::to_string(optin) + " (A100 / H100 / H200: 166-232 KB)");
@@ -570,8 +700,8 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
 
 void gated_delta_rule_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta,
                               const GdnChunkPlan& plan, int Hk, int Hv, int dk, int dv, const float* init,
-                              float* final_state, float* o, cudaStream_t stream) {
-  if (Hk <= 0 || Hv % Hk != 0 || dk <= 0 || dk > 128 || dv <= 0 || dv > 128 || dk % 4 || dv % 4)
+                              float* final_state, float* o, cudaStream_t stream, size_t shared_limit) {
+  if (Hk <= 0 || Hv <= 0 || Hv % Hk != 0 || dk <= 0 || dk > 128 || dv <= 0 || dv > 128 || dk % 4 || dv % 4)
     throw std::invalid_argument("gated_delta_rule_chunked: Hk " + std::to_string(Hk) + ", Hv " + std::to_string(Hv) +
                                 ", dk " + std::to_string(dk) + ", dv " + std::to_string(dv) +
                                 " (head dims multiples of 4, <= 128)");
@@ -592,24 +722,37 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   }
   // The sequential part: states before each chunk and the chunks' U.
   StreamBuffer<float> H(size_t(nch * Hv * dk * dv), stream), U(size_t(T * Hv * dv), stream);
-  // 64 state columns per block, or 32 when that still fits one wave (one block per SM) and 64 would
-  // leave SMs idle: the chain of chunks is the critical path, so more blocks in one wave is faster.
+  // The tensor-core kernel with 64 state columns per block, or 32 when that still fits one wave (one
+  // block per SM) and 64 would leave SMs idle: the chain of chunks is the critical path. GPUs with less
+  // shared memory per block than it needs (A100) run the SIMT kernel.
   const int dkp = state_rows(dk);
   int dev = 0, sms = 0;
   DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
   DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const size_t limit = shared_limit ? std::min(shared_limit, device_shared_limit()) : device_shared_limit();
   const bool narrow = int64_t(nseq) * Hv * ((dv + 31) / 32) <= sms;
-  auto launch_state = [&](auto kernel, int cols) {
-    const size_t smem =
-        (dkp * (cols + 8) + 2 * kChunk * (2 * dkp + 12) + 2 * kChunk * (cols + 8) + 3 * kChunk) * sizeof(float);
+  const int cols = narrow ? 32 : kMaxCols;
+  const size_t smem_tc =
+      (dkp * (cols + 8) + 2 * kChunk * (2 * dkp + 12) + 2 * kChunk * (cols + 8) + 3 * kChunk) * sizeof(float);
+  auto launch_state = [&](auto kernel, int kc, size_t smem) {
     allow_shared_memory(kernel, smem, "chunk_state");
     DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                            cudaSharedmemCarveoutMaxShared));
-    kernel<<<dim3(unsigned(nseq), unsigned(Hv), unsigned((dv + cols - 1) / cols)), kThreads, smem, stream>>>(
+    kernel<<<dim3(unsigned(nseq), unsigned(Hv), unsigned((dv + kc - 1) / kc)), kThreads, smem, stream>>>(
         k, w.data(), u.data(), G.data(), d_chunks, d_first, Hk, Hv, dk, dv, init, final_state, H.data(), U.data());
   };
-  if (narrow) launch_state(chunk_state_kernel<32>, 32);
-  else launch_state(chunk_state_kernel<kMaxCols>, kMaxCols);
+  if (smem_tc <= limit) {
+    if (narrow) launch_state(chunk_state_kernel<32>, 32, smem_tc);
+    else launch_state(chunk_state_kernel<kMaxCols>, kMaxCols, smem_tc);
+  } else {
+    const size_t smem_simt =
+        (dk * kSimtCols + 2 * kChunk * (dk + 4) + 2 * kChunk * (kSimtCols + 4) + 3 * kChunk) * sizeof(float);
+    if (smem_simt > limit)
+      throw std::runtime_error("gated_delta_rule_chunked: chunk_state needs " + std::to_string(smem_simt) +
+                               " bytes of shared memory per block for these head dims; " + std::to_string(limit) +
+                               " are available");
+    launch_state(chunk_state_simt_kernel, kSimtCols, smem_simt);
+  }
   DFLASH_CUDA_CHECK_LAUNCH();
   if (!nch) return;
   // The outputs, every chunk in parallel.
