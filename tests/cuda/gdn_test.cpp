@@ -191,6 +191,8 @@ TEST(CudaGdn, ChunkedMatchesTheRecurrence) {
   check_chunked({4097}, 1, 2, 128, 128, true, ++seed);                    // the real head dims, long
   check_chunked({70, 5}, 2, 2, 64, 32, true, ++seed);                     // dk > dv
   check_chunked({130}, 1, 3, 32, 96, false, ++seed);                      // a second, partial block of 64 value columns
+  check_chunked({50, 9}, 1, 1, 12, 4, true, ++seed);                      // head dims not multiples of 8
+  check_chunked({33}, 2, 4, 4, 20, true, ++seed);
   // Enough sequences x heads that chunk_state takes 64 value columns per block (more blocks than SMs
   // at 32), the second block of each head partial.
   check_chunked(std::vector<int64_t>(24, 70), 2, 8, 32, 96, true, ++seed);

@@ -463,7 +463,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(const float* k
       if (cc < ncols) Hc[int64_t(m) * dv + c0 + cc] = S[m * ldS + cc];
     }
     if (tid < kChunk) D[tid] = tid < L ? __expf(G[L - 1] - G[tid]) : 0.f;
-    // U = u_hat - w S0 for this warp's 16 x 32 tile
+    // U = u_hat - w S0 for this warp's 16 x kCols / 2 tile
     {
       float acc[kUn][4] = {};
       for (int k0 = 0; k0 < dkp; k0 += 8) {
