@@ -129,6 +129,10 @@ TEST(CudaMaskedAttention, DflashMasksFullSlidingAndPadding) {
   for (int64_t a = 5; a < 300 && anchors.size() < 38; a += 1 + int64_t(rng() % 12)) anchors.push_back(a);
   run_case(dflash_case("dflash full S300 B16", 300, anchors, 40, 16, 0, 8, 2, 128), 30);
   run_case(dflash_case("dflash sliding S300 W64", 300, anchors, 40, 16, 64, 8, 2, 128), 31);
+  // head_dim 256 (forward only): 32-key tiles, so block ranges start and end inside tiles.
+  Case d256 = dflash_case("dflash sliding S300 W40 D256", 300, anchors, 40, 16, 40, 4, 2, 256);
+  d256.backward = false;
+  run_case(d256, 32);
   // 70 blocks of 16 = 18 query tiles: the dK / dV launch splits into parts (fp32 partials + reduce).
   anchors.clear();
   for (int64_t a = 3; a < 600 && anchors.size() < 70; a += 1 + int64_t(rng() % 14)) anchors.push_back(a);

@@ -170,9 +170,64 @@ __device__ __forceinline__ void lower_times_rows(const float* M, int ldm, const 
   }
 }
 
+/// T = (I + A)^-1 for A [64][ldm] strictly lower triangular (shared memory), blocked in 16 x 16 tiles:
+/// each diagonal tile T_dd = (I + A_dd)^-1 by forward substitution, a lane per column with the column
+/// in registers (no barrier), then the tiles below the diagonal by distance from it,
+/// T_ij = -T_ii sum_{k=j}^{i-1} A_ik T_kj (2 barriers per distance). T [64][ldt] must hold I on entry;
+/// Y: kInvScratch floats. The same T as row-by-row substitution, up to rounding (flash-linear-attention's
+/// solve_tril blocks the same way).
+constexpr int kInvScratch = 3 * 16 * 17;
+
+__device__ __forceinline__ void invert_unit_lower(const float* A, int ldm, float* T, int ldt, float* Y) {
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  if (warp < 4 && lane < 16) {  // diagonal tile `warp`, column `lane`
+    const int o = 16 * warp, c = lane;
+    float col[16];  // T_dd[m][c]
+#pragma unroll
+    for (int m = 0; m < 16; ++m) col[m] = m == c ? 1.f : 0.f;
+#pragma unroll
+    for (int r = 1; r < 16; ++r) {
+      const float* ar = A + (o + r) * ldm + o;
+      float acc = 0.f;
+#pragma unroll
+      for (int m = 0; m < r; ++m) acc = fmaf(ar[m], col[m], acc);
+      if (r > c) col[r] = -acc;
+    }
+#pragma unroll
+    for (int m = 1; m < 16; ++m)
+      if (m > c) T[(o + m) * ldt + o + c] = col[m];
+  }
+  __syncthreads();
+  for (int dist = 1; dist < 4; ++dist) {
+    const int pairs = 4 - dist;  // tiles (i, j = i - dist), i = dist .. 3
+    for (int e = tid; e < pairs * 256; e += kThreads) {
+      const int i = dist + e / 256, j = i - dist, r = (e / 16) % 16, c = e % 16;
+      float acc = 0.f;
+      for (int k = j; k < i; ++k) {
+        const float* ar = A + (16 * i + r) * ldm + 16 * k;
+        const float* tc = T + 16 * k * ldt + 16 * j + c;
+#pragma unroll
+        for (int m = 0; m < 16; ++m) acc = fmaf(ar[m], tc[m * ldt], acc);
+      }
+      Y[(e / 256) * 272 + r * 17 + c] = acc;  // sum_k A_ik T_kj
+    }
+    __syncthreads();
+    for (int e = tid; e < pairs * 256; e += kThreads) {
+      const int i = dist + e / 256, j = i - dist, r = (e / 16) % 16, c = e % 16;
+      const float* tr = T + (16 * i + r) * ldt + 16 * i;
+      const float* y = Y + (e / 256) * 272 + c;
+      float acc = 0.f;
+#pragma unroll
+      for (int m = 0; m < 16; ++m) acc = fmaf(tr[m], y[m * 17], acc);  // T_ii is lower triangular
+      T[(16 * i + r) * ldt + 16 * j + c] = -acc;
+    }
+    __syncthreads();
+  }
+}
+
 /// One block per (chunk, value head): A, T = (I + A)^-1, w, u (fp32 [T, Hv, dk] / [T, Hv, dv]),
 /// P (fp32 [chunks, Hv, 64, 64]) and the in-chunk cumulative gates G (fp32 [T, Hv]).
-__global__ void __launch_bounds__(kThreads) chunk_prepare_kernel(const float* q, const float* k, const float* v,
+__global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float* q, const float* k, const float* v,
                                                                  const float* g, const float* beta,
                                                                  const Chunk* chunks, int Hk, int Hv, int dk, int dv,
                                                                  float* w_out, float* u_out, float* P_out,
@@ -188,6 +243,7 @@ __global__ void __launch_bounds__(kThreads) chunk_prepare_kernel(const float* q,
   float* G = Tm + kChunk * ldt;
   float* Bt = G + kChunk;            // beta
   float* Bg = Bt + kChunk;           // beta * exp(G)
+  float* Y = Bg + kChunk;            // [3][16][17] scratch of the inverse
   const Chunk ch = chunks[blockIdx.x];
   const int h = blockIdx.y, kh = h / (Hv / Hk), L = ch.len, tid = threadIdx.x;
   load_rows(Ks, ld, k, ch.start, L, Hk, kh, dk);
@@ -235,20 +291,7 @@ __global__ void __launch_bounds__(kThreads) chunk_prepare_kernel(const float* q,
   }
   for (int e = tid; e < kChunk * ldt; e += kThreads) Tm[e] = e / ldt == e % ldt ? 1.f : 0.f;  // I
   __syncthreads();
-  // T = (I + A)^-1, row by row: T_ij = -A_ij - sum_{m=j+1}^{i-1} A_im T_mj (j < i), T_ii = 1. Four
-  // threads per column j split the sum over m; a shuffle adds their parts; one barrier per row.
-  {
-    const int j = tid / 4, part = tid % 4;
-    for (int i = 1; i < L; ++i) {
-      float t = 0.f;
-      if (j < i)
-        for (int m = j + 1 + part; m < i; m += 4) t += M[i * ldm + m] * Tm[m * ldt + j];
-      t += __shfl_xor_sync(0xffffffffu, t, 1);
-      t += __shfl_xor_sync(0xffffffffu, t, 2);
-      if (j < i && part == 0) Tm[i * ldt + j] = -M[i * ldm + j] - t;
-      __syncthreads();
-    }
-  }
+  invert_unit_lower(M, ldm, Tm, ldt, Y);  // T = (I + A)^-1
   lower_times_rows(Tm, ldt, Bg, Ks, ld, L, dk, w_out + int64_t(h) * dk, ch.start, int64_t(Hv) * dk);  // w = T diag(beta e^G) K
   __syncthreads();  // Xs (queries) is free now: values
   load_rows(Xs, ld, v, ch.start, L, Hv, h, dv);
@@ -714,7 +757,8 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
       P(size_t(nch * Hv * kChunk * kChunk), stream), G(size_t(T * Hv), stream);
   if (nch) {
     const size_t smem =
-        (2 * kChunk * (std::max(dk, dv) + 4) + kChunk * (kChunk + 1) + kChunk * (kChunk + 4) + 3 * kChunk) * sizeof(float);
+        (2 * kChunk * (std::max(dk, dv) + 4) + kChunk * (kChunk + 1) + kChunk * (kChunk + 4) + 3 * kChunk + kInvScratch) *
+        sizeof(float);
     allow_shared_memory(chunk_prepare_kernel, smem, "chunk_prepare");
     chunk_prepare_kernel<<<dim3(unsigned(nch), unsigned(Hv)), kThreads, smem, stream>>>(
         q, k, v, g, beta, d_chunks, Hk, Hv, dk, dv, w.data(), u.data(), P.data(), G.data());

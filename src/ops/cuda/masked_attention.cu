@@ -15,7 +15,7 @@ using namespace mma;
 // Tiles: the forward and dQ kernels give each of their W warps 16 query rows (16 W rows per CTA) and
 // walk keys 64 at a time; the dK/dV kernel gives each warp 16 keys and walks queries 64 at a time.
 constexpr int BM = 64;  // query rows per tile in the dK / dV kernel (and in its tile table)
-constexpr int BN = 64;  // keys per tile in the forward and dQ kernels
+constexpr int BN = 64;  // keys per tile in the dQ kernel and the forward's default (fwd_keys)
 constexpr int kWarps = 4;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -55,16 +55,16 @@ __device__ __forceinline__ void acc_times_smem(float (*acc)[4], const float (*c)
   }
 }
 
-/// c [16 x BN] (BN/8 accumulator tiles) = A @ M^T: A [16 x D] as D/16 register fragments, M [BN][D]
+/// c [16 x N] (N/8 accumulator tiles) = A @ M^T: A [16 x D] as D/16 register fragments, M [N][D]
 /// row-major in shared memory. The Q.K^T and dO.V^T products of the query-tile kernels.
-template <int D>
+template <int D, int N>
 __device__ __forceinline__ void frag_times_smem_t(float (*c)[4], const uint32_t (*a)[4], const bf16* m, int ld, int lane) {
 #pragma unroll
-  for (int nt = 0; nt < BN / 8; ++nt) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.f;
+  for (int nt = 0; nt < N / 8; ++nt) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.f;
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)
 #pragma unroll
-    for (int nt = 0; nt < BN / 8; nt += 2) {
+    for (int nt = 0; nt < N / 8; nt += 2) {
       uint32_t b[4];
       load_b_x4(b, m, ld, nt * 8, kk * 16, lane);
       mma16816(c[nt], a[kk], b[0], b[1]);
@@ -116,34 +116,35 @@ __device__ void load_rows_async(bf16* dst, int ld, const bf16* src, int N, int h
 }
 
 /// Key tiles of a query tile: the ctx union [lohi[0], lohi[1]) then the blk union [lohi[2], lohi[3]),
-/// BN keys each. Tile j starts at start(j) and belongs to range seg(j).
+/// N keys each. Tile j starts at start(j) and belongs to range seg(j).
+template <int N>
 struct KeyTiles {
   int lo0, n0, lo1, n;
   __device__ KeyTiles(const int* lohi) {
     lo0 = lohi[0], lo1 = lohi[2];
-    n0 = lohi[1] > lohi[0] ? (lohi[1] - lohi[0] + BN - 1) / BN : 0;
-    n = n0 + (lohi[3] > lohi[2] ? (lohi[3] - lohi[2] + BN - 1) / BN : 0);
+    n0 = lohi[1] > lohi[0] ? (lohi[1] - lohi[0] + N - 1) / N : 0;
+    n = n0 + (lohi[3] > lohi[2] ? (lohi[3] - lohi[2] + N - 1) / N : 0);
   }
-  __device__ int start(int j) const { return j < n0 ? lo0 + j * BN : lo1 + (j - n0) * BN; }
+  __device__ int start(int j) const { return j < n0 ? lo0 + j * N : lo1 + (j - n0) * N; }
   __device__ int seg(int j) const { return j < n0 ? 0 : 1; }
 };
 
-/// The key / value tiles of a query tile, double-buffered in shared memory (Kb, Vb: 2 x [BN][D + 8]):
+/// The key / value tiles of a query tile, double-buffered in shared memory (Kb, Vb: 2 x [N][D + 8]):
 /// tile j lives in buffer j & 1; fetch(j + 1) is queued before tile j is waited for.
-template <int D>
+template <int D, int N = BN>
 struct KvPipeline {
-  KeyTiles tiles;
+  KeyTiles<N> tiles;
   bf16 *Kb, *Vb;
   const bf16 *k, *v;
   int Nk, Hkv, kvh;
   static constexpr int LD = D + 8;
-  __device__ bf16* K(int j) const { return Kb + (j & 1) * BN * LD; }
-  __device__ bf16* V(int j) const { return Vb + (j & 1) * BN * LD; }
+  __device__ bf16* K(int j) const { return Kb + (j & 1) * N * LD; }
+  __device__ bf16* V(int j) const { return Vb + (j & 1) * N * LD; }
   /// Queues tile j (nothing past the last) and commits the group.
   __device__ void fetch(int j) const {
     if (j < tiles.n) {
-      load_rows_async<D>(K(j), LD, k, Nk, Hkv, kvh, tiles.start(j), BN);
-      load_rows_async<D>(V(j), LD, v, Nk, Hkv, kvh, tiles.start(j), BN);
+      load_rows_async<D>(K(j), LD, k, Nk, Hkv, kvh, tiles.start(j), N);
+      load_rows_async<D>(V(j), LD, v, Nk, Hkv, kvh, tiles.start(j), N);
     }
     cp_async_commit();
   }
@@ -155,7 +156,7 @@ struct KvPipeline {
   }
 };
 
-/// Every row of the query tile sees all BN keys from k0 through range `seg` (see tile_union).
+/// Every row of the query tile sees all `width` keys from k0 through range `seg` (see tile_union).
 __device__ __forceinline__ bool tile_full(const int* lohi, int seg, int k0, int width, int Nk) {
   return k0 >= lohi[4 + 2 * seg] && k0 + width <= lohi[5 + 2 * seg] && k0 + width <= Nk;
 }
@@ -189,19 +190,19 @@ __device__ void tile_union(const KvRange32* ranges, int Nq, int row0, int rows, 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Forward: one CTA per (query tile, head); warp w owns rows 16w..16w+15 of the tile.
-template <int D, int W>
-__global__ void __launch_bounds__(32 * W, D <= 128 ? 3 : 1) fwd_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
+// Forward: one CTA per (query tile, head); warp w owns rows 16w..16w+15 of the tile; keys N at a time.
+template <int D, int W, int N>
+__global__ void __launch_bounds__(32 * W, D <= 128 ? 3 : 2) fwd_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                        const bf16* __restrict__ v, const KvRange32* __restrict__ ranges,
                                                        int Nq, int Nk, int H, int Hkv, float scale_log2, bf16* o,
                                                        float* lse) {
   constexpr int LD = D + 8;
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int QR = 16 * W;
-  static_assert(QR <= BN, "the query tile is staged in the second key buffer");
-  bf16* Kb = reinterpret_cast<bf16*>(smem);  // 2 x [BN][LD]
-  bf16* Vb = Kb + 2 * BN * LD;               // 2 x [BN][LD]
-  bf16* Qs = Kb + BN * LD;                   // [QR][LD], in key buffer 1 until key tile 1 is fetched
+  static_assert(QR <= 4 * N, "the query tile is staged in the key / value buffers");
+  bf16* Kb = reinterpret_cast<bf16*>(smem);  // 2 x [N][LD]
+  bf16* Vb = Kb + 2 * N * LD;                // 2 x [N][LD]
+  bf16* Qs = Kb;                             // [QR][LD], until the first key tile is fetched
   __shared__ int lohi[8];
   // Query tiles in reverse: later rows see more keys (causal, and DFlash anchors are sorted), so
   // the longest tiles start first and the short ones fill the end of the launch.
@@ -214,13 +215,13 @@ __global__ void __launch_bounds__(32 * W, D <= 128 ? 3 : 1) fwd_kernel(const bf1
   uint32_t qa[D / 16][4];
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) load_a(qa[kk], Qs, LD, warp * 16, kk * 16, g, t);
-  __syncthreads();  // every warp holds its Q fragments before key buffer 1 is refilled
+  __syncthreads();  // every warp holds its Q fragments before the key buffers are filled
   float oacc[D / 8][4];
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) oacc[i][0] = oacc[i][1] = oacc[i][2] = oacc[i][3] = 0.f;
   float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;
 
-  const KvPipeline<D> kv{KeyTiles(lohi), Kb, Vb, k, v, Nk, Hkv, kvh};
+  const KvPipeline<D, N> kv{KeyTiles<N>(lohi), Kb, Vb, k, v, Nk, Hkv, kvh};
   kv.fetch(0);
   for (int j = 0; j < kv.tiles.n; ++j) {
     const int seg = kv.tiles.seg(j), k0 = kv.tiles.start(j);
@@ -228,12 +229,12 @@ __global__ void __launch_bounds__(32 * W, D <= 128 ? 3 : 1) fwd_kernel(const bf1
     const bf16* Vs = kv.V(j);
     kv.wait(j);
     {
-      float s[BN / 8][4];
-      frag_times_smem_t<D>(s, qa, Ks, LD, lane);  // S = Q K^T
+      float s[N / 8][4];
+      frag_times_smem_t<D, N>(s, qa, Ks, LD, lane);  // S = Q K^T
       float mx_a = -INFINITY, mx_b = -INFINITY;
-      if (tile_full(lohi, seg, k0, BN, Nk)) {
+      if (tile_full(lohi, seg, k0, N, Nk)) {
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt) {
+        for (int nt = 0; nt < N / 8; ++nt) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[nt][e] *= scale_log2;
           mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
@@ -241,7 +242,7 @@ __global__ void __launch_bounds__(32 * W, D <= 128 ? 3 : 1) fwd_kernel(const bf1
         }
       } else {
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt)
+        for (int nt = 0; nt < N / 8; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int key = k0 + nt * 8 + 2 * t + (e & 1);
@@ -256,7 +257,7 @@ __global__ void __launch_bounds__(32 * W, D <= 128 ? 3 : 1) fwd_kernel(const bf1
       const float al_a = exp2f(m_a - base_a), al_b = exp2f(m_b - base_b);  // 0 while nothing was seen
       float ps_a = 0.f, ps_b = 0.f;
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
+      for (int nt = 0; nt < N / 8; ++nt) {
         s[nt][0] = exp2f(s[nt][0] - base_a), s[nt][1] = exp2f(s[nt][1] - base_a);
         s[nt][2] = exp2f(s[nt][2] - base_b), s[nt][3] = exp2f(s[nt][3] - base_b);
         ps_a += s[nt][0] + s[nt][1];
@@ -267,7 +268,7 @@ __global__ void __launch_bounds__(32 * W, D <= 128 ? 3 : 1) fwd_kernel(const bf1
       m_a = mn_a, m_b = mn_b;
 #pragma unroll
       for (int i = 0; i < D / 8; ++i) oacc[i][0] *= al_a, oacc[i][1] *= al_a, oacc[i][2] *= al_b, oacc[i][3] *= al_b;
-      acc_times_smem<D, BN>(oacc, s, Vs, LD, lane);
+      acc_times_smem<D, N>(oacc, s, Vs, LD, lane);
     }
     __syncthreads();  // every warp is done with this buffer before it is refilled
   }
@@ -347,7 +348,7 @@ __global__ void __launch_bounds__(32 * W) dq_kernel(const bf16* __restrict__ q, 
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
-  const KvPipeline<D> kv{KeyTiles(lohi), Kb, Vb, k, v, Nk, Hkv, kvh};
+  const KvPipeline<D> kv{KeyTiles<BN>(lohi), Kb, Vb, k, v, Nk, Hkv, kvh};
   kv.fetch(0);
   for (int j = 0; j < kv.tiles.n; ++j) {
     const int seg = kv.tiles.seg(j), k0 = kv.tiles.start(j);
@@ -356,8 +357,8 @@ __global__ void __launch_bounds__(32 * W) dq_kernel(const bf16* __restrict__ q, 
     kv.wait(j);
     {
       float s[BN / 8][4], dp[BN / 8][4];
-      frag_times_smem_t<D>(s, qa, Ks, LD, lane);   // S = Q K^T
-      frag_times_smem_t<D>(dp, da, Vs, LD, lane);  // dP = dO V^T
+      frag_times_smem_t<D, BN>(s, qa, Ks, LD, lane);   // S = Q K^T
+      frag_times_smem_t<D, BN>(dp, da, Vs, LD, lane);  // dP = dO V^T
       const bool full = tile_full(lohi, seg, k0, BN, Nk);
 #pragma unroll
       for (int nt = 0; nt < BN / 8; ++nt)
@@ -551,13 +552,18 @@ void set_smem(K kernel, size_t bytes) {
   DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
 }
 
+/// Keys per forward tile: 32 at head_dim 256, so that two CTAs (8 warps) fit on an SM (4 x 32 x 264 bf16
+/// = 68 KB of shared memory each, <= 256 registers per thread); 64 otherwise.
+constexpr int fwd_keys(int D) { return D >= 256 ? 32 : BN; }
+
 template <int D, int W>
 void launch_fwd(const bf16* q, const bf16* k, const bf16* v, const KvRange32* r, int Nq, int Nk, int H, int Hkv,
                 float scale, bf16* o, float* lse, cudaStream_t s) {
-  const size_t smem = size_t(4 * BN * (D + 8)) * sizeof(bf16);
-  set_smem(fwd_kernel<D, W>, smem);
-  fwd_kernel<D, W><<<dim3((Nq + 16 * W - 1) / (16 * W), H), 32 * W, smem, s>>>(q, k, v, r, Nq, Nk, H, Hkv,
-                                                                                 scale * kLog2e, o, lse);
+  constexpr int N = fwd_keys(D);
+  const size_t smem = size_t(4 * N * (D + 8)) * sizeof(bf16);
+  set_smem(fwd_kernel<D, W, N>, smem);
+  fwd_kernel<D, W, N><<<dim3((Nq + 16 * W - 1) / (16 * W), H), 32 * W, smem, s>>>(q, k, v, r, Nq, Nk, H, Hkv,
+                                                                                    scale * kLog2e, o, lse);
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
