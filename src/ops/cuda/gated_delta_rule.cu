@@ -253,8 +253,11 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
     Bt[tid] = tid < L ? beta[int64_t(ch.start + tid) * Hv + h] : 0.f;
   }
   __syncthreads();
-  if (tid == 0)
-    for (int i = 1; i < kChunk; ++i) G[i] += G[i - 1];
+  if (tid == 0) {  // in order (the reference's rounding); a register carries the sum
+    float acc = G[0];
+#pragma unroll 16
+    for (int i = 1; i < kChunk; ++i) G[i] = acc += G[i];
+  }
   __syncthreads();
   if (tid < kChunk) Bg[tid] = Bt[tid] * __expf(G[tid]);
   // K K^T and Q K^T on tensor cores (3xTF32): warp w takes rows 16 (w / 2) .. + 15 and columns
@@ -501,14 +504,23 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(const float* k
     const float* G = Gb + b * kChunk;
     fetch(ci + 1);  // into the buffers chunk ci - 1 used, read before the last barrier
     float* Hc = H_out + (int64_t(ci) * Hv + h) * dk * dv;  // the state before this chunk
-    for (int e = tid; e < dk * kCols; e += kThreads) {
-      const int m = e / kCols, cc = e % kCols;
-      if (cc < ncols) Hc[int64_t(m) * dv + c0 + cc] = S[m * ldS + cc];
+    if (dv % 4 == 0) {  // 16-byte stores (ncols and c0 are multiples of 4 too)
+      for (int e = tid; e < dk * kCols / 4; e += kThreads) {
+        const int m = e / (kCols / 4), cc = 4 * (e % (kCols / 4));
+        if (cc < ncols)
+          *reinterpret_cast<float4*>(Hc + int64_t(m) * dv + c0 + cc) = *reinterpret_cast<const float4*>(S + m * ldS + cc);
+      }
+    } else {
+      for (int e = tid; e < dk * kCols; e += kThreads) {
+        const int m = e / kCols, cc = e % kCols;
+        if (cc < ncols) Hc[int64_t(m) * dv + c0 + cc] = S[m * ldS + cc];
+      }
     }
     if (tid < kChunk) D[tid] = tid < L ? __expf(G[L - 1] - G[tid]) : 0.f;
     // U = u_hat - w S0 for this warp's 16 x kCols / 2 tile
     {
       float acc[kUn][4] = {};
+#pragma unroll 4
       for (int k0 = 0; k0 < dkp; k0 += 8) {
         const float* xr = W + (um + g) * ldw + k0 + t;
         const mma::Tf32Split a[4] = {mma::split_tf32(xr[0]), mma::split_tf32(xr[8 * ldw]), mma::split_tf32(xr[4]),
@@ -543,6 +555,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(const float* k
         const float* s0 = S + (sm0 + g) * ldS + 8 * nt + 2 * t;
         sa[nt][0] = gl * s0[0], sa[nt][1] = gl * s0[1], sa[nt][2] = gl * s0[8 * ldS], sa[nt][3] = gl * s0[8 * ldS + 1];
       }
+#pragma unroll 2
       for (int j0 = 0; j0 < L; j0 += 8) {  // rows L .. are zero in K, D and U
         const float d0 = D[j0 + t], d1 = D[j0 + t + 4];
         const float* kr = K + (j0 + t) * ldk + sm0 + g;
@@ -576,6 +589,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(const float* k
 /// multiple of 8.
 __device__ __forceinline__ void warp_tile_3xtf32(float (&acc)[4][4], const float* A, int lda, int a_row, const float* B,
                                                  int ldb, int b_col, int K, int g, int t) {
+#pragma unroll 4
   for (int k0 = 0; k0 < K; k0 += 8) {
     const float* ar = A + (a_row + g) * lda + k0 + t;
     const mma::Tf32Split a[4] = {mma::split_tf32(ar[0]), mma::split_tf32(ar[8 * lda]), mma::split_tf32(ar[4]),
