@@ -1,16 +1,17 @@
 // GatedDeltaNet kernels (see gated_delta_rule.h). The chunked forward, per chunk of L <= 64 tokens of
 // one sequence and value head, with G_i = sum_{j<=i} g_j inside the chunk and S0 the state before it:
-//   A_ij = beta_i exp(G_i - G_j) k_i.k_j (j < i),  T = (I + A)^-1  (forward substitution)
+//   A_ij = beta_i exp(G_i - G_j) k_i.k_j (j < i),  T = (I + A)^-1  (blocked substitution)
 //   w = T diag(beta exp(G)) K,  u = T diag(beta) V                          (kernel chunk_prepare)
 //   U = u - w S0                                 (the chunk's beta_t (v_t - S_{t-1}^T k_t), all t)
 //   O = diag(exp(G)) Q S0 + P U,  P_ij = exp(G_i - G_j) q_i.k_j (j <= i)
 //   S = exp(G_L) S0 + (diag(exp(G_L - G)) K)^T U              (kernels chunk_state, then chunk_out)
 // which unrolls the token recurrence exactly (flash-linear-attention's chunk_gated_delta_rule).
-// chunk_prepare runs every (chunk, value head) in parallel; chunk_state walks the chunks of one
-// sequence in order, per (sequence, value head, 32 or 64 state columns), and keeps only the sequential
-// part (U and the state before each chunk); chunk_out computes O for every chunk in parallel.
+// chunk_prepare runs every (chunk, key head) in parallel, the value heads of the key head in turn;
+// chunk_state walks the chunks of one sequence in order, per (sequence, value head, 32 or 64 state
+// columns), and keeps only the sequential part (U and the state before each chunk); chunk_out
+// computes O for every chunk in parallel.
 // Every matrix product of the three kernels runs on tensor cores in 3xTF32 (mma_3xtf32: about fp32
-// precision); the forward substitution for T is fp32 SIMT. The layer's activations between the
+// precision); the substitution for T is fp32 SIMT. The layer's activations between the
 // projections' GEMMs (conv1d, q / k / v, o) are fp32 too: bf16 only feeds GEMMs.
 #include <algorithm>
 #include <stdexcept>
@@ -225,13 +226,15 @@ __device__ __forceinline__ void invert_unit_lower(const float* A, int ldm, float
   }
 }
 
-/// One block per (chunk, value head): A, T = (I + A)^-1, w, u (fp32 [T, Hv, dk] / [T, Hv, dv]),
-/// P (fp32 [chunks, Hv, 64, 64]) and the in-chunk cumulative gates G (fp32 [T, Hv]).
+/// One block per (chunk, key head), for each of its Hv / Hk value heads (GVA): A, T = (I + A)^-1, w, u
+/// (fp32 [T, Hv, dk] / [T, Hv, dv]), P (fp32 [chunks, Hv, 64, 64]) and the in-chunk cumulative gates
+/// G (fp32 [T, Hv]). The keys, queries and the Gram matrices K K^T and Q K^T are shared by the value
+/// heads of a key head: loaded and computed once, kept in registers.
 __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float* q, const float* k, const float* v,
-                                                                 const float* g, const float* beta,
-                                                                 const Chunk* chunks, int Hk, int Hv, int dk, int dv,
-                                                                 float* w_out, float* u_out, float* P_out,
-                                                                 float* G_out) {
+                                                                    const float* g, const float* beta,
+                                                                    const Chunk* chunks, int Hk, int Hv, int dk, int dv,
+                                                                    float* w_out, float* u_out, float* P_out,
+                                                                    float* G_out) {
   extern __shared__ float4 sm4[];
   float* sm = reinterpret_cast<float*>(sm4);
   const int ld = max(dk, dv) + 4;    // row stride: 16-byte rows, padded
@@ -245,42 +248,45 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
   float* Bg = Bt + kChunk;           // beta * exp(G)
   float* Y = Bg + kChunk;            // [3][16][17] scratch of the inverse
   const Chunk ch = chunks[blockIdx.x];
-  const int h = blockIdx.y, kh = h / (Hv / Hk), L = ch.len, tid = threadIdx.x;
+  const int kh = blockIdx.y, r = Hv / Hk, L = ch.len, tid = threadIdx.x;
   load_rows(Ks, ld, k, ch.start, L, Hk, kh, dk);
   load_rows(Xs, ld, q, ch.start, L, Hk, kh, dk);
-  if (tid < kChunk) {
-    G[tid] = tid < L ? g[int64_t(ch.start + tid) * Hv + h] : 0.f;
-    Bt[tid] = tid < L ? beta[int64_t(ch.start + tid) * Hv + h] : 0.f;
-  }
   __syncthreads();
-  if (tid == 0) {  // in order (the reference's rounding); a register carries the sum
-    float acc = G[0];
-#pragma unroll 16
-    for (int i = 1; i < kChunk; ++i) G[i] = acc += G[i];
-  }
-  __syncthreads();
-  if (tid < kChunk) Bg[tid] = Bt[tid] * __expf(G[tid]);
   // K K^T and Q K^T on tensor cores (3xTF32): warp w takes rows 16 (w / 2) .. + 15 and columns
   // 32 (w % 2) .. + 31; B = K^T reads key rows, shared by both products.
-  {
-    const int lane = tid % 32, warp = tid / 32, gq = lane / 4, tq = lane % 4;
-    const int mt = 16 * (warp / 2), nc = 32 * (warp % 2);
-    float kk[4][4] = {}, qk[4][4] = {};
-    for (int c0 = 0; c0 < dk; c0 += 8) {
-      const float* kr = Ks + (mt + gq) * ld + c0 + tq;
-      const float* qr = Xs + (mt + gq) * ld + c0 + tq;
-      const mma::Tf32Split ka[4] = {mma::split_tf32(kr[0]), mma::split_tf32(kr[8 * ld]), mma::split_tf32(kr[4]),
-                                    mma::split_tf32(kr[8 * ld + 4])};
-      const mma::Tf32Split qa[4] = {mma::split_tf32(qr[0]), mma::split_tf32(qr[8 * ld]), mma::split_tf32(qr[4]),
-                                    mma::split_tf32(qr[8 * ld + 4])};
+  const int lane = tid % 32, warp = tid / 32, gq = lane / 4, tq = lane % 4;
+  const int mt = 16 * (warp / 2), nc = 32 * (warp % 2);
+  float kk[4][4] = {}, qk[4][4] = {};
+  for (int c0 = 0; c0 < dk; c0 += 8) {
+    const float* kr = Ks + (mt + gq) * ld + c0 + tq;
+    const float* qr = Xs + (mt + gq) * ld + c0 + tq;
+    const mma::Tf32Split ka[4] = {mma::split_tf32(kr[0]), mma::split_tf32(kr[8 * ld]), mma::split_tf32(kr[4]),
+                                  mma::split_tf32(kr[8 * ld + 4])};
+    const mma::Tf32Split qa[4] = {mma::split_tf32(qr[0]), mma::split_tf32(qr[8 * ld]), mma::split_tf32(qr[4]),
+                                  mma::split_tf32(qr[8 * ld + 4])};
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const float* br = Ks + (nc + 8 * nt + gq) * ld + c0 + tq;  // B[c][j] = k_j[c]
-        const mma::Tf32Split b[2] = {mma::split_tf32(br[0]), mma::split_tf32(br[4])};
-        mma::mma_3xtf32(kk[nt], ka, b);
-        mma::mma_3xtf32(qk[nt], qa, b);
-      }
+    for (int nt = 0; nt < 4; ++nt) {
+      const float* br = Ks + (nc + 8 * nt + gq) * ld + c0 + tq;  // B[c][j] = k_j[c]
+      const mma::Tf32Split b[2] = {mma::split_tf32(br[0]), mma::split_tf32(br[4])};
+      mma::mma_3xtf32(kk[nt], ka, b);
+      mma::mma_3xtf32(qk[nt], qa, b);
     }
+  }
+  for (int h = kh * r; h < (kh + 1) * r; ++h) {
+    __syncthreads();  // the previous head (or the Gram products) is done with G, Bt, M, T and Xs
+    if (tid < kChunk) {
+      G[tid] = tid < L ? g[int64_t(ch.start + tid) * Hv + h] : 0.f;
+      Bt[tid] = tid < L ? beta[int64_t(ch.start + tid) * Hv + h] : 0.f;
+    }
+    __syncthreads();
+    if (tid == 0) {  // in order (the reference's rounding); a register carries the sum
+      float acc = G[0];
+#pragma unroll 16
+      for (int i = 1; i < kChunk; ++i) G[i] = acc += G[i];
+    }
+    for (int e = tid; e < kChunk * ldt; e += kThreads) Tm[e] = e / ldt == e % ldt ? 1.f : 0.f;  // I
+    __syncthreads();
+    if (tid < kChunk) Bg[tid] = Bt[tid] * __expf(G[tid]);
     float* P = P_out + (int64_t(blockIdx.x) * Hv + h) * kChunk * kChunk;
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
@@ -291,16 +297,13 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
         M[i * ldm + j] = j < i ? Bt[i] * decay * kk[nt][e] : 0.f;
         P[i * kChunk + j] = decay * qk[nt][e];
       }
+    load_rows(Xs, ld, v, ch.start, L, Hv, h, dv);  // the queries were last read by the Gram products
+    __syncthreads();
+    invert_unit_lower(M, ldm, Tm, ldt, Y);  // T = (I + A)^-1 (synchronizes)
+    lower_times_rows(Tm, ldt, Bg, Ks, ld, L, dk, w_out + int64_t(h) * dk, ch.start, int64_t(Hv) * dk);  // w = T diag(beta e^G) K
+    lower_times_rows(Tm, ldt, Bt, Xs, ld, L, dv, u_out + int64_t(h) * dv, ch.start, int64_t(Hv) * dv);  // u = T diag(beta) V
+    if (tid < L) G_out[int64_t(ch.start + tid) * Hv + h] = G[tid];
   }
-  for (int e = tid; e < kChunk * ldt; e += kThreads) Tm[e] = e / ldt == e % ldt ? 1.f : 0.f;  // I
-  __syncthreads();
-  invert_unit_lower(M, ldm, Tm, ldt, Y);  // T = (I + A)^-1
-  lower_times_rows(Tm, ldt, Bg, Ks, ld, L, dk, w_out + int64_t(h) * dk, ch.start, int64_t(Hv) * dk);  // w = T diag(beta e^G) K
-  __syncthreads();  // Xs (queries) is free now: values
-  load_rows(Xs, ld, v, ch.start, L, Hv, h, dv);
-  __syncthreads();
-  lower_times_rows(Tm, ldt, Bt, Xs, ld, L, dv, u_out + int64_t(h) * dv, ch.start, int64_t(Hv) * dv);  // u = T diag(beta) V
-  if (tid < L) G_out[int64_t(ch.start + tid) * Hv + h] = G[tid];
 }
 
 /// Rows [0, 64) of a [T, H, n] fp32 tensor (head h, columns c0 .. c0 + ncols - 1, ncols % 4 == 0,
@@ -774,7 +777,7 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
         (2 * kChunk * (std::max(dk, dv) + 4) + kChunk * (kChunk + 1) + kChunk * (kChunk + 4) + 3 * kChunk + kInvScratch) *
         sizeof(float);
     allow_shared_memory(chunk_prepare_kernel, smem, "chunk_prepare");
-    chunk_prepare_kernel<<<dim3(unsigned(nch), unsigned(Hv)), kThreads, smem, stream>>>(
+    chunk_prepare_kernel<<<dim3(unsigned(nch), unsigned(Hk)), kThreads, smem, stream>>>(
         q, k, v, g, beta, d_chunks, Hk, Hv, dk, dv, w.data(), u.data(), P.data(), G.data());
     DFLASH_CUDA_CHECK_LAUNCH();
   }
