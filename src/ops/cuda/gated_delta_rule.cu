@@ -104,35 +104,17 @@ __global__ void gdn_prepare_kernel(const float* qkv, const float* b, const float
 
 using Chunk = GdnChunk;
 
-/// dst [rows][ld] (ld % 4 == 0, rows * ld <= 9 * 1024) <- element (r, c) = row_ptr(r)[c] for
-/// c < ncols (ncols % 4 == 0) where row_ptr(r) is not null, else 0. 16-byte loads, all of a thread's
-/// issued before its stores (the chunk kernels are latency bound otherwise).
-template <typename RowPtr>
-__device__ __forceinline__ void load_tile(float* dst, int rows, int ld, int ncols, RowPtr row_ptr) {
-  const int n4 = ld / 4, total = rows * n4;
-  float4 v[9];
-#pragma unroll
-  for (int i = 0; i < 9; ++i) {
-    const int e = threadIdx.x + i * kThreads;
-    v[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (e < total) {
-      const int r = e / n4, c = (e - r * n4) * 4;
-      const float* p = c < ncols ? row_ptr(r) : nullptr;
-      if (p) v[i] = *reinterpret_cast<const float4*>(p + c);
-    }
+/// Rows [0, rows) of a [T, H, n] fp32 tensor (head h, columns c0 .. c0 + ncols - 1, ncols % 4 == 0,
+/// rows from `start`) into dst [rows][ld] with cp.async: rows >= L and columns >= ncols are zero-filled
+/// (columns up to `width`, a multiple of 4). Completes at the next cp.async wait.
+__device__ __forceinline__ void load_rows_async(float* dst, int ld, int width, const float* src, int start, int L, int H,
+                                                int h, int n, int c0, int ncols, int rows = kChunk) {
+  const int n4 = width / 4;
+  for (int e = threadIdx.x; e < rows * n4; e += kThreads) {
+    const int r = e / n4, c = (e - r * n4) * 4;
+    const bool ok = r < L && c < ncols;
+    mma::cp_async16(dst + r * ld + c, ok ? src + (int64_t(start + r) * H + h) * n + c0 + c : src, ok);
   }
-#pragma unroll
-  for (int i = 0; i < 9; ++i) {
-    const int e = threadIdx.x + i * kThreads;
-    if (e < total) reinterpret_cast<float4*>(dst)[e] = v[i];
-  }
-}
-
-/// Rows [0, 64) of a [T, H, n] fp32 tensor (head h, rows from `start`) into dst [64][ld]; rows >= L
-/// and columns n .. ld-1 are zero (so that padded tiles add nothing).
-__device__ __forceinline__ void load_rows(float* dst, int ld, const float* src, int start, int L, int H, int h, int n) {
-  load_tile(dst, kChunk, ld, n,
-            [&](int r) { return r < L ? src + (int64_t(start + r) * H + h) * n : static_cast<const float*>(nullptr); });
 }
 
 /// out[i][c] = sum_{j < L} M[i][j] * coef[j] * X[j][c] for i < L, c < n (n % 4 == 0, n <= 128) on
@@ -249,8 +231,11 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
   float* Y = Bg + kChunk;            // [3][16][17] scratch of the inverse
   const Chunk ch = chunks[blockIdx.x];
   const int kh = blockIdx.y, r = Hv / Hk, L = ch.len, tid = threadIdx.x;
-  load_rows(Ks, ld, k, ch.start, L, Hk, kh, dk);
-  load_rows(Xs, ld, q, ch.start, L, Hk, kh, dk);
+  const int dk8 = (dk + 7) / 8 * 8, dv8 = (dv + 7) / 8 * 8;  // <= ld: the columns the products read
+  load_rows_async(Ks, ld, dk8, k, ch.start, L, Hk, kh, dk, 0, dk);
+  load_rows_async(Xs, ld, dk8, q, ch.start, L, Hk, kh, dk, 0, dk);
+  mma::cp_async_commit();
+  mma::cp_async_wait<0>();
   __syncthreads();
   // K K^T and Q K^T on tensor cores (3xTF32): warp w takes rows 16 (w / 2) .. + 15 and columns
   // 32 (w % 2) .. + 31; B = K^T reads key rows, shared by both products.
@@ -297,25 +282,16 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
         M[i * ldm + j] = j < i ? Bt[i] * decay * kk[nt][e] : 0.f;
         P[i * kChunk + j] = decay * qk[nt][e];
       }
-    load_rows(Xs, ld, v, ch.start, L, Hv, h, dv);  // the queries were last read by the Gram products
+    // The values load while T and w are computed (the queries were last read by the Gram products).
+    load_rows_async(Xs, ld, dv8, v, ch.start, L, Hv, h, dv, 0, dv);
+    mma::cp_async_commit();
     __syncthreads();
     invert_unit_lower(M, ldm, Tm, ldt, Y);  // T = (I + A)^-1 (synchronizes)
     lower_times_rows(Tm, ldt, Bg, Ks, ld, L, dk, w_out + int64_t(h) * dk, ch.start, int64_t(Hv) * dk);  // w = T diag(beta e^G) K
+    mma::cp_async_wait<0>();
+    __syncthreads();
     lower_times_rows(Tm, ldt, Bt, Xs, ld, L, dv, u_out + int64_t(h) * dv, ch.start, int64_t(Hv) * dv);  // u = T diag(beta) V
     if (tid < L) G_out[int64_t(ch.start + tid) * Hv + h] = G[tid];
-  }
-}
-
-/// Rows [0, 64) of a [T, H, n] fp32 tensor (head h, columns c0 .. c0 + ncols - 1, ncols % 4 == 0,
-/// rows from `start`) into dst [64][ld] with cp.async: rows >= L and columns >= ncols are zero-filled
-/// (columns up to `width`). Completes at the next cp.async wait.
-__device__ __forceinline__ void load_rows_async(float* dst, int ld, int width, const float* src, int start, int L, int H,
-                                                int h, int n, int c0, int ncols) {
-  const int n4 = width / 4;
-  for (int e = threadIdx.x; e < kChunk * n4; e += kThreads) {
-    const int r = e / n4, c = (e - r * n4) * 4;
-    const bool ok = r < L && c < ncols;
-    mma::cp_async16(dst + r * ld + c, ok ? src + (int64_t(start + r) * H + h) * n + c0 + c : src, ok);
   }
 }
 
@@ -623,15 +599,15 @@ __global__ void __launch_bounds__(kThreads) chunk_out_kernel(const float* q, con
   const Chunk ch = chunks[blockIdx.x];
   const int h = blockIdx.y, c0 = blockIdx.z * kOut, kh = h / (Hv / Hk), L = ch.len, tid = threadIdx.x;
   const int ncol = min(kOut, dv - c0);
-  load_rows(Qs, ld, q, ch.start, L, Hk, kh, dk);
-  const float* Hc = H_in + (int64_t(blockIdx.x) * Hv + h) * dk * dv;
-  load_tile(Ss, dk8, lds, ncol,
-            [&](int m) { return m < dk ? Hc + int64_t(m) * dv + c0 : static_cast<const float*>(nullptr); });
-  load_tile(Us, kChunk, lds, ncol, [&](int r) {
-    return r < L ? U_in + (int64_t(ch.start + r) * Hv + h) * dv + c0 : static_cast<const float*>(nullptr);
-  });
+  // Every tile in one cp.async group (one memory round trip); what the products read past the data is zero.
+  load_rows_async(Qs, ld, dk8, q, ch.start, L, Hk, kh, dk, 0, dk);
+  const float* Hc = H_in + (int64_t(blockIdx.x) * Hv + h) * dk * dv;  // [dk, dv]
+  load_rows_async(Ss, lds, kOut, Hc, 0, dk, 1, 0, dv, c0, ncol, dk8);
+  load_rows_async(Us, lds, kOut, U_in, ch.start, L, Hv, h, dv, c0, ncol);
   const float* P = P_in + (int64_t(blockIdx.x) * Hv + h) * kChunk * kChunk;
-  load_tile(Pc, kChunk, ldp, kChunk, [&](int r) { return P + r * kChunk; });
+  load_rows_async(Pc, ldp, kChunk, P, 0, kChunk, 1, 0, kChunk, 0, kChunk);
+  mma::cp_async_commit();
+  mma::cp_async_wait<0>();
   __syncthreads();
   const int lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
   const int mt = 16 * (warp / 2), nc = 32 * (warp % 2);
