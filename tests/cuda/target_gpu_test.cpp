@@ -7,7 +7,9 @@
 
 #ifdef DFLASH_HAVE_CUDA
 
+#include <algorithm>
 #include <cstring>
+#include <map>
 
 #include "models/cuda/target_gpu.h"
 #include "tensor/dtype.h"
@@ -137,6 +139,45 @@ TEST(CudaTarget, MixtureOfExpertsMatchTransformersInBf16) {
     std::vector<uint16_t> h(taps.size());
     DFLASH_CUDA_CHECK(cudaMemcpy(h.data(), taps.data(), h.size() * 2, cudaMemcpyDeviceToHost));
     for (int64_t i = 0; i < T * D; ++i) ASSERT_EQ(h[size_t(i)], f32_to_bf16(one.hidden_states.at(2).data[size_t(i)]));
+  }
+  DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
+}
+
+// Stage timing (bench target-forward's breakdown) names each kind of work the model has, with a positive
+// GPU time, and leaves the results bit for bit as they were; off, it reports nothing.
+TEST(CudaTarget, StageTimingNamesEachKindOfWorkAndChangesNoResult) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  cudaStream_t s;
+  DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
+  const std::vector<int32_t> ids{5, 17, 3, 99, 42, 7, 150, 8, 1};
+  const int64_t T = int64_t(ids.size());
+  for (const char* name : {"qwen3_5_text_hd64", "qwen3_5_moe_hd64", "qwen3_hd64"}) {
+    const auto model = TargetModel::load((test::fixtures_dir() / name).string());
+    const ModelSpec& sp = model->spec();
+    TargetGpu gpu(*model, s);
+    ForwardOptions o;
+    o.logits = true;
+    const auto plain = gpu.forward(ids, {0, T}, o);
+    EXPECT_TRUE(gpu.last_stage_ms().empty());
+    gpu.time_stages(true);
+    const auto timed = gpu.forward(ids, {0, T}, o);
+    EXPECT_EQ(plain.logits.data, timed.logits.data) << name;
+    std::map<std::string, double> st;
+    for (const auto& [n, ms] : gpu.last_stage_ms()) st[n] = ms;
+    std::vector<std::string> want{"gemm", "attention", "other", "lm_head"};
+    if (std::count(sp.layer_types.begin(), sp.layer_types.end(), LayerKind::GatedDeltaNet)) want.push_back("gated_deltanet");
+    if (sp.num_experts > 0) want.push_back("moe");
+    EXPECT_EQ(st.size(), want.size()) << name;
+    for (const auto& n : want) EXPECT_GT(st[n], 0.0) << name << " stage " << n;
+    // the taps path: no LM head
+    cuda::DeviceArray<cuda::bf16> taps(size_t(T * sp.hidden_size));
+    gpu.forward_taps(ids, {0, T}, {0}, taps.data());
+    st.clear();
+    for (const auto& [n, ms] : gpu.last_stage_ms()) st[n] = ms;
+    EXPECT_EQ(st.count("lm_head"), 0u) << name;
+    EXPECT_GT(st["gemm"], 0.0) << name;
+    gpu.time_stages(false);
+    EXPECT_TRUE(gpu.last_stage_ms().empty());
   }
   DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
 }

@@ -64,6 +64,12 @@ double bench_train_step(DrafterGpu& d, const DrafterGpuSequence& seq, bool recom
   return loss;
 }
 
+nlohmann::json stage_json(const std::vector<std::pair<std::string, double>>& stage_ms) {
+  nlohmann::json j = nlohmann::json::object();
+  for (const auto& [name, v] : stage_ms) j[name] = v;
+  return j;
+}
+
 nlohmann::json timed_train_step(DrafterGpu& d, const DrafterGpuSequence& seq, bool recompute, int64_t t) {
   d.zero_grads();
   DrafterGpuStepOptions so;
@@ -73,8 +79,7 @@ nlohmann::json timed_train_step(DrafterGpu& d, const DrafterGpuSequence& seq, bo
   const auto t0 = std::chrono::steady_clock::now();
   d.optimizer_step(AdamWOptions{}, 6e-4, 1.0, t);
   DFLASH_CUDA_CHECK(cudaStreamSynchronize(d.stream()));
-  nlohmann::json stages = nlohmann::json::object();
-  for (const auto& [name, v] : r.stage_ms) stages[name] = v;
+  nlohmann::json stages = stage_json(r.stage_ms);
   stages["optimizer"] = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   return stages;
 }

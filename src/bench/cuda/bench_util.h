@@ -38,6 +38,9 @@ DrafterGpuSequence bench_sequence(const DrafterConfig& c, int64_t S, int64_t anc
 /// and AdamW step t (1-based) at lr 6e-4. Synchronizes. Returns the loss.
 double bench_train_step(DrafterGpu& d, const DrafterGpuSequence& seq, bool recompute, int64_t t);
 
+/// Stage timings (name, ms) as a JSON object, in their order.
+nlohmann::json stage_json(const std::vector<std::pair<std::string, double>>& stage_ms);
+
 /// The same step with per-stage GPU timers: DrafterGpuStepResult::stage_ms (forward, attention_fwd,
 /// cross_entropy, backward, attention_bwd) and "optimizer" (wall time of optimizer_step), in ms.
 nlohmann::json timed_train_step(DrafterGpu& d, const DrafterGpuSequence& seq, bool recompute, int64_t t);

@@ -99,6 +99,7 @@ int run_target_forward_gpu_bench(const TargetForwardGpuOptions& o) {
   const double gemm_peak = gemm_peak_tflops(s);
   PeakMemory mem;
   double with_head_ms = 0, taps_ms = 0, peak_gb = 0;
+  nlohmann::json stages, taps_stages;
   {
     TargetGpu gpu(spec, 7, s);
     cuda::DeviceArray<cuda::bf16> tap_out(size_t(T * int64_t(taps.size()) * spec.hidden_size));
@@ -111,6 +112,12 @@ int run_target_forward_gpu_bench(const TargetForwardGpuOptions& o) {
     with_head_ms = median(time_runs(s, o.warmup, o.repeat, [&] { gpu.forward(ids, {0, T}, fo, &amax); }));
     taps_ms = median(time_runs(s, o.warmup, o.repeat, [&] { gpu.forward_taps(ids, {0, T}, taps, tap_out.data()); }));
     peak_gb = mem.peak_gb();
+    // One more of each with CUDA events around the stages (where the time goes).
+    gpu.time_stages(true);
+    gpu.forward(ids, {0, T}, fo, &amax);
+    stages = stage_json(gpu.last_stage_ms());
+    gpu.forward_taps(ids, {0, T}, taps, tap_out.data());
+    taps_stages = stage_json(gpu.last_stage_ms());
   }
   DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
   const int64_t deepest = *std::max_element(taps.begin(), taps.end()) + 1;
@@ -121,7 +128,7 @@ int run_target_forward_gpu_bench(const TargetForwardGpuOptions& o) {
       {"tokens", T}, {"layers", L}, {"gated_deltanet_layers", gdn}, {"taps", taps}, {"layers_run_for_taps", deepest},
       {"forward_ms", with_head_ms}, {"taps_ms", taps_ms}, {"gemm_tflops_achieved", tf_head},
       {"gemm_peak_tflops_8192", gemm_peak}, {"of_gemm_peak", tf_head / gemm_peak}, {"taps_of_gemm_peak", tf_taps / gemm_peak},
-      {"peak_gb", peak_gb}, {"device_kind", "cuda"},
+      {"peak_gb", peak_gb}, {"device_kind", "cuda"}, {"stage_ms", stages}, {"taps_stage_ms", taps_stages},
       {"path", "TargetGpu bf16: cuBLASLt GEMMs, masked_attention_forward, gated_delta_rule_chunked; random weights"}};
   const std::string preset = o.preset + (o.layers > 0 ? "-" + std::to_string(L) + "layers" : "") + "-cuda";
   emit_bench_records("target-forward", preset,

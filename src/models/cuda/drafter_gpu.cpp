@@ -15,6 +15,7 @@
 #include "ops/cuda/masked_attention.h"
 #include "ops/cuda/norm.h"
 #include "ops/cuda/rope.h"
+#include "ops/cuda/stage_timer.h"
 #include "ops/dflash_attention.h"
 #include "tensor/dtype.h"
 
@@ -38,51 +39,7 @@ DeviceArray<bf16> upload_bf16(const std::vector<float>& v, cudaStream_t s) {
   return d;
 }
 
-/// CUDA events around named stages of a step; totals per name after the stream is synchronized.
-class StageTimer {
- public:
-  StageTimer(cudaStream_t s, bool on) : s_(s), on_(on) {}
-  ~StageTimer() {
-    for (auto& m : marks_) cudaEventDestroy(m.e0), cudaEventDestroy(m.e1);
-  }
-  void begin(const std::string& name) {
-    if (!on_) return;
-    Mark m{name, nullptr, nullptr};
-    DFLASH_CUDA_CHECK(cudaEventCreate(&m.e0));
-    DFLASH_CUDA_CHECK(cudaEventCreate(&m.e1));
-    DFLASH_CUDA_CHECK(cudaEventRecord(m.e0, s_));
-    marks_.push_back(m);
-  }
-  void end(const std::string& name) {
-    if (!on_) return;
-    for (auto it = marks_.rbegin(); it != marks_.rend(); ++it)
-      if (it->name == name) {
-        DFLASH_CUDA_CHECK(cudaEventRecord(it->e1, s_));
-        return;
-      }
-  }
-  /// Totals per name in first-seen order (the stream must be synchronized).
-  std::vector<std::pair<std::string, double>> totals() const {
-    std::vector<std::pair<std::string, double>> r;
-    for (const auto& m : marks_) {
-      float ms = 0;
-      DFLASH_CUDA_CHECK(cudaEventElapsedTime(&ms, m.e0, m.e1));
-      auto it = std::find_if(r.begin(), r.end(), [&](const auto& p) { return p.first == m.name; });
-      if (it == r.end()) r.emplace_back(m.name, ms);
-      else it->second += ms;
-    }
-    return r;
-  }
-
- private:
-  struct Mark {
-    std::string name;
-    cudaEvent_t e0, e1;
-  };
-  cudaStream_t s_;
-  bool on_;
-  std::vector<Mark> marks_;
-};
+using cuda::StageTimer;
 
 /// Saved activations of one draft layer (what the backward needs, as the CPU LayerSaved).
 struct Saved {

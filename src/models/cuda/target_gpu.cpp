@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 
@@ -17,6 +18,7 @@
 #include "ops/cuda/moe.h"
 #include "ops/cuda/norm.h"
 #include "ops/cuda/rope.h"
+#include "ops/cuda/stage_timer.h"
 #include "ops/rope.h"
 #include "tensor/dtype.h"
 
@@ -86,7 +88,11 @@ struct TargetGpu::Impl {
   std::vector<GdnCache> gdn;
   std::vector<int64_t> rollback_from;  // per sequence: its length before that forward (-1: none)
   std::vector<int64_t> rollback_cu;    // that forward's cu_seqlens (rows of hist and token_states)
+  std::unique_ptr<cuda::StageTimer> timer;  // while time_stages(true)
   explicit Impl(cudaStream_t st) : s(st), gemm(st) {}
+  void stage(const char* name) {
+    if (timer) timer->next(name);
+  }
 };
 
 namespace {
@@ -276,6 +282,8 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
   if (cached) DFLASH_CUDA_CHECK(cudaMemsetAsync(qpad.data(), 0, qpad.size() * 2, s));  // padding rows: defined
   StreamBuffer<float> cs(size_t(T * rot / 2), s), sn(size_t(T * rot / 2), s);
   cuda::rope_table(d_pos.data(), I.inv_freq.data(), T, rot, cs.data(), sn.data(), s);
+  if (I.timer) I.timer->clear();
+  I.stage("other");
   StreamBuffer<float> x(size_t(T * D), s);  // the residual stream, fp32 (only GEMM inputs are bf16)
   StreamBuffer<bf16> h(size_t(T * D), s), q(size_t(T * H * Dh), s), k(size_t(T * Hkv * Dh), s),
       v(size_t(T * Hkv * Dh), s), o(size_t(T * H * Dh), s), g(size_t(T * Im), s), u(size_t(T * Im), s);
@@ -284,6 +292,7 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
   on_hidden(0, x.data());
   const float scale = float(1.0 / std::sqrt(double(Dh)));
   auto linear = [&](const bf16* in, int64_t out_f, int64_t in_f, const DeviceArray<bf16>& w, auto* y, float beta) {
+    I.stage("gemm");
     I.gemm.gemm({T, out_f, in_f, false, true}, in, w.data(), y, 1.f, beta);
   };
   // GatedDeltaNet buffers (hybrids): C = q | k | v channels.
@@ -316,11 +325,13 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
                                  sp.shared_expert_intermediate_size, sp.norm_topk_prob};
   for (int64_t i = 0; i <= last; ++i) {
     const LayerGpu& l = I.layers[size_t(i)];
+    I.stage("other");
     cuda::rms_norm_forward(x.data(), l.in_ln.data(), h.data(), nullptr, T, D, sp.rms_norm_eps, zc, s);
     if (l.kind == LayerKind::GatedDeltaNet) {
       // transformers Qwen3_5GatedDeltaNet (no cache): conv1d + SiLU over q|k|v, gates, the chunked
       // gated delta rule, gated RMSNorm with silu(z), out_proj.
       linear(h.data(), Cg, D, l.qkv, gpre.data(), 0.f);
+      I.stage("gated_deltanet");
       Impl::GdnCache* gc = cached ? &I.gdn[size_t(i)] : nullptr;
       if (gc) {  // continue each sequence's conv window, then move it past the new tokens
         cuda::causal_conv1d_silu_window(gpre.data(), l.conv.data(), gc->window.data(), d_seq_of.data(), d_cu32.data(), T,
@@ -336,6 +347,7 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
       linear(h.data(), Hv * dv, D, l.z, gz.data(), 0.f);
       linear(h.data(), Hv, D, l.b, gb.data(), 0.f);
       linear(h.data(), Hv, D, l.a, ga.data(), 0.f);
+      I.stage("gated_deltanet");
       cuda::gdn_prepare(gconv.data(), gb.data(), ga.data(), l.A_log.data(), l.dt_bias.data(), T, int(Hk), int(Hv),
                         int(dk), int(dv), float(1.0 / std::sqrt(double(dk))), gq.data(), gk.data(), gv.data(), gg.data(),
                         gbeta.data(), s);
@@ -365,6 +377,7 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
     } else {
       if (gated) {  // q_proj output [T, H, 2*Dh]: per head the query, then the output gate
         linear(h.data(), H * 2 * Dh, D, l.q, qg.data(), 0.f);
+        I.stage("attention");
         DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(q.data(), size_t(Dh) * 2, qg.data(), size_t(2 * Dh) * 2, size_t(Dh) * 2,
                                             size_t(T * H), cudaMemcpyDeviceToDevice, s));
         DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(og.data(), size_t(Dh) * 2, qg.data() + Dh, size_t(2 * Dh) * 2,
@@ -374,6 +387,7 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
       }
       linear(h.data(), Hkv * Dh, D, l.k, k.data(), 0.f);
       linear(h.data(), Hkv * Dh, D, l.v, v.data(), 0.f);
+      I.stage("attention");
       if (sp.has_qk_norm()) {
         cuda::rms_norm_forward(q.data(), l.q_norm.data(), q.data(), nullptr, T * H, Dh, sp.rms_norm_eps, zc, s);
         cuda::rms_norm_forward(k.data(), l.k_norm.data(), k.data(), nullptr, T * Hkv, Dh, sp.rms_norm_eps, zc, s);
@@ -394,15 +408,19 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
       if (gated) cuda::mul_sigmoid(o.data(), og.data(), T * H * Dh, s);
       linear(o.data(), D, H * Dh, l.o, x.data(), 1.f);  // x += o_proj(o)
     }
+    I.stage("other");
     cuda::rms_norm_forward(x.data(), l.post_ln.data(), h.data(), nullptr, T, D, sp.rms_norm_eps, zc, s);
     if (l.moe) {
+      I.stage("moe");
       cuda::moe_ffn_forward(I.gemm, moe_shape, l.moe_weights(), h.data(), x.data());  // x += moe(h)
     } else {
       linear(h.data(), Im, D, l.gate, g.data(), 0.f);
       linear(h.data(), Im, D, l.up, u.data(), 0.f);
+      I.stage("other");
       cuda::swiglu_forward(g.data(), u.data(), g.data(), T * Im, s);
       linear(g.data(), D, Im, l.down, x.data(), 1.f);  // x += down_proj(act)
     }
+    I.stage("other");
     on_hidden(i + 1, x.data());
   }
   if (cached) {
@@ -514,7 +532,9 @@ ForwardOutput TargetGpu::forward_impl(const std::vector<int32_t>& ids, const std
     out.hidden_states[int(j)] = std::move(t);
   };
   StreamBuffer<float> x = run_layers(ids, cu, last, keep, cached, cached && opt.keep_rollback);
+  I.stage("lm_head");
   if (last == L - 1) finish_forward(x, T, opt, out, argmax);
+  if (I.timer) I.timer->stop();
   return out;
 }
 
@@ -570,6 +590,17 @@ void TargetGpu::forward_taps(const std::vector<int32_t>& ids, const std::vector<
                                             size_t(T), cudaMemcpyDeviceToDevice, impl_->s));
       }
   });
+  if (impl_->timer) impl_->timer->stop();
+}
+
+void TargetGpu::time_stages(bool on) {
+  impl_->timer = on ? std::make_unique<cuda::StageTimer>(impl_->s, true) : nullptr;
+}
+
+std::vector<std::pair<std::string, double>> TargetGpu::last_stage_ms() const {
+  if (!impl_->timer) return {};
+  DFLASH_CUDA_CHECK(cudaStreamSynchronize(impl_->s));
+  return impl_->timer->totals();
 }
 
 }  // namespace dflash

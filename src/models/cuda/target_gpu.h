@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "models/target.h"
@@ -44,6 +45,13 @@ class TargetGpu {
                     const std::vector<int64_t>& layer_ids, cuda::bf16* out);
 
   const ModelSpec& spec() const { return spec_; }
+
+  /// With `on`, every later forward / forward_taps / forward_cached records CUDA events around its
+  /// stages (gemm, gated_deltanet, attention, moe, other: norms, SwiGLU, embedding, taps; lm_head:
+  /// the final norm, the head and the argmax), which costs some speed; last_stage_ms gives the GPU
+  /// time per stage (ms) of the most recent one (synchronizes the stream; empty while off).
+  void time_stages(bool on);
+  std::vector<std::pair<std::string, double>> last_stage_ms() const;
 
   // Decoding (src/spec/decoder.h): a KV cache per layer for a batch of sequences, bf16 keys (after
   // q/k norm and RoPE) and values, grown as needed.
