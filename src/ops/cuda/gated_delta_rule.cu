@@ -422,37 +422,29 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_state_simt_kernel(const flo
 /// Padded key dim of chunk_state (whole 16-row tiles; the padding rows stay zero).
 __host__ __device__ constexpr int state_rows(int dk) { return (dk + 15) / 16 * 16; }
 
-/// Shared memory of chunk_state_kernel<kCols> (bytes) for key dim dk.
-__host__ __device__ constexpr size_t chunk_state_smem(int dk, int kCols) {
-  return size_t(state_rows(dk) * (kCols + 8) + kChunk * (state_rows(dk) + 4) + kChunk * (state_rows(dk) + 8) +
-                2 * kChunk * (kCols + 8) + 3 * kChunk) *
-         sizeof(float);
-}
-
-/// One block per (sequence, value head, kCols = 32 or 64 state columns): walks the sequence's chunks in
-/// order and keeps only what is sequential: saves the state before each chunk (H [chunks, Hv, dk, dv]),
-/// the chunk's U = u - w S0 (U [T, Hv, dv]), then S = exp(G_L) S0 + (diag(exp(G_L - G)) K)^T U.
-/// Both products on tensor cores in 3xTF32 (about fp32 precision; mma_3xtf32). The loads of chunk
-/// ci + 1 run behind the math of chunk ci (cp.async): its w, u and gates while the state is updated
-/// (w is read only by the U product), its keys while the next U is computed (keys are read only by
-/// the state update); one buffer each for w and k, two for u and the gates. Warp w computes U rows
-/// 16 (w / 2) .. + 15 x columns kCols / 2 (w % 2) .. and the state rows 16 w .. 16 w + 15 x all kCols
-/// columns. Row strides are padded so that every fragment load is free of bank conflicts. At dk 128:
-/// 110 KB of shared memory with kCols 32 (two blocks per SM on H100 / H200), 143 KB with 64.
+/// One block per (sequence, value head, kCols = 32 or 64 state columns): walks the sequence's chunks in order and
+/// keeps only what is sequential: saves the state before each chunk (H [chunks, Hv, dk, dv]), the
+/// chunk's U = u - w S0 (U [T, Hv, dv]), then S = exp(G_L) S0 + (diag(exp(G_L - G)) K)^T U.
+/// Both products on tensor cores in 3xTF32 (about fp32 precision; mma_3xtf32). Every input of chunk
+/// ci + 1 (w, k, u, gates) loads (cp.async) while chunk ci is computed: the chain of chunks waits on
+/// no memory. Warp w computes U rows 16 (w / 2) .. + 15 x columns kCols / 2 (w % 2) .. and the state
+/// rows 16 w .. 16 w + 15 x all kCols columns. Row strides are padded so that every fragment load is
+/// free of bank conflicts. One block per SM (about 212 KB of shared memory at dk 128, kCols 64).
 template <int kCols>
-__global__ void __launch_bounds__(kThreads, kCols == 32 ? 2 : 1)
-    chunk_state_kernel(const float* k, const float* w_in, const float* u_in, const float* G_in, const Chunk* chunks,
-                       const int32_t* first_chunk, int Hk, int Hv, int dk, int dv, const float* init,
-                       float* final_state, float* H_out, float* U_out) {
+__global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(const float* k, const float* w_in, const float* u_in,
+                                                               const float* G_in, const Chunk* chunks,
+                                                               const int32_t* first_chunk, int Hk, int Hv, int dk,
+                                                               int dv, const float* init, float* final_state,
+                                                               float* H_out, float* U_out) {
   extern __shared__ float4 sm4[];
   float* sm = reinterpret_cast<float*>(sm4);
   constexpr int ldS = kCols + 8, ldu = kCols + 8;
   const int dkp = state_rows(dk), ldw = dkp + 4, ldk = dkp + 8;
   float* S = sm;                          // [dkp][ldS] state columns c0 .. c0 + kCols - 1
-  float* W = S + dkp * ldS;               // [64][ldw] w rows of the current chunk
-  float* K = W + kChunk * ldw;            // [64][ldk] k rows of the current chunk
-  float* Ub = K + kChunk * ldk;           // 2 x [64][ldu] u, then U (buffer ci & 1)
-  float* Gb = Ub + 2 * kChunk * ldu;      // 2 x [64] in-chunk cumulative gates (buffer ci & 1)
+  float* Xw = S + dkp * ldS;              // 2 x [64][ldw] w rows (buffer ci & 1)
+  float* Xk = Xw + 2 * kChunk * ldw;      // 2 x [64][ldk] k rows
+  float* Ub = Xk + 2 * kChunk * ldk;      // 2 x [64][ldu] u, then U
+  float* Gb = Ub + 2 * kChunk * ldu;      // 2 x [64] in-chunk cumulative gates
   float* D = Gb + 2 * kChunk;             // [64] exp(G_L - G_j)
   const int seq = blockIdx.x, h = blockIdx.y, c0 = blockIdx.z * kCols, kh = h / (Hv / Hk), tid = threadIdx.x;
   const int lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
@@ -463,38 +455,33 @@ __global__ void __launch_bounds__(kThreads, kCols == 32 ? 2 : 1)
     S[m * ldS + cc] = init && m < dk && cc < ncols ? init[state_off + int64_t(m) * dv + c0 + cc] : 0.f;
   }
   const int c_first = first_chunk[seq], c_end = first_chunk[seq + 1];
-  // Chunk ci's w, u and gates into W, Ub[ci & 1], Gb[ci & 1]; its keys into K (one cp.async group each).
-  auto fetch_wu = [&](int ci) {
+  // Every input of chunk ci into buffer ci & 1 (one cp.async group).
+  auto fetch = [&](int ci) {
     if (ci < c_end) {
       const Chunk ch = chunks[ci];
       const int b = ci & 1;
-      load_rows_async(W, ldw, dkp, w_in, ch.start, ch.len, Hv, h, dk, 0, dk);
+      load_rows_async(Xw + b * kChunk * ldw, ldw, dkp, w_in, ch.start, ch.len, Hv, h, dk, 0, dk);
+      load_rows_async(Xk + b * kChunk * ldk, ldk, dkp, k, ch.start, ch.len, Hk, kh, dk, 0, dk);
       load_rows_async(Ub + b * kChunk * ldu, ldu, kCols, u_in, ch.start, ch.len, Hv, h, dv, c0, ncols);
       if (tid < kChunk)
         mma::cp_async4(Gb + b * kChunk + tid, G_in + int64_t(ch.start + min(tid, ch.len - 1)) * Hv + h, tid < ch.len);
     }
     mma::cp_async_commit();
   };
-  auto fetch_k = [&](int ci) {
-    if (ci < c_end) {
-      const Chunk ch = chunks[ci];
-      load_rows_async(K, ldk, dkp, k, ch.start, ch.len, Hk, kh, dk, 0, dk);
-    }
-    mma::cp_async_commit();
-  };
-  fetch_wu(c_first);
+  fetch(c_first);
   mma::cp_async_wait<0>();
-  fetch_k(c_first);
   __syncthreads();
-  // Loop invariant: chunk ci's w, u and gates have landed and are visible; its keys may be in flight.
   constexpr int kUn = kCols / 16, kSn = kCols / 8;      // n-tiles per warp: U, state
   const int um = 16 * (warp / 2), un = (kCols / 2) * (warp % 2);  // this warp's U tile
   const int sm0 = 16 * warp;                             // this warp's state rows
   for (int ci = c_first; ci < c_end; ++ci) {
     const Chunk ch = chunks[ci];
     const int L = ch.len, b = ci & 1;
+    const float* W = Xw + b * kChunk * ldw;
+    const float* K = Xk + b * kChunk * ldk;
     float* U = Ub + b * kChunk * ldu;
     const float* G = Gb + b * kChunk;
+    fetch(ci + 1);  // into the buffers chunk ci - 1 used, read before the last barrier
     float* Hc = H_out + (int64_t(ci) * Hv + h) * dk * dv;  // the state before this chunk
     if (dv % 4 == 0) {  // 16-byte stores (ncols and c0 are multiples of 4 too)
       for (int e = tid; e < dk * kCols / 4; e += kThreads) {
@@ -537,9 +524,7 @@ __global__ void __launch_bounds__(kThreads, kCols == 32 ? 2 : 1)
           if (col < ncols) dst[0] = ui[0], dst[1] = ui[1];  // ncols and col are even
         }
     }
-    mma::cp_async_wait<0>();  // this chunk's keys
-    __syncthreads();          // U, D and the keys complete; every warp is done reading W and S
-    fetch_wu(ci + 1);         // into W and the u / gate buffers chunk ci - 1 used
+    __syncthreads();  // U and D complete; every warp is done reading S
     // S = exp(G_L) S0 + (diag(exp(G_L - G)) K)^T U for this warp's 16 state rows
     if (sm0 < dkp) {
       const float gl = __expf(G[L - 1]);
@@ -568,11 +553,9 @@ __global__ void __launch_bounds__(kThreads, kCols == 32 ? 2 : 1)
         s0[0] = sa[nt][0], s0[1] = sa[nt][1], s0[8 * ldS] = sa[nt][2], s0[8 * ldS + 1] = sa[nt][3];
       }
     }
-    mma::cp_async_wait<0>();  // chunk ci + 1's w, u and gates
-    __syncthreads();          // the state complete; every warp is done reading K
-    fetch_k(ci + 1);
+    mma::cp_async_wait<0>();  // chunk ci + 1
+    __syncthreads();
   }
-  mma::cp_async_wait<0>();
   if (final_state)
     for (int e = tid; e < dk * kCols; e += kThreads) {
       const int m = e / kCols, cc = e % kCols;
@@ -661,6 +644,9 @@ __global__ void gated_rms_norm_kernel(const float* x, const float* z, const floa
 }  // namespace
 
 namespace {
+/// Lets `kernel` use `bytes` of dynamic shared memory; a device offering less is refused with the
+/// numbers. (The attribute is per kernel and device: callers on one device with other head dims
+/// would race on it, which a process serving one target never does.)
 /// Shared memory one block of the current device may opt in to, in bytes.
 size_t device_shared_limit() {
   int dev = 0, optin = 0;
@@ -669,9 +655,6 @@ size_t device_shared_limit() {
   return size_t(optin);
 }
 
-/// Lets `kernel` use `bytes` of dynamic shared memory; a device offering less is refused with the
-/// numbers. (The attribute is per kernel and device: callers on one device with other head dims
-/// would race on it, which a process serving one target never does.)
 template <typename Kernel>
 void allow_shared_memory(Kernel kernel, size_t bytes, const char* what) {
   const size_t optin = device_shared_limit();
@@ -776,20 +759,18 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   }
   // The sequential part: states before each chunk and the chunks' U.
   StreamBuffer<float> H(size_t(nch * Hv * dk * dv), stream), U(size_t(T * Hv * dv), stream);
-  // The tensor-core kernel with 32 state columns per block where two blocks fit on an SM (H100 / H200:
-  // twice the blocks, each with half the work per chunk, on the chain of chunks that is the critical
-  // path); else, one block per SM, 32 columns when that still fits one wave and 64 otherwise. GPUs
-  // with less shared memory per block than it needs run the SIMT kernel.
-  int dev = 0, sms = 0, per_sm = 0;
+  // The tensor-core kernel with 64 state columns per block, or 32 when that still fits one wave (one
+  // block per SM) and 64 would leave SMs idle: the chain of chunks is the critical path. GPUs with less
+  // shared memory per block than it needs (A100) run the SIMT kernel.
+  const int dkp = state_rows(dk);
+  int dev = 0, sms = 0;
   DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
   DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
   const size_t limit = shared_limit ? std::min(shared_limit, device_shared_limit()) : device_shared_limit();
-  const size_t reserved = 1024;  // per block, by the runtime
-  const size_t sm_bytes = shared_limit ? std::min(size_t(per_sm), limit + reserved) : size_t(per_sm);
-  const bool two_per_sm = 2 * (chunk_state_smem(int(dk), 32) + reserved) <= sm_bytes;
-  const bool narrow = two_per_sm || int64_t(nseq) * Hv * ((dv + 31) / 32) <= sms;
-  const size_t smem_tc = chunk_state_smem(int(dk), narrow ? 32 : kMaxCols);
+  const bool narrow = int64_t(nseq) * Hv * ((dv + 31) / 32) <= sms;
+  const int cols = narrow ? 32 : kMaxCols;
+  const size_t smem_tc =
+      (dkp * (cols + 8) + 2 * kChunk * (2 * dkp + 12) + 2 * kChunk * (cols + 8) + 3 * kChunk) * sizeof(float);
   auto launch_state = [&](auto kernel, int kc, size_t smem) {
     allow_shared_memory(kernel, smem, "chunk_state");
     DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,

@@ -64,10 +64,9 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
                               const std::vector<int64_t>& cu_seqlens, int Hk, int Hv, int dk, int dv,
                               const float* initial_state, float* final_state, float* o, cudaStream_t stream);
 /// The same over the chunks of `plan` (its stream is the one to pass). shared_limit (bytes, 0: the
-/// device's opt-in limit) caps the shared memory per block (and per SM) the kernels may use: the
-/// tensor-core chunk_state takes 110 KB at dk 128 with 32 value columns (two blocks per SM on H100 /
-/// H200), 143 KB with 64; below that its SIMT form runs (103 KB). Throws std::runtime_error when even
-/// that does not fit.
+/// device's opt-in limit) caps the shared memory per block the kernels may use: below what the
+/// tensor-core chunk_state needs (~212 KB at dk 128; A100 offers 163 KB) its SIMT form runs. Throws
+/// std::runtime_error when even that does not fit.
 void gated_delta_rule_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta,
                               const GdnChunkPlan& plan, int Hk, int Hv, int dk, int dv, const float* initial_state,
                               float* final_state, float* o, cudaStream_t stream, size_t shared_limit = 0);
