@@ -644,9 +644,6 @@ __global__ void gated_rms_norm_kernel(const float* x, const float* z, const floa
 }  // namespace
 
 namespace {
-/// Lets `kernel` use `bytes` of dynamic shared memory; a device offering less is refused with the
-/// numbers. (The attribute is per kernel and device: callers on one device with other head dims
-/// would race on it, which a process serving one target never does.)
 /// Shared memory one block of the current device may opt in to, in bytes.
 size_t device_shared_limit() {
   int dev = 0, optin = 0;
@@ -655,6 +652,9 @@ size_t device_shared_limit() {
   return size_t(optin);
 }
 
+/// Lets `kernel` use `bytes` of dynamic shared memory; a device offering less is refused with the
+/// numbers. (The attribute is per kernel and device: callers on one device with other head dims
+/// would race on it, which a process serving one target never does.)
 template <typename Kernel>
 void allow_shared_memory(Kernel kernel, size_t bytes, const char* what) {
   const size_t optin = device_shared_limit();
