@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <stdexcept>
+#include <tuple>
 
 #include "models/cuda/kv_cache.h"
 #include "ops/cuda/cross_entropy.h"
@@ -83,11 +84,13 @@ struct TargetGpu::Impl {
   /// Decoding state of the GatedDeltaNet layers (empty for attention layers), per layer.
   struct GdnCache {
     DeviceArray<float> window, state;                     // [n, K-1, C], [n, Hv, dk, dv]
-    DeviceArray<float> state_before, hist, token_states;  // of the last keep_rollback forward
+    // Of the last keep_rollback forward: each sequence's state before it, the conv history, and every
+    // token's recurrence inputs (q | k | v | g | beta, GdnInputs) to replay an accepted prefix from.
+    DeviceArray<float> state_before, hist, inputs;
   };
   std::vector<GdnCache> gdn;
   std::vector<int64_t> rollback_from;  // per sequence: its length before that forward (-1: none)
-  std::vector<int64_t> rollback_cu;    // that forward's cu_seqlens (rows of hist and token_states)
+  std::vector<int64_t> rollback_cu;    // that forward's cu_seqlens (rows of hist and inputs)
   std::unique_ptr<cuda::StageTimer> timer;  // while time_stages(true)
   explicit Impl(cudaStream_t st) : s(st), gemm(st) {}
   void stage(const char* name) {
@@ -213,6 +216,15 @@ TargetGpu::TargetGpu(const ModelSpec& spec, uint64_t seed, cudaStream_t stream) 
 TargetGpu::~TargetGpu() = default;
 
 namespace {
+/// Offsets (floats) of one forward's GatedDeltaNet recurrence inputs in GdnCache::inputs, for T tokens:
+/// q [T, Hk, dk], k [T, Hk, dk], v [T, Hv, dv], g [T, Hv], beta [T, Hv].
+struct GdnInputs {
+  int64_t nq, nv, ng, q, k, v, g, beta, total;
+  GdnInputs(int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv)
+      : nq(T * Hk * dk), nv(T * Hv * dv), ng(T * Hv), q(0), k(nq), v(2 * nq), g(2 * nq + nv), beta(g + ng),
+        total(beta + ng) {}
+};
+
 bool has_gated_deltanet(const ModelSpec& sp) {
   return std::count(sp.layer_types.begin(), sp.layer_types.end(), LayerKind::GatedDeltaNet) > 0;
 }
@@ -351,22 +363,19 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
       cuda::gdn_prepare(gconv.data(), gb.data(), ga.data(), l.A_log.data(), l.dt_bias.data(), T, int(Hk), int(Hv),
                         int(dk), int(dv), float(1.0 / std::sqrt(double(dk))), gq.data(), gk.data(), gv.data(), gg.data(),
                         gbeta.data(), s);
-      if (gc && keep_rollback) {  // token by token, keeping every token's state
+      if (gc && keep_rollback) {  // token by token, keeping the state before and every token's inputs
         const size_t n_state = size_t(C.n * state_elems);
         if (gc->state_before.size() < n_state) gc->state_before = DeviceArray<float>(n_state);
-        if (gc->token_states.size() < size_t(T * state_elems)) {
-          gc->token_states = DeviceArray<float>();
-          try {
-            gc->token_states = DeviceArray<float>(size_t(T * state_elems));
-          } catch (const std::runtime_error& e) {
-            throw std::runtime_error("verifying " + std::to_string(T) + " tokens keeps every token's GatedDeltaNet state (" +
-                                     std::to_string(double(T * state_elems) * 4 / (1 << 30)) +
-                                     " GiB per layer): lower the batch size or the block size (" + e.what() + ")");
-          }
-        }
+        const GdnInputs in(T, Hk, Hv, dk, dv);
+        if (gc->inputs.size() < size_t(in.total)) gc->inputs = DeviceArray<float>(size_t(in.total));
+        float* keep = gc->inputs.data();
+        for (const auto& [src, off, n] : {std::tuple{gq.data(), in.q, in.nq}, std::tuple{gk.data(), in.k, in.nq},
+                                          std::tuple{gv.data(), in.v, in.nv}, std::tuple{gg.data(), in.g, in.ng},
+                                          std::tuple{gbeta.data(), in.beta, in.ng}})
+          DFLASH_CUDA_CHECK(cudaMemcpyAsync(keep + off, src, size_t(n) * 4, cudaMemcpyDeviceToDevice, s));
         DFLASH_CUDA_CHECK(cudaMemcpyAsync(gc->state_before.data(), gc->state.data(), n_state * 4, cudaMemcpyDeviceToDevice, s));
         cuda::gated_delta_rule_recurrent(gq.data(), gk.data(), gv.data(), gg.data(), gbeta.data(), cu, int(Hk), int(Hv),
-                                         int(dk), int(dv), gc->state.data(), gc->token_states.data(), go.data(), s);
+                                         int(dk), int(dv), gc->state.data(), nullptr, go.data(), s);
       } else {  // the cached state in and out (in place: each block reads its slice before writing it)
         cuda::gated_delta_rule_chunked(gq.data(), gk.data(), gv.data(), gg.data(), gbeta.data(), *gdn_chunks, int(Hk),
                                        int(Hv), int(dk), int(dv), gc ? gc->state.data() : nullptr,
@@ -425,7 +434,7 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
   }
   if (cached) {
     // As TargetCache: a forward without keep_rollback seals the tokens it adds; a sequence it gives
-    // no tokens keeps what the last verification saved (hist and token_states are left alone).
+    // no tokens keeps what the last verification saved (hist and inputs are left alone).
     if (hybrid && keep_rollback) I.rollback_cu = cu;
     for (int q = 0; q < C.n; ++q) {
       const int64_t n = cu[size_t(q) + 1] - cu[size_t(q)];
@@ -480,6 +489,13 @@ void TargetGpu::truncate_cache(int s, int64_t length) {
     throw std::invalid_argument("truncate_cache: GatedDeltaNet states of sequence " + std::to_string(s) +
                                 " are kept only back to length " + std::to_string(from) + "; asked for " +
                                 std::to_string(length));
+  const int64_t Hk = sp.linear_num_key_heads, Hv = sp.linear_num_value_heads, dk = sp.linear_key_head_dim;
+  const int64_t dv = sp.linear_value_head_dim;
+  // history row of token j of the last forward: s * (K-1) + cu[s] + j; window after token j = rows j .. j + K-2
+  const bool replay = from >= 0 && !I.rollback_cu.empty();
+  const int64_t j = length - from, row0 = replay ? I.rollback_cu[size_t(s)] : 0;
+  const GdnInputs in(replay ? I.rollback_cu.back() : 0, Hk, Hv, dk, dv);
+  StreamBuffer<float> o(size_t(replay ? std::max<int64_t>(j, 0) * Hv * dv : 0), I.s);  // the replay's outputs (unused)
   for (Impl::GdnCache& g : I.gdn) {
     if (!g.state.size()) continue;
     float* window = g.window.data() + s * K1 * Cg;
@@ -489,13 +505,18 @@ void TargetGpu::truncate_cache(int s, int64_t length) {
       DFLASH_CUDA_CHECK(cudaMemsetAsync(state, 0, size_t(St) * 4, I.s));
       continue;
     }
-    // history row of token j of the last forward: s * (K-1) + cu[s] + j; window after token j = rows j .. j + K-2
-    const int64_t j = length - from, row0 = I.rollback_cu[size_t(s)];
     if (K1 > 0)
       DFLASH_CUDA_CHECK(cudaMemcpyAsync(window, g.hist.data() + (s * K1 + row0 + j) * Cg, size_t(K1 * Cg) * 4,
                                         cudaMemcpyDeviceToDevice, I.s));
-    const float* src = j == 0 ? g.state_before.data() + s * St : g.token_states.data() + (row0 + j - 1) * St;
-    DFLASH_CUDA_CHECK(cudaMemcpyAsync(state, src, size_t(St) * 4, cudaMemcpyDeviceToDevice, I.s));
+    // The state after token j: the state before that forward, then its first j tokens again (the same
+    // kernel on the same inputs: the same state).
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(state, g.state_before.data() + s * St, size_t(St) * 4, cudaMemcpyDeviceToDevice, I.s));
+    if (j > 0) {
+      const float* x = g.inputs.data();
+      cuda::gated_delta_rule_recurrent(x + in.q + row0 * Hk * dk, x + in.k + row0 * Hk * dk, x + in.v + row0 * Hv * dv,
+                                       x + in.g + row0 * Hv, x + in.beta + row0 * Hv, {0, j}, int(Hk), int(Hv), int(dk),
+                                       int(dv), state, nullptr, o.data(), I.s);
+    }
   }
   if (length == 0) I.rollback_from[size_t(s)] = -1;
   C.len[size_t(s)] = length;

@@ -64,16 +64,18 @@ class TargetGpu {
   /// `argmax` is given, the most likely token of every row (computed on the GPU without the logits
   /// leaving it). GatedDeltaNet layers continue each sequence's conv window and state: through the
   /// chunked kernel, or with opt.keep_rollback token by token (gated_delta_rule_recurrent), keeping
-  /// the state after every new token (n x Hv x dk x dv floats per layer) so that truncate_cache can
-  /// drop any suffix of them. Throws std::invalid_argument for bad ids or cu_seqlens,
+  /// each sequence's state before the forward and every new token's recurrence inputs (q, k, v, g,
+  /// beta: 2 Hk dk + Hv dv + 2 Hv floats per token and layer, not a Hv x dk x dv state each) so that
+  /// truncate_cache can drop any suffix of them. Throws std::invalid_argument for bad ids or cu_seqlens,
   /// std::runtime_error when the cache cannot grow (out of memory).
   ForwardOutput forward_cached(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu_seqlens,
                                const ForwardOptions& opt, std::vector<int32_t>* argmax = nullptr);
   /// Keeps the first `length` tokens of cached sequence s (speculative decoding's rollback, as
   /// TargetCache::rollback): attention layers drop keys / values; GatedDeltaNet layers restore the
-  /// window and state saved after token `length` of the last forward_cached, which must have run
-  /// with keep_rollback and begun at or before `length` (std::invalid_argument otherwise).
-  /// length 0 empties the sequence.
+  /// window saved after token `length` of the last forward_cached (which must have run with
+  /// keep_rollback and begun at or before `length`; std::invalid_argument otherwise) and rebuild the
+  /// state by replaying the accepted tokens from the state before it (the same kernel on the same
+  /// inputs: the same state). length 0 empties the sequence.
   void truncate_cache(int s, int64_t length);
   int64_t cached_length(int s) const;
 
