@@ -52,9 +52,10 @@ TEST_P(CudaDecodeTargets, CachedForwardEqualsFullForward) {
   DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
   {
     TargetGpu gpu(*m, s);
-    // Three sequences fed in different pieces (one gets nothing in a step), one rollback into the
-    // step before it (run with keep_rollback: GatedDeltaNet layers go token by token and keep every
-    // token's state). Each piece against the uncached GPU forward of the whole prefix.
+    // Three sequences fed in different pieces (one gets nothing in a step), rollbacks into the step
+    // before (run with keep_rollback: GatedDeltaNet layers go token by token and keep the state before
+    // it and every token's inputs; a rollback replays the accepted tokens). Each piece against the
+    // uncached GPU forward of the whole prefix.
     std::vector<std::vector<int32_t>> seqs{random_ids(40, V, 1), random_ids(300, V, 2), random_ids(7, V, 3)};
     gpu.reset_cache(3);
     ForwardOptions o;
@@ -88,24 +89,25 @@ TEST_P(CudaDecodeTargets, CachedForwardEqualsFullForward) {
         at[q] += step[q];
       }
       if (p == 2) {
-        // Roll sequence 0 back by 6 (in two truncations) and sequence 1 to before the whole step (the
-        // state saved before it), then feed other tokens there: the next step checks them.
+        // Roll sequence 0 back to before the whole step (the state saved before it; in two
+        // truncations) and sequence 1 to 4 tokens into it (rows 16.. of that step: a replay of its
+        // accepted tokens), then feed other tokens there: the next step checks them.
         gpu.truncate_cache(0, 22);
-        gpu.truncate_cache(0, 20);
-        gpu.truncate_cache(1, 201);
-        for (size_t i = 20; i < 26; ++i) seqs[0][i] = int32_t((seqs[0][i] + 7) % V);
-        for (size_t i = 201; i < 217; ++i) seqs[1][i] = int32_t((seqs[1][i] + 3) % V);
-        at[0] = 20, at[1] = 201;
+        gpu.truncate_cache(0, 10);
+        gpu.truncate_cache(1, 205);
+        for (size_t i = 10; i < 26; ++i) seqs[0][i] = int32_t((seqs[0][i] + 7) % V);
+        for (size_t i = 205; i < 217; ++i) seqs[1][i] = int32_t((seqs[1][i] + 3) % V);
+        at[0] = 10, at[1] = 205;
         if (hybrid) {  // sequence 2 had no tokens in that step: nothing of it can be dropped
           EXPECT_THROW(gpu.truncate_cache(2, int64_t(at[2]) - 1), std::invalid_argument);
         }
       }
     }
-    EXPECT_EQ(gpu.cached_length(1), 284);
+    EXPECT_EQ(gpu.cached_length(1), 288);
     EXPECT_THROW(gpu.truncate_cache(0, 1000), std::invalid_argument);
     EXPECT_THROW(gpu.forward_cached({1}, {0, 1}, o), std::invalid_argument);  // 1 sequence given, 3 cached
     if (hybrid) {  // the last step kept no per-token states: its tokens cannot be dropped, only all of them
-      EXPECT_THROW(gpu.truncate_cache(1, 283), std::invalid_argument);
+      EXPECT_THROW(gpu.truncate_cache(1, 287), std::invalid_argument);
     }
     gpu.truncate_cache(1, 0);  // emptied: starts again from zero states
     const ForwardOutput again = gpu.forward_cached({seqs[1][0], seqs[1][1]}, {0, 0, 2, 2}, o);

@@ -119,9 +119,10 @@ TEST(CudaGdn, PrepareMatchesTheReference) {
 
 namespace {
 /// One chunked-vs-recurrent comparison: random normalized q / k, v, g = -20 u^4 (u uniform:
-/// mostly mild decays, some down to -20), beta uniform in [0, 1], an optional random initial state.
+/// mostly mild decays, some down to -20; with `mild`, g = -0.05 u, so that tokens a whole chunk apart
+/// still interact), beta uniform in [0, 1], an optional random initial state.
 void check_chunked(const std::vector<int64_t>& lens, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, bool init,
-                   uint64_t seed, bool recurrent = false, size_t shared_limit = 0) {
+                   uint64_t seed, bool recurrent = false, size_t shared_limit = 0, bool mild = false) {
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<float> uni(0.f, 1.f);
   const std::vector<int64_t> cu = cu_of(lens);
@@ -133,7 +134,7 @@ void check_chunked(const std::vector<int64_t>& lens, int64_t Hk, int64_t Hv, int
   cpu::l2_norm(k.ptr(), T * Hk, dk);
   for (float& x : q.data) x /= std::sqrt(float(dk));
   v.data = test::rand_bf16_values(v.data.size(), rng);
-  for (float& x : g.data) x = -20.f * std::pow(uni(rng), 4.f);
+  for (float& x : g.data) x = mild ? -0.05f * uni(rng) : -20.f * std::pow(uni(rng), 4.f);
   for (float& x : beta.data) x = uni(rng);
   if (init)
     for (float& x : s0.data) x = 0.1f * (uni(rng) - 0.5f);
@@ -187,6 +188,9 @@ TEST(CudaGdn, ChunkedMatchesTheRecurrence) {
   uint64_t seed = 10;
   for (int64_t T : {1, 63, 64, 65, 127}) check_chunked({T}, 2, 6, 32, 48, true, ++seed);
   check_chunked({3, 64, 1, 65, 130, 0, 7}, 2, 4, 24, 40, true, ++seed);  // packed, one empty sequence
+  // Mild decays: every 16 x 16 tile of T = (I + A)^-1, far from the diagonal too, matters.
+  check_chunked({64, 200}, 1, 3, 128, 128, true, ++seed, false, 0, true);
+  check_chunked({130}, 2, 4, 32, 48, false, ++seed, false, 0, true);
   check_chunked({100, 37}, 1, 1, 8, 12, false, ++seed);                   // tiny heads, zero state
   check_chunked({4097}, 1, 2, 128, 128, true, ++seed);                    // the real head dims, long
   check_chunked({70, 5}, 2, 2, 64, 32, true, ++seed);                     // dk > dv
@@ -225,6 +229,43 @@ TEST(CudaGdn, RecurrentMatchesTheReference) {
   EXPECT_THROW(cuda::gated_delta_rule_recurrent(nullptr, nullptr, nullptr, nullptr, nullptr, {0, 1}, 1, 1, 256, 32,
                                                 nullptr, nullptr, nullptr, nullptr),
                std::invalid_argument);  // dk above 128
+}
+
+// A rollback's replay (TargetGpu::truncate_cache): the first counts[s] tokens of each sequence from the
+// same initial state give, bit for bit, the state the full run had after them; a count of 0 leaves
+// the state alone; a count past a sequence's length is refused.
+TEST(CudaGdn, RecurrentReplaysPrefixesExactly) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  std::mt19937_64 rng(50);
+  std::uniform_real_distribution<float> uni(0.f, 1.f);
+  const int Hk = 2, Hv = 4, dk = 32, dv = 40;
+  const std::vector<int64_t> cu = cu_of({5, 16, 3, 9}), counts{2, 16, 0, 1};
+  const int64_t T = cu.back(), n = 4, St = Hv * dk * dv;
+  std::vector<float> q(size_t(T * Hk * dk)), k(q.size()), v(size_t(T * Hv * dv)), g(size_t(T * Hv)), beta(g.size()),
+      s0(size_t(n * St));
+  for (auto* x : {&q, &k, &v, &s0})
+    for (float& e : *x) e = 0.2f * (uni(rng) - 0.5f);
+  for (float& e : g) e = -0.3f * uni(rng);
+  for (float& e : beta) e = uni(rng);
+  auto dq = device_f32(q), dk_ = device_f32(k), dv_ = device_f32(v), dg = device_f32(g), db = device_f32(beta);
+  auto full = device_f32(s0), part = device_f32(s0);
+  auto tokens = poisoned<float>(size_t(T * St));
+  auto o = poisoned<float>(size_t(T * Hv * dv));
+  cuda::gated_delta_rule_recurrent(dq.data(), dk_.data(), dv_.data(), dg.data(), db.data(), cu, Hk, Hv, dk, dv,
+                                   full.data(), tokens.data(), o.data(), nullptr);
+  cuda::gated_delta_rule_recurrent(dq.data(), dk_.data(), dv_.data(), dg.data(), db.data(), cu, Hk, Hv, dk, dv,
+                                   part.data(), nullptr, o.data(), nullptr, counts);
+  const std::vector<float> all = host_f32(tokens), got = host_f32(part);
+  for (int64_t s = 0; s < n; ++s) {
+    const float* want = counts[size_t(s)] ? all.data() + (cu[size_t(s)] + counts[size_t(s)] - 1) * St : s0.data() + s * St;
+    EXPECT_TRUE(std::equal(want, want + St, got.begin() + s * St)) << "sequence " << s;
+  }
+  EXPECT_THROW(cuda::gated_delta_rule_recurrent(dq.data(), dk_.data(), dv_.data(), dg.data(), db.data(), cu, Hk, Hv, dk,
+                                                dv, part.data(), nullptr, o.data(), nullptr, {2, 17, 0, 1}),
+               std::invalid_argument);
+  EXPECT_THROW(cuda::gated_delta_rule_recurrent(dq.data(), dk_.data(), dv_.data(), dg.data(), db.data(), cu, Hk, Hv, dk,
+                                                dv, part.data(), nullptr, o.data(), nullptr, {2, 1}),
+               std::invalid_argument);
 }
 
 // The conv continuing cached windows, and the windows moved past the new tokens, against the CPU

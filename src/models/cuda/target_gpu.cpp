@@ -91,6 +91,7 @@ struct TargetGpu::Impl {
   std::vector<GdnCache> gdn;
   std::vector<int64_t> rollback_from;  // per sequence: its length before that forward (-1: none)
   std::vector<int64_t> rollback_cu;    // that forward's cu_seqlens (rows of hist and inputs)
+  std::vector<int64_t> replay;         // per sequence: accepted tokens of that forward still to replay
   std::unique_ptr<cuda::StageTimer> timer;  // while time_stages(true)
   explicit Impl(cudaStream_t st) : s(st), gemm(st) {}
   void stage(const char* name) {
@@ -246,6 +247,7 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
   const ModelSpec& sp = spec_;
   cudaStream_t s = I.s;
   check_batch(sp, ids, cu);
+  if (cached) replay_accepted();  // rollbacks since the last step
   const int64_t T = int64_t(ids.size()), D = sp.hidden_size, H = sp.num_attention_heads, Hkv = sp.num_key_value_heads;
   const int64_t Dh = sp.head_dim, Im = sp.intermediate_size, rot = sp.rotary_dim();
   const bool zc = sp.zero_centered_norm();
@@ -455,6 +457,7 @@ void TargetGpu::reset_cache(int n_seq) {
   I.gdn.resize(size_t(sp.num_hidden_layers));
   I.rollback_from.assign(size_t(n_seq), -1);
   I.rollback_cu.clear();
+  I.replay.assign(size_t(n_seq), 0);
   const int64_t C = 2 * sp.linear_num_key_heads * sp.linear_key_head_dim + sp.linear_num_value_heads * sp.linear_value_head_dim;
   const int64_t state = sp.linear_num_value_heads * sp.linear_key_head_dim * sp.linear_value_head_dim;
   for (int64_t i = 0; i < sp.num_hidden_layers; ++i) {
@@ -489,13 +492,8 @@ void TargetGpu::truncate_cache(int s, int64_t length) {
     throw std::invalid_argument("truncate_cache: GatedDeltaNet states of sequence " + std::to_string(s) +
                                 " are kept only back to length " + std::to_string(from) + "; asked for " +
                                 std::to_string(length));
-  const int64_t Hk = sp.linear_num_key_heads, Hv = sp.linear_num_value_heads, dk = sp.linear_key_head_dim;
-  const int64_t dv = sp.linear_value_head_dim;
   // history row of token j of the last forward: s * (K-1) + cu[s] + j; window after token j = rows j .. j + K-2
-  const bool replay = from >= 0 && !I.rollback_cu.empty();
-  const int64_t j = length - from, row0 = replay ? I.rollback_cu[size_t(s)] : 0;
-  const GdnInputs in(replay ? I.rollback_cu.back() : 0, Hk, Hv, dk, dv);
-  StreamBuffer<float> o(size_t(replay ? std::max<int64_t>(j, 0) * Hv * dv : 0), I.s);  // the replay's outputs (unused)
+  const int64_t j = length - from, row0 = from >= 0 && !I.rollback_cu.empty() ? I.rollback_cu[size_t(s)] : 0;
   for (Impl::GdnCache& g : I.gdn) {
     if (!g.state.size()) continue;
     float* window = g.window.data() + s * K1 * Cg;
@@ -508,21 +506,35 @@ void TargetGpu::truncate_cache(int s, int64_t length) {
     if (K1 > 0)
       DFLASH_CUDA_CHECK(cudaMemcpyAsync(window, g.hist.data() + (s * K1 + row0 + j) * Cg, size_t(K1 * Cg) * 4,
                                         cudaMemcpyDeviceToDevice, I.s));
-    // The state after token j: the state before that forward, then its first j tokens again (the same
-    // kernel on the same inputs: the same state).
+    // The state before that forward; its first j tokens run again before the state is next read
+    // (replay_accepted: one launch per layer for every sequence rolled back).
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(state, g.state_before.data() + s * St, size_t(St) * 4, cudaMemcpyDeviceToDevice, I.s));
-    if (j > 0) {
-      const float* x = g.inputs.data();
-      cuda::gated_delta_rule_recurrent(x + in.q + row0 * Hk * dk, x + in.k + row0 * Hk * dk, x + in.v + row0 * Hv * dv,
-                                       x + in.g + row0 * Hv, x + in.beta + row0 * Hv, {0, j}, int(Hk), int(Hv), int(dk),
-                                       int(dv), state, nullptr, o.data(), I.s);
-    }
   }
+  if (has_gated_deltanet(sp)) I.replay[size_t(s)] = length == 0 ? 0 : j;
   if (length == 0) I.rollback_from[size_t(s)] = -1;
   C.len[size_t(s)] = length;
 }
 
 int64_t TargetGpu::cached_length(int s) const { return impl_->cache.len.at(size_t(s)); }
+
+void TargetGpu::replay_accepted() {
+  Impl& I = *impl_;
+  if (std::all_of(I.replay.begin(), I.replay.end(), [](int64_t n) { return n == 0; })) return;
+  const ModelSpec& sp = spec_;
+  const int64_t Hk = sp.linear_num_key_heads, Hv = sp.linear_num_value_heads, dk = sp.linear_key_head_dim;
+  const int64_t dv = sp.linear_value_head_dim;
+  // Every sequence's rows of that forward, the first replay[s] of them: the same kernel on the same
+  // inputs from the same state gives the state the forward had after them.
+  const GdnInputs in(I.rollback_cu.back(), Hk, Hv, dk, dv);
+  StreamBuffer<float> o(size_t(in.nv), I.s);  // outputs of the replay (unused)
+  for (Impl::GdnCache& g : I.gdn) {
+    if (!g.state.size()) continue;
+    const float* x = g.inputs.data();
+    cuda::gated_delta_rule_recurrent(x + in.q, x + in.k, x + in.v, x + in.g, x + in.beta, I.rollback_cu, int(Hk),
+                                     int(Hv), int(dk), int(dv), g.state.data(), nullptr, o.data(), I.s, I.replay);
+  }
+  std::fill(I.replay.begin(), I.replay.end(), 0);
+}
 
 ForwardOutput TargetGpu::forward_cached(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu,
                                         const ForwardOptions& opt, std::vector<int32_t>* argmax) {
@@ -553,7 +565,7 @@ ForwardOutput TargetGpu::forward_impl(const std::vector<int32_t>& ids, const std
     out.hidden_states[int(j)] = std::move(t);
   };
   StreamBuffer<float> x = run_layers(ids, cu, last, keep, cached, cached && opt.keep_rollback);
-  I.stage("lm_head");
+  if (last == L - 1 && (opt.logits || argmax || want(L))) I.stage("lm_head");
   if (last == L - 1) finish_forward(x, T, opt, out, argmax);
   if (I.timer) I.timer->stop();
   return out;

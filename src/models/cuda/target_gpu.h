@@ -75,7 +75,8 @@ class TargetGpu {
   /// window saved after token `length` of the last forward_cached (which must have run with
   /// keep_rollback and begun at or before `length`; std::invalid_argument otherwise) and rebuild the
   /// state by replaying the accepted tokens from the state before it (the same kernel on the same
-  /// inputs: the same state). length 0 empties the sequence.
+  /// inputs: the same state; deferred to the next forward_cached, which replays every rolled-back
+  /// sequence at once). length 0 empties the sequence.
   void truncate_cache(int s, int64_t length);
   int64_t cached_length(int s) const;
 
@@ -88,6 +89,9 @@ class TargetGpu {
   cuda::StreamBuffer<float> run_layers(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu, int64_t last,
                                        const std::function<void(int64_t, const float*)>& on_hidden,
                                        bool cached = false, bool keep_rollback = false);
+  /// Runs the GatedDeltaNet replays truncate_cache left (each rolled-back sequence's accepted tokens of
+  /// the last keep_rollback forward, from the state before it), batched: one launch per layer.
+  void replay_accepted();
   ForwardOutput forward_impl(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu,
                              const ForwardOptions& opt, bool cached, std::vector<int32_t>* argmax);
   /// Final norm, hidden_states[L], logits and argmax of x [T, D] into out / argmax.

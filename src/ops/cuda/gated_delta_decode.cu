@@ -70,7 +70,7 @@ __device__ __forceinline__ void block_sum16(const float (&part)[kRecCols], float
 /// One block of 128 threads per (sequence, value head, 16 state columns); thread m holds state row m.
 __global__ void __launch_bounds__(128) recurrent_kernel(const float* __restrict__ q, const float* __restrict__ k,
                                                         const float* __restrict__ v, const float* __restrict__ g,
-                                                        const float* __restrict__ beta, const int32_t* __restrict__ cu,
+                                                        const float* __restrict__ beta, const int32_t* __restrict__ bounds,
                                                         int Hk, int Hv, int dk, int dv, float* __restrict__ state,
                                                         float* __restrict__ token_states, float* __restrict__ o) {
   __shared__ float red[4][kRecCols];
@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(128) recurrent_kernel(const float* __restrict_
   float S[kRecCols];
 #pragma unroll
   for (int c = 0; c < kRecCols; ++c) S[c] = row && c < ncol ? st[int64_t(m) * dv + c0 + c] : 0.f;
-  for (int64_t t = cu[s]; t < cu[s + 1]; ++t) {
+  for (int64_t t = bounds[2 * s]; t < bounds[2 * s + 1]; ++t) {
     const float decay = expf(g[t * Hv + h]), b = beta[t * Hv + h];
     const float km = row ? k[(t * Hk + kh) * dk + m] : 0.f, qm = row ? q[(t * Hk + kh) * dk + m] : 0.f;
     const float* vt = v + (t * Hv + h) * dv + c0;
@@ -141,20 +141,29 @@ void conv_window_advance(float* window, const float* x, const int32_t* cu, int n
 
 void gated_delta_rule_recurrent(const float* q, const float* k, const float* v, const float* g, const float* beta,
                                 const std::vector<int64_t>& cu, int Hk, int Hv, int dk, int dv, float* state,
-                                float* token_states, float* o, cudaStream_t stream) {
+                                float* token_states, float* o, cudaStream_t stream, const std::vector<int64_t>& counts) {
   if (Hk <= 0 || Hv % Hk != 0 || dk <= 0 || dk > 128 || dv <= 0 || dv > 128 || cu.size() < 2 || cu.front() != 0)
     throw std::invalid_argument("gated_delta_rule_recurrent: Hk " + std::to_string(Hk) + ", Hv " + std::to_string(Hv) +
                                 ", dk " + std::to_string(dk) + ", dv " + std::to_string(dv) + " (<= 128), " +
                                 std::to_string(cu.size()) + " cu_seqlens entries");
-  std::vector<int32_t> cu32;
-  for (size_t i = 0; i < cu.size(); ++i) {
-    if (i && cu[i] < cu[i - 1]) throw std::invalid_argument("gated_delta_rule_recurrent: cu_seqlens decrease");
-    cu32.push_back(int32_t(cu[i]));
-  }
   const int n_seq = int(cu.size()) - 1;
-  auto d_cu = upload(cu32, stream);
+  if (!counts.empty() && counts.size() != size_t(n_seq))
+    throw std::invalid_argument("gated_delta_rule_recurrent: " + std::to_string(counts.size()) + " counts for " +
+                                std::to_string(n_seq) + " sequences");
+  std::vector<int32_t> bounds;  // per sequence: first row, end row
+  for (int q = 0; q < n_seq; ++q) {
+    const int64_t len = cu[size_t(q) + 1] - cu[size_t(q)];
+    if (len < 0) throw std::invalid_argument("gated_delta_rule_recurrent: cu_seqlens decrease");
+    const int64_t n = counts.empty() ? len : counts[size_t(q)];
+    if (n < 0 || n > len)
+      throw std::invalid_argument("gated_delta_rule_recurrent: count " + std::to_string(n) + " of sequence " +
+                                  std::to_string(q) + " outside [0, " + std::to_string(len) + "]");
+    bounds.push_back(int32_t(cu[size_t(q)]));
+    bounds.push_back(int32_t(cu[size_t(q)] + n));
+  }
+  auto d_bounds = upload(bounds, stream);
   const dim3 grid(unsigned(n_seq), unsigned(Hv), unsigned((dv + kRecCols - 1) / kRecCols));
-  recurrent_kernel<<<grid, 128, 0, stream>>>(q, k, v, g, beta, d_cu.data(), Hk, Hv, dk, dv, state, token_states, o);
+  recurrent_kernel<<<grid, 128, 0, stream>>>(q, k, v, g, beta, d_bounds.data(), Hk, Hv, dk, dv, state, token_states, o);
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 

@@ -118,8 +118,8 @@ __device__ __forceinline__ void load_rows_async(float* dst, int ld, int width, c
 }
 
 /// out[i][c] = sum_{j < L} M[i][j] * coef[j] * X[j][c] for i < L, c < n (n % 4 == 0, n <= 128) on
-/// tensor cores (3xTF32). M [64][ldm] (ldm % 32 == 4), X [64][ld] with zero columns n .. ld - 1 and
-/// zero rows (or coef) past L. Warp w computes rows 16 (w % 4) .. + 15 and every other 8-column tile
+/// tensor cores (3xTF32). M [64][ldm] (ldm % 32 == 4), X [64][ld] with zero columns n .. (n rounded up
+/// to 8) - 1 (the last ones read) and zero rows (or coef) past L. Warp w computes rows 16 (w % 4) .. + 15 and every other 8-column tile
 /// from w / 4.
 __device__ __forceinline__ void lower_times_rows(const float* M, int ldm, const float* coef, const float* X, int ld,
                                                  int L, int n, float* out, int64_t out_row, int64_t out_stride) {

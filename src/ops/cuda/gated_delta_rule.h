@@ -91,11 +91,14 @@ void conv_window_advance(float* window, const float* x, const int32_t* cu, int n
 /// The gated delta rule token by token (as cpu::gated_delta_rule_recurrent, for q / k already
 /// normalized and scaled by gdn_prepare): per sequence s and token, S = exp(g) S; u = beta (v - S^T k);
 /// S += k u^T; o = S^T q. state [n_seq, Hv, dk, dv] is read and updated in place; token_states (when
-/// given) [T, Hv, dk, dv] gets the state after every token (for rollback). dk <= 128, dv <= 128
-/// (std::invalid_argument). For the few tokens of a decoding / verification step.
+/// given) [T, Hv, dk, dv] gets the state after every token. With `counts` (one per sequence) only the
+/// first counts[s] tokens of sequence s run (a rollback's replay of an accepted prefix). dk <= 128,
+/// dv <= 128, 0 <= counts[s] <= its length (std::invalid_argument). For the few tokens of a decoding /
+/// verification step.
 void gated_delta_rule_recurrent(const float* q, const float* k, const float* v, const float* g, const float* beta,
                                 const std::vector<int64_t>& cu_seqlens, int Hk, int Hv, int dk, int dv, float* state,
-                                float* token_states, float* o, cudaStream_t stream);
+                                float* token_states, float* o, cudaStream_t stream,
+                                const std::vector<int64_t>& counts = {});
 
 /// Gated RMSNorm (Qwen3_5RMSNormGated): per row of n, y = w * (x * rsqrt(mean(x^2) + eps)) * silu(z),
 /// in fp32. x, z [rows, n] fp32, w [n] fp32 -> y [rows, n] bf16 (out_proj's GEMM input).

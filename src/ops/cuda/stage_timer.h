@@ -23,7 +23,7 @@ class StageTimer {
   bool on() const { return on_; }
   void begin(const std::string& name) {
     if (!on_) return;
-    Mark m{name, nullptr, nullptr};
+    Mark m{name, nullptr, nullptr, false};
     DFLASH_CUDA_CHECK(cudaEventCreate(&m.e0));
     DFLASH_CUDA_CHECK(cudaEventCreate(&m.e1));
     DFLASH_CUDA_CHECK(cudaEventRecord(m.e0, s_));
@@ -32,8 +32,9 @@ class StageTimer {
   void end(const std::string& name) {
     if (!on_) return;
     for (auto it = marks_.rbegin(); it != marks_.rend(); ++it)
-      if (it->name == name) {
+      if (it->name == name && !it->ended) {
         DFLASH_CUDA_CHECK(cudaEventRecord(it->e1, s_));
+        it->ended = true;
         return;
       }
   }
@@ -48,12 +49,15 @@ class StageTimer {
   void stop() {
     if (!on_ || chained_ < 0) return;
     DFLASH_CUDA_CHECK(cudaEventRecord(marks_[size_t(chained_)].e1, s_));
+    marks_[size_t(chained_)].ended = true;
     chained_ = -1;
   }
-  /// Totals per name in first-seen order (the stream must be synchronized).
+  /// Totals per name in first-seen order (the stream must be synchronized); stages never ended (an
+  /// exception left them open) are left out.
   std::vector<std::pair<std::string, double>> totals() const {
     std::vector<std::pair<std::string, double>> r;
     for (const auto& m : marks_) {
+      if (!m.ended) continue;
       float ms = 0;
       DFLASH_CUDA_CHECK(cudaEventElapsedTime(&ms, m.e0, m.e1));
       auto it = std::find_if(r.begin(), r.end(), [&](const auto& p) { return p.first == m.name; });
@@ -73,6 +77,7 @@ class StageTimer {
   struct Mark {
     std::string name;
     cudaEvent_t e0, e1;
+    bool ended;
   };
   cudaStream_t s_;
   bool on_;
