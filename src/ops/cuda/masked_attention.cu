@@ -190,36 +190,97 @@ __device__ void tile_union(const KvRange32* ranges, int Nq, int row0, int rows, 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Forward: one CTA per (query tile, head); warp w owns rows 16w..16w+15 of the tile; keys N at a time.
-template <int D, int W, int N>
-__global__ void __launch_bounds__(32 * W, D <= 128 ? 3 : 2) fwd_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
-                                                       const bf16* __restrict__ v, const KvRange32* __restrict__ ranges,
-                                                       int Nq, int Nk, int H, int Hkv, float scale_log2, bf16* o,
-                                                       float* lse) {
+// Forward: one CTA per (query tile, head); warp w owns MT 16-row m-tiles (rows 16 MT w ..
+// 16 MT w + 16 MT - 1 of the tile); keys N at a time. With MT 1 the warp keeps its query fragments
+// in registers (the query tile is staged in the key / value buffers); with MT 2 the query tile stays
+// in shared memory and each key / value fragment loaded from shared memory serves both m-tiles
+// (FlashAttention-2's layout: half the shared-memory reads per product).
+
+/// Running softmax state of one 16-row m-tile: the thread's rows g and g + 8.
+template <int D>
+struct RowTile {
+  float oacc[D / 8][4];
+  float m_a, m_b, l_a, l_b;
+};
+
+/// The online softmax of one m-tile over a key tile: s [16 x N] scores -> probabilities (in place),
+/// running max / sum updated, oacc rescaled. Rows ra / rb; a tile not `full` masks by their ranges.
+template <int D, int N>
+__device__ __forceinline__ void online_softmax(float (*s)[4], RowTile<D>& r, bool full, const KvRange32* ranges, int ra,
+                                               int rb, int Nq, int k0, int seg, int Nk, int t, float scale_log2) {
+  float mx_a = -INFINITY, mx_b = -INFINITY;
+  if (full) {
+#pragma unroll
+    for (int nt = 0; nt < N / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] *= scale_log2;
+      mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
+      mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
+    }
+  } else {
+    const KvRange32 rga = ra < Nq ? ranges[ra] : KvRange32{}, rgb = rb < Nq ? ranges[rb] : KvRange32{};
+#pragma unroll
+    for (int nt = 0; nt < N / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = k0 + nt * 8 + 2 * t + (e & 1);
+        const bool ok = key < Nk && visible_in(e < 2 ? rga : rgb, key, seg);
+        s[nt][e] = ok ? s[nt][e] * scale_log2 : -INFINITY;
+        if (e < 2) mx_a = fmaxf(mx_a, s[nt][e]);
+        else mx_b = fmaxf(mx_b, s[nt][e]);
+      }
+  }
+  const float mn_a = fmaxf(r.m_a, quad_max(mx_a)), mn_b = fmaxf(r.m_b, quad_max(mx_b));
+  const float base_a = mn_a == -INFINITY ? 0.f : mn_a, base_b = mn_b == -INFINITY ? 0.f : mn_b;
+  const float al_a = exp2f(r.m_a - base_a), al_b = exp2f(r.m_b - base_b);  // 0 while nothing was seen
+  float ps_a = 0.f, ps_b = 0.f;
+#pragma unroll
+  for (int nt = 0; nt < N / 8; ++nt) {
+    s[nt][0] = exp2f(s[nt][0] - base_a), s[nt][1] = exp2f(s[nt][1] - base_a);
+    s[nt][2] = exp2f(s[nt][2] - base_b), s[nt][3] = exp2f(s[nt][3] - base_b);
+    ps_a += s[nt][0] + s[nt][1];
+    ps_b += s[nt][2] + s[nt][3];
+  }
+  r.l_a = r.l_a * al_a + ps_a;
+  r.l_b = r.l_b * al_b + ps_b;
+  r.m_a = mn_a, r.m_b = mn_b;
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) r.oacc[i][0] *= al_a, r.oacc[i][1] *= al_a, r.oacc[i][2] *= al_b, r.oacc[i][3] *= al_b;
+}
+
+template <int D, int W, int N, int MT>
+__global__ void __launch_bounds__(32 * W, MT == 2 ? 2 : (D <= 128 ? 3 : 2))
+    fwd_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+               const KvRange32* __restrict__ ranges, int Nq, int Nk, int H, int Hkv, float scale_log2, bf16* o,
+               float* lse) {
   constexpr int LD = D + 8;
   extern __shared__ __align__(16) unsigned char smem[];
-  constexpr int QR = 16 * W;
-  static_assert(QR <= 4 * N, "the query tile is staged in the key / value buffers");
-  bf16* Kb = reinterpret_cast<bf16*>(smem);  // 2 x [N][LD]
-  bf16* Vb = Kb + 2 * N * LD;                // 2 x [N][LD]
-  bf16* Qs = Kb;                             // [QR][LD], until the first key tile is fetched
+  constexpr int QR = 16 * W * MT;
+  static_assert(MT == 2 || QR <= 4 * N, "the query tile is staged in the key / value buffers");
+  bf16* Qs = reinterpret_cast<bf16*>(smem);   // [QR][LD]: MT 2 for the whole kernel, MT 1 until the first key tile
+  bf16* Kb = MT == 2 ? Qs + QR * LD : Qs;     // 2 x [N][LD]
+  bf16* Vb = Kb + 2 * N * LD;                 // 2 x [N][LD]
   __shared__ int lohi[8];
   // Query tiles in reverse: later rows see more keys (causal, and DFlash anchors are sorted), so
   // the longest tiles start first and the short ones fill the end of the launch.
   const int h = blockIdx.y, kvh = h / (H / Hkv), row0 = (gridDim.x - 1 - blockIdx.x) * QR;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int wrow = warp * 16 * MT;  // the warp's first row in the tile
   load_rows<D>(Qs, LD, q, Nq, H, h, row0, QR);
   tile_union(ranges, Nq, row0, QR, lohi);  // (synchronizes)
-  const int ra = row0 + warp * 16 + g, rb = ra + 8;
-  const KvRange32 rga = ra < Nq ? ranges[ra] : KvRange32{}, rgb = rb < Nq ? ranges[rb] : KvRange32{};
-  uint32_t qa[D / 16][4];
+  uint32_t qa[MT == 1 ? D / 16 : 1][4];
+  if constexpr (MT == 1) {
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) load_a(qa[kk], Qs, LD, warp * 16, kk * 16, g, t);
-  __syncthreads();  // every warp holds its Q fragments before the key buffers are filled
-  float oacc[D / 8][4];
+    for (int kk = 0; kk < D / 16; ++kk) load_a(qa[kk], Qs, LD, wrow, kk * 16, g, t);
+    __syncthreads();  // every warp holds its Q fragments before the key buffers are filled
+  }
+  RowTile<D> rt[MT];
 #pragma unroll
-  for (int i = 0; i < D / 8; ++i) oacc[i][0] = oacc[i][1] = oacc[i][2] = oacc[i][3] = 0.f;
-  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) rt[mt].oacc[i][0] = rt[mt].oacc[i][1] = rt[mt].oacc[i][2] = rt[mt].oacc[i][3] = 0.f;
+    rt[mt].m_a = rt[mt].m_b = -INFINITY, rt[mt].l_a = rt[mt].l_b = 0.f;
+  }
 
   const KvPipeline<D, N> kv{KeyTiles<N>(lohi), Kb, Vb, k, v, Nk, Hkv, kvh};
   kv.fetch(0);
@@ -228,63 +289,77 @@ __global__ void __launch_bounds__(32 * W, D <= 128 ? 3 : 2) fwd_kernel(const bf1
     const bf16* Ks = kv.K(j);
     const bf16* Vs = kv.V(j);
     kv.wait(j);
-    {
-      float s[N / 8][4];
-      frag_times_smem_t<D, N>(s, qa, Ks, LD, lane);  // S = Q K^T
-      float mx_a = -INFINITY, mx_b = -INFINITY;
-      if (tile_full(lohi, seg, k0, N, Nk)) {
+    float s[MT][N / 8][4];
+    if constexpr (MT == 1) {
+      frag_times_smem_t<D, N>(s[0], qa, Ks, LD, lane);  // S = Q K^T
+    } else {  // S = Q K^T for both m-tiles, each K fragment loaded once
 #pragma unroll
-        for (int nt = 0; nt < N / 8; ++nt) {
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[nt][e] *= scale_log2;
-          mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
-          mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
-        }
-      } else {
+        for (int nt = 0; nt < N / 8; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
 #pragma unroll
-        for (int nt = 0; nt < N / 8; ++nt)
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t a[MT][4];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key = k0 + nt * 8 + 2 * t + (e & 1);
-            const bool ok = key < Nk && visible_in(e < 2 ? rga : rgb, key, seg);
-            s[nt][e] = ok ? s[nt][e] * scale_log2 : -INFINITY;
-            if (e < 2) mx_a = fmaxf(mx_a, s[nt][e]);
-            else mx_b = fmaxf(mx_b, s[nt][e]);
+        for (int mt = 0; mt < MT; ++mt) load_a(a[mt], Qs, LD, wrow + 16 * mt, kk * 16, g, t);
+#pragma unroll
+        for (int nt = 0; nt < N / 8; nt += 2) {
+          uint32_t b[4];
+          load_b_x4(b, Ks, LD, nt * 8, kk * 16, lane);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma16816(s[mt][nt], a[mt], b[0], b[1]);
+            mma16816(s[mt][nt + 1], a[mt], b[2], b[3]);
           }
+        }
       }
-      const float mn_a = fmaxf(m_a, quad_max(mx_a)), mn_b = fmaxf(m_b, quad_max(mx_b));
-      const float base_a = mn_a == -INFINITY ? 0.f : mn_a, base_b = mn_b == -INFINITY ? 0.f : mn_b;
-      const float al_a = exp2f(m_a - base_a), al_b = exp2f(m_b - base_b);  // 0 while nothing was seen
-      float ps_a = 0.f, ps_b = 0.f;
+    }
+    const bool full = tile_full(lohi, seg, k0, N, Nk);
 #pragma unroll
-      for (int nt = 0; nt < N / 8; ++nt) {
-        s[nt][0] = exp2f(s[nt][0] - base_a), s[nt][1] = exp2f(s[nt][1] - base_a);
-        s[nt][2] = exp2f(s[nt][2] - base_b), s[nt][3] = exp2f(s[nt][3] - base_b);
-        ps_a += s[nt][0] + s[nt][1];
-        ps_b += s[nt][2] + s[nt][3];
+    for (int mt = 0; mt < MT; ++mt) {
+      const int ra = row0 + wrow + 16 * mt + g;
+      online_softmax<D, N>(s[mt], rt[mt], full, ranges, ra, ra + 8, Nq, k0, seg, Nk, t, scale_log2);
+    }
+    if constexpr (MT == 1) {
+      acc_times_smem<D, N>(rt[0].oacc, s[0], Vs, LD, lane);  // O += P V
+    } else {  // O += P V for both m-tiles, each V fragment loaded once
+#pragma unroll
+      for (int kk = 0; kk < N / 16; ++kk) {
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) acc_to_a(a[mt], s[mt], kk);
+#pragma unroll
+        for (int dt = 0; dt < D / 8; dt += 2) {
+          uint32_t b[4];
+          load_b_trans_x4(b, Vs, LD, kk * 16, dt * 8, lane);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma16816(rt[mt].oacc[dt], a[mt], b[0], b[1]);
+            mma16816(rt[mt].oacc[dt + 1], a[mt], b[2], b[3]);
+          }
+        }
       }
-      l_a = l_a * al_a + ps_a;
-      l_b = l_b * al_b + ps_b;
-      m_a = mn_a, m_b = mn_b;
-#pragma unroll
-      for (int i = 0; i < D / 8; ++i) oacc[i][0] *= al_a, oacc[i][1] *= al_a, oacc[i][2] *= al_b, oacc[i][3] *= al_b;
-      acc_times_smem<D, N>(oacc, s, Vs, LD, lane);
     }
     __syncthreads();  // every warp is done with this buffer before it is refilled
   }
-  l_a = quad_sum(l_a), l_b = quad_sum(l_b);
-  const float ia = l_a > 0.f ? 1.f / l_a : 0.f, ib = l_b > 0.f ? 1.f / l_b : 0.f;
 #pragma unroll
-  for (int dt = 0; dt < D / 8; ++dt) {
-    const int c = dt * 8 + 2 * t;
-    if (ra < Nq)
-      *reinterpret_cast<uint32_t*>(o + (int64_t(ra) * H + h) * D + c) = pack(oacc[dt][0] * ia, oacc[dt][1] * ia);
-    if (rb < Nq)
-      *reinterpret_cast<uint32_t*>(o + (int64_t(rb) * H + h) * D + c) = pack(oacc[dt][2] * ib, oacc[dt][3] * ib);
-  }
-  if (lse && t == 0) {
-    if (ra < Nq) lse[int64_t(ra) * H + h] = l_a > 0.f ? (m_a + log2f(l_a)) * kLn2 : -INFINITY;
-    if (rb < Nq) lse[int64_t(rb) * H + h] = l_b > 0.f ? (m_b + log2f(l_b)) * kLn2 : -INFINITY;
+  for (int mt = 0; mt < MT; ++mt) {
+    RowTile<D>& r = rt[mt];
+    const int ra = row0 + wrow + 16 * mt + g, rb = ra + 8;
+    r.l_a = quad_sum(r.l_a), r.l_b = quad_sum(r.l_b);
+    const float ia = r.l_a > 0.f ? 1.f / r.l_a : 0.f, ib = r.l_b > 0.f ? 1.f / r.l_b : 0.f;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      const int c = dt * 8 + 2 * t;
+      if (ra < Nq)
+        *reinterpret_cast<uint32_t*>(o + (int64_t(ra) * H + h) * D + c) = pack(r.oacc[dt][0] * ia, r.oacc[dt][1] * ia);
+      if (rb < Nq)
+        *reinterpret_cast<uint32_t*>(o + (int64_t(rb) * H + h) * D + c) = pack(r.oacc[dt][2] * ib, r.oacc[dt][3] * ib);
+    }
+    if (lse && t == 0) {
+      if (ra < Nq) lse[int64_t(ra) * H + h] = r.l_a > 0.f ? (r.m_a + log2f(r.l_a)) * kLn2 : -INFINITY;
+      if (rb < Nq) lse[int64_t(rb) * H + h] = r.l_b > 0.f ? (r.m_b + log2f(r.l_b)) * kLn2 : -INFINITY;
+    }
   }
 }
 
@@ -552,18 +627,20 @@ void set_smem(K kernel, size_t bytes) {
   DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
 }
 
-/// Keys per forward tile: 32 at head_dim 256, so that two CTAs (8 warps) fit on an SM (4 x 32 x 264 bf16
-/// = 68 KB of shared memory each, <= 256 registers per thread); 64 otherwise.
+/// Forward tiling per head_dim: keys per tile and 16-row m-tiles per warp. head_dim 256: 32 keys, so
+/// that two CTAs (8 warps) fit on an SM (4 x 32 x 264 bf16 = 68 KB of shared memory each, <= 256
+/// registers); 128: two m-tiles per warp (128 query rows per CTA, 104 KB, two CTAs per SM); 64: one.
 constexpr int fwd_keys(int D) { return D >= 256 ? 32 : BN; }
+constexpr int fwd_mtiles(int D) { return D == 128 ? 2 : 1; }
 
 template <int D, int W>
 void launch_fwd(const bf16* q, const bf16* k, const bf16* v, const KvRange32* r, int Nq, int Nk, int H, int Hkv,
                 float scale, bf16* o, float* lse, cudaStream_t s) {
-  constexpr int N = fwd_keys(D);
-  const size_t smem = size_t(4 * N * (D + 8)) * sizeof(bf16);
-  set_smem(fwd_kernel<D, W, N>, smem);
-  fwd_kernel<D, W, N><<<dim3((Nq + 16 * W - 1) / (16 * W), H), 32 * W, smem, s>>>(q, k, v, r, Nq, Nk, H, Hkv,
-                                                                                    scale * kLog2e, o, lse);
+  constexpr int N = fwd_keys(D), MT = fwd_mtiles(D), QR = 16 * W * MT;
+  const size_t smem = size_t((MT == 2 ? QR : 0) + 4 * N) * (D + 8) * sizeof(bf16);
+  set_smem(fwd_kernel<D, W, N, MT>, smem);
+  fwd_kernel<D, W, N, MT><<<dim3((Nq + QR - 1) / QR, H), 32 * W, smem, s>>>(q, k, v, r, Nq, Nk, H, Hkv,
+                                                                            scale * kLog2e, o, lse);
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
