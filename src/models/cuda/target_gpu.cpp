@@ -31,6 +31,10 @@ using cuda::StreamBuffer;
 
 namespace {
 
+/// New tokens per sequence up to which a cached forward is a decoding step (a verification block is
+/// 16): its GatedDeltaNet layers run token by token (gated_delta_rule_recurrent), not chunked.
+constexpr int64_t kDecodeTokens = 16;
+
 /// The tensors, concatenated in order, as one bf16 device array.
 DeviceArray<bf16> to_bf16(const std::vector<const Tensor*>& ts, cudaStream_t s) {
   std::vector<uint16_t> h;
@@ -328,6 +332,11 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
   auto d_seq_of = cuda::upload(seq_of, s), d_cu32 = cuda::upload(cu32, s);
   const int Kc = int(sp.linear_conv_kernel_dim);
   const int64_t state_elems = Hv * dk * dv;
+  // A decoding step (at most kDecodeTokens new tokens per sequence) runs GatedDeltaNet token by token,
+  // as verification does: plain and speculative decoding then make the same states.
+  int64_t max_new = 0;
+  for (size_t q = 0; q + 1 < cu.size(); ++q) max_new = std::max(max_new, cu[q + 1] - cu[q]);
+  const bool decode_step = cached && max_new <= kDecodeTokens;
   auto gbuf = [&](int64_t n) { return StreamBuffer<float>(hybrid ? size_t(n) : 0, s); };  // fp32 activations
   StreamBuffer<float> gpre = gbuf(T * Cg), gconv = gbuf(T * Cg), gz = gbuf(T * Hv * dv), gq = gbuf(T * Hk * dk),
                       gk = gbuf(T * Hk * dk), gv = gbuf(T * Hv * dv), go = gbuf(T * Hv * dv), gb = gbuf(T * Hv),
@@ -365,7 +374,7 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
       cuda::gdn_prepare(gconv.data(), gb.data(), ga.data(), l.A_log.data(), l.dt_bias.data(), T, int(Hk), int(Hv),
                         int(dk), int(dv), float(1.0 / std::sqrt(double(dk))), gq.data(), gk.data(), gv.data(), gg.data(),
                         gbeta.data(), s);
-      if (gc && keep_rollback) {  // token by token, keeping the state before and every token's inputs
+      if (gc && keep_rollback) {  // keep the state before and every token's inputs
         const size_t n_state = size_t(C.n * state_elems);
         if (gc->state_before.size() < n_state) gc->state_before = DeviceArray<float>(n_state);
         const GdnInputs in(T, Hk, Hv, dk, dv);
@@ -376,6 +385,8 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
                                           std::tuple{gbeta.data(), in.beta, in.ng}})
           DFLASH_CUDA_CHECK(cudaMemcpyAsync(keep + off, src, size_t(n) * 4, cudaMemcpyDeviceToDevice, s));
         DFLASH_CUDA_CHECK(cudaMemcpyAsync(gc->state_before.data(), gc->state.data(), n_state * 4, cudaMemcpyDeviceToDevice, s));
+      }
+      if (gc && (keep_rollback || decode_step)) {  // token by token
         cuda::gated_delta_rule_recurrent(gq.data(), gk.data(), gv.data(), gg.data(), gbeta.data(), cu, int(Hk), int(Hv),
                                          int(dk), int(dv), gc->state.data(), nullptr, go.data(), s);
       } else {  // the cached state in and out (in place: each block reads its slice before writing it)

@@ -63,7 +63,8 @@ class TargetGpu {
   /// logits (when opt.logits) and hidden states come back to the host as float32, and, when
   /// `argmax` is given, the most likely token of every row (computed on the GPU without the logits
   /// leaving it). GatedDeltaNet layers continue each sequence's conv window and state: through the
-  /// chunked kernel, or with opt.keep_rollback token by token (gated_delta_rule_recurrent), keeping
+  /// chunked kernel, or token by token (gated_delta_rule_recurrent) in a decoding step (at most 16 new
+  /// tokens per sequence) and with opt.keep_rollback, which also keeps
   /// each sequence's state before the forward and every new token's recurrence inputs (q, k, v, g,
   /// beta: 2 Hk dk + Hv dv + 2 Hv floats per token and layer, not a Hv x dk x dv state each) so that
   /// truncate_cache can drop any suffix of them. Throws std::invalid_argument for bad ids or cu_seqlens,

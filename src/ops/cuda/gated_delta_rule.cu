@@ -10,8 +10,10 @@
 // chunk_state walks the chunks of one sequence in order, per (sequence, value head, 32 or 64 state
 // columns), and keeps only the sequential part (U and the state before each chunk); chunk_out
 // computes O for every chunk in parallel.
-// Every matrix product of the three kernels runs on tensor cores in 3xTF32 (mma_3xtf32: about fp32
-// precision); the substitution for T is fp32 SIMT. The layer's activations between the
+// Every matrix product runs on tensor cores: chunk_prepare's in 3xTF32 (mma_3xtf32: about fp32
+// precision), chunk_state's and chunk_out's in 3xBF16 (mma_3xbf16: ~2^-16 relative per product, half
+// the instructions) from operands split into bf16 pairs once, by the kernel that makes them (Split);
+// the state stays fp32. The substitution for T is fp32 SIMT. The layer's activations between the
 // projections' GEMMs (conv1d, q / k / v, o) are fp32 too: bf16 only feeds GEMMs.
 #include <algorithm>
 #include <stdexcept>
@@ -27,6 +29,11 @@ namespace {
 constexpr int kChunk = 64;      // tokens per chunk
 constexpr int kMaxCols = 64;    // state columns (value features) per chunk_state block: 32 or 64
 constexpr int kThreads = 256;
+
+/// Padded key dim of the split operands (whole 16-row tiles of the 3xBF16 products; padding zero).
+__host__ __device__ constexpr int state_rows(int dk) { return (dk + 15) / 16 * 16; }
+/// Padded value dim of the split H and U (16-byte rows).
+__host__ __device__ constexpr int value_cols(int dv) { return (dv + 7) / 8 * 8; }
 
 __device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
 
@@ -104,6 +111,18 @@ __global__ void gdn_prepare_kernel(const float* qkv, const float* b, const float
 
 using Chunk = GdnChunk;
 
+/// fp32 values kept as two bf16 buffers of the same shape, x ~ hi + lo (split_bf16x2): the operands
+/// of the 3xBF16 products, split once by the kernel that makes them.
+struct Split {
+  bf16* hi;
+  bf16* lo;
+};
+
+/// x0, x1 split into s.hi[i], s.hi[i + 1] and s.lo[i], s.lo[i + 1] (i even).
+__device__ __forceinline__ void store_split(Split s, int64_t i, float x0, float x1) {
+  mma::split_bf16x2(x0, x1, *reinterpret_cast<uint32_t*>(s.hi + i), *reinterpret_cast<uint32_t*>(s.lo + i));
+}
+
 /// Rows [0, rows) of a [T, H, n] fp32 tensor (head h, columns c0 .. c0 + ncols - 1, ncols % 4 == 0,
 /// rows from `start`) into dst [rows][ld] with cp.async: rows >= L and columns >= ncols are zero-filled
 /// (columns up to `width`, a multiple of 4). Completes at the next cp.async wait.
@@ -117,12 +136,44 @@ __device__ __forceinline__ void load_rows_async(float* dst, int ld, int width, c
   }
 }
 
+/// Rows [0, rows) of a split bf16 tensor into dst {hi, lo} x [rows][ld] (the low part lo_off elements
+/// on) by cp.async: row r from src + off0 + r * stride, `width` columns (a multiple of 8, <= 128), of
+/// which the first ncols (a multiple of 8) are read and the rest, like rows >= L, zero-filled. Half a
+/// warp per row and a lane per 16 bytes: no index division. Completes at the next cp.async wait.
+__device__ __forceinline__ void load_split_async(bf16* dst, int ld, int lo_off, Split src, int64_t stride, int64_t off0,
+                                                 int L, int ncols, int width, int rows) {
+  static_assert(kThreads % 32 == 0, "whole warps");
+  const int lane = threadIdx.x % 32, c = 8 * (lane % 16);
+  if (c >= width) return;
+  for (int r = 2 * int(threadIdx.x / 32) + lane / 16; r < rows; r += kThreads / 16) {
+    const bool ok = r < L && c < ncols;
+    const int64_t at = ok ? off0 + r * stride + c : 0;
+    mma::cp_async16(dst + r * ld + c, src.hi + at, ok);
+    mma::cp_async16(dst + lo_off + r * ld + c, src.lo + at, ok);
+  }
+}
+
+/// The other way: rows [0, rows) x ncols columns (a multiple of 8) of src {hi, lo} x [rows][ld] (low
+/// part lo_off on, shared memory) to dst + off0 + r * stride, 16 bytes per lane: whole cache lines
+/// where fragment-order stores would touch a line per row.
+__device__ __forceinline__ void store_split_rows(Split dst, int64_t stride, int64_t off0, const bf16* src, int ld,
+                                                 int lo_off, int rows, int ncols) {
+  const int lane = threadIdx.x % 32, c = 8 * (lane % 16);
+  if (c >= ncols) return;
+  for (int r = 2 * int(threadIdx.x / 32) + lane / 16; r < rows; r += kThreads / 16) {
+    const int64_t at = off0 + r * stride + c;
+    *reinterpret_cast<uint4*>(dst.hi + at) = *reinterpret_cast<const uint4*>(src + r * ld + c);
+    *reinterpret_cast<uint4*>(dst.lo + at) = *reinterpret_cast<const uint4*>(src + lo_off + r * ld + c);
+  }
+}
+
 /// out[i][c] = sum_{j < L} M[i][j] * coef[j] * X[j][c] for i < L, c < n (n % 4 == 0, n <= 128) on
-/// tensor cores (3xTF32). M [64][ldm] (ldm % 32 == 4), X [64][ld] with zero columns n .. (n rounded up
+/// tensor cores (3xTF32), handed over in pairs: store(i, c, out[i][c], out[i][c + 1]) for even c. M [64][ldm] (ldm % 32 == 4), X [64][ld] with zero columns n .. (n rounded up
 /// to 8) - 1 (the last ones read) and zero rows (or coef) past L. Warp w computes rows 16 (w % 4) .. + 15 and every other 8-column tile
 /// from w / 4.
+template <typename Store>
 __device__ __forceinline__ void lower_times_rows(const float* M, int ldm, const float* coef, const float* X, int ld,
-                                                 int L, int n, float* out, int64_t out_row, int64_t out_stride) {
+                                                 int L, int n, Store store) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
   const int mt = 16 * (warp % 4), nt0 = warp / 4, ntiles = (n + 7) / 8;
   float acc[8][4] = {};
@@ -147,8 +198,7 @@ __device__ __forceinline__ void lower_times_rows(const float* M, int ldm, const 
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int i = mt + g + 8 * half;
-      if (i < L)
-        *reinterpret_cast<float2*>(out + (out_row + i) * out_stride + col) = make_float2(acc[q][2 * half], acc[q][2 * half + 1]);
+      if (i < L) store(i, col, acc[q][2 * half], acc[q][2 * half + 1]);
     }
   }
 }
@@ -209,14 +259,17 @@ __device__ __forceinline__ void invert_unit_lower(const float* A, int ldm, float
 }
 
 /// One block per (chunk, key head), for each of its Hv / Hk value heads (GVA): A, T = (I + A)^-1, w, u
-/// (fp32 [T, Hv, dk] / [T, Hv, dv]), P (fp32 [chunks, Hv, 64, 64]) and the in-chunk cumulative gates
-/// G (fp32 [T, Hv]). The keys, queries and the Gram matrices K K^T and Q K^T are shared by the value
+/// (fp32 [T, Hv, dv]), P (split, [chunks, Hv, 64, 64]), the in-chunk cumulative gates G (fp32
+/// [T, Hv]) and the queries split (q_s [T, Hk, dkp], for chunk_out). w goes to w_out (fp32
+/// [T, Hv, dk]) for the SIMT chunk_state; without w_out (null), for the tensor-core chunk_state, w
+/// and the keys go split to w_s [T, Hv, dkp] and k_s [T, Hk, dkp]. Columns dk .. dkp - 1 of the split
+/// buffers are the caller's (zeros). The keys, queries and the Gram matrices K K^T and Q K^T are shared by the value
 /// heads of a key head: loaded and computed once, kept in registers.
 __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float* q, const float* k, const float* v,
                                                                     const float* g, const float* beta,
                                                                     const Chunk* chunks, int Hk, int Hv, int dk, int dv,
-                                                                    float* w_out, float* u_out, float* P_out,
-                                                                    float* G_out) {
+                                                                    int dkp, float* w_out, Split w_s, Split k_s,
+                                                                    Split q_s, float* u_out, Split P_s, float* G_out) {
   extern __shared__ float4 sm4[];
   float* sm = reinterpret_cast<float*>(sm4);
   const int ld = max(dk, dv) + 4;    // row stride: 16-byte rows, padded
@@ -237,6 +290,12 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
   mma::cp_async_commit();
   mma::cp_async_wait<0>();
   __syncthreads();
+  for (int e = tid; e < L * (dk / 2); e += kThreads) {  // the split queries (and keys)
+    const int r = e / (dk / 2), c = 2 * (e % (dk / 2));
+    const int64_t at = (int64_t(ch.start + r) * Hk + kh) * dkp + c;
+    store_split(q_s, at, Xs[r * ld + c], Xs[r * ld + c + 1]);
+    if (!w_out) store_split(k_s, at, Ks[r * ld + c], Ks[r * ld + c + 1]);
+  }
   // K K^T and Q K^T on tensor cores (3xTF32): warp w takes rows 16 (w / 2) .. + 15 and columns
   // 32 (w % 2) .. + 31; B = K^T reads key rows, shared by both products.
   const int lane = tid % 32, warp = tid / 32, gq = lane / 4, tq = lane % 4;
@@ -272,25 +331,40 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
     for (int e = tid; e < kChunk * ldt; e += kThreads) Tm[e] = e / ldt == e % ldt ? 1.f : 0.f;  // I
     __syncthreads();
     if (tid < kChunk) Bg[tid] = Bt[tid] * __expf(G[tid]);
-    float* P = P_out + (int64_t(blockIdx.x) * Hv + h) * kChunk * kChunk;
+    const int64_t P0 = (int64_t(blockIdx.x) * Hv + h) * kChunk * kChunk;
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = mt + gq + 8 * (e / 2), j = nc + 8 * nt + 2 * tq + (e % 2);
-        const float decay = j <= i && i < L ? __expf(G[i] - G[j]) : 0.f;
-        M[i * ldm + j] = j < i ? Bt[i] * decay * kk[nt][e] : 0.f;
-        P[i * kChunk + j] = decay * qk[nt][e];
+      for (int half = 0; half < 2; ++half) {
+        const int i = mt + gq + 8 * half, j = nc + 8 * nt + 2 * tq;
+        float p[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float decay = j + e <= i && i < L ? __expf(G[i] - G[j + e]) : 0.f;
+          M[i * ldm + j + e] = j + e < i ? Bt[i] * decay * kk[nt][2 * half + e] : 0.f;
+          p[e] = decay * qk[nt][2 * half + e];
+        }
+        store_split(P_s, P0 + i * kChunk + j, p[0], p[1]);
       }
     // The values load while T and w are computed (the queries were last read by the Gram products).
     load_rows_async(Xs, ld, dv8, v, ch.start, L, Hv, h, dv, 0, dv);
     mma::cp_async_commit();
     __syncthreads();
     invert_unit_lower(M, ldm, Tm, ldt, Y);  // T = (I + A)^-1 (synchronizes)
-    lower_times_rows(Tm, ldt, Bg, Ks, ld, L, dk, w_out + int64_t(h) * dk, ch.start, int64_t(Hv) * dk);  // w = T diag(beta e^G) K
+    // w = T diag(beta e^G) K
+    if (w_out)
+      lower_times_rows(Tm, ldt, Bg, Ks, ld, L, dk, [&](int i, int c, float x0, float x1) {
+        *reinterpret_cast<float2*>(w_out + (int64_t(ch.start + i) * Hv + h) * dk + c) = make_float2(x0, x1);
+      });
+    else
+      lower_times_rows(Tm, ldt, Bg, Ks, ld, L, dk, [&](int i, int c, float x0, float x1) {
+        store_split(w_s, (int64_t(ch.start + i) * Hv + h) * dkp + c, x0, x1);
+      });
     mma::cp_async_wait<0>();
     __syncthreads();
-    lower_times_rows(Tm, ldt, Bt, Xs, ld, L, dv, u_out + int64_t(h) * dv, ch.start, int64_t(Hv) * dv);  // u = T diag(beta) V
+    lower_times_rows(Tm, ldt, Bt, Xs, ld, L, dv, [&](int i, int c, float x0, float x1) {  // u = T diag(beta) V
+      *reinterpret_cast<float2*>(u_out + (int64_t(ch.start + i) * Hv + h) * dv + c) = make_float2(x0, x1);
+    });
     if (tid < L) G_out[int64_t(ch.start + tid) * Hv + h] = G[tid];
   }
 }
@@ -298,9 +372,9 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
 /// The chunk_state of GPUs with less shared memory than the tensor-core kernel below needs (A100:
 /// 163 KB per block; about 103 KB here at dk 128), fp32 SIMT. One block per (sequence, value head,
 /// 32 state columns): walks the sequence's chunks in order and
-/// keeps only what is sequential: saves the state before each chunk (H [chunks, Hv, dk, dv]), the
-/// chunk's U = u - w S0 (U [T, Hv, dv]), then S = exp(G_L) S0 + (diag(exp(G_L - G)) K)^T U.
-/// Loads run ahead of the math (cp.async): the chunk's keys while U is computed, the next chunk's w,
+/// keeps only what is sequential: saves the state before each chunk (H_s, split, [chunks, Hv, dkp,
+/// dv8]), the chunk's U = u - w S0 (U_s, split, [T, Hv, dv8]), then S = exp(G_L) S0 +
+/// (diag(exp(G_L - G)) K)^T U. Loads run ahead of the math (cp.async): the chunk's keys while U is computed, the next chunk's w,
 /// u and gates while the state is updated. Thread tiles: U rows ur + 32 r (r < 2) x columns
 /// 4 cp .. 4 cp + 3; S rows 4 ur .. 4 ur + 3 x the same columns.
 constexpr int kSimtCols = 32;
@@ -309,10 +383,11 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_state_simt_kernel(const flo
                                                                const float* G_in, const Chunk* chunks,
                                                                const int32_t* first_chunk, int Hk, int Hv, int dk,
                                                                int dv, const float* init, float* final_state,
-                                                               float* H_out, float* U_out) {
+                                                               Split H_s, Split U_s) {
   extern __shared__ float4 sm4[];
   float* sm = reinterpret_cast<float*>(sm4);
   constexpr int ldu = kSimtCols + 4;
+  const int dkp = state_rows(dk), dv8 = value_cols(dv);
   const int ld = dk + 4;
   float* S = sm;                          // [dk][kSimtCols] state columns c0 .. c0 + kSimtCols - 1
   float* Xw = S + dk * kSimtCols;             // [64][ld] w rows of the current chunk
@@ -350,10 +425,10 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_state_simt_kernel(const flo
     const float* G = Gb + (ci & 1) * kChunk;
     load_rows_async(Xk, ld, dk, k, ch.start, L, Hk, kh, dk, 0, dk);  // keys, for the state update below
     mma::cp_async_commit();
-    float* Hc = H_out + (int64_t(ci) * Hv + h) * dk * dv;  // the state before this chunk
-    for (int e = tid; e < dk * kSimtCols; e += kThreads) {
-      const int m = e / kSimtCols, cc = e % kSimtCols;
-      if (cc < ncols) Hc[int64_t(m) * dv + c0 + cc] = S[e];
+    const int64_t H0 = (int64_t(ci) * Hv + h) * dkp * dv8 + c0;  // the state before this chunk
+    for (int e = tid; e < dk * kSimtCols / 2; e += kThreads) {
+      const int m = e / (kSimtCols / 2), cc = 2 * (e % (kSimtCols / 2));
+      if (cc < ncols) store_split(H_s, H0 + int64_t(m) * dv8 + cc, S[m * kSimtCols + cc], S[m * kSimtCols + cc + 1]);
     }
     if (tid < kChunk) D[tid] = tid < L ? __expf(G[L - 1] - G[tid]) : 0.f;
     // U = u_hat - w S0
@@ -378,12 +453,11 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_state_simt_kernel(const flo
       const int i = ur + 32 * r;
       if (i >= L) continue;
       float* ui = U + i * ldu + c;
-      float* dst = U_out + (int64_t(ch.start + i) * Hv + h) * dv + c0 + c;
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        ui[q] -= acc[r][q];
-        if (c + q < ncols) dst[q] = ui[q];
-      }
+      for (int q = 0; q < 4; ++q) ui[q] -= acc[r][q];
+      const int64_t at = (int64_t(ch.start + i) * Hv + h) * dv8 + c0 + c;  // ncols and c are even
+      if (c < ncols) store_split(U_s, at, ui[0], ui[1]);
+      if (c + 2 < ncols) store_split(U_s, at + 2, ui[2], ui[3]);
     }
     mma::cp_async_wait<1>();  // the keys (not the next chunk's loads)
     __syncthreads();
@@ -419,206 +493,249 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_state_simt_kernel(const flo
     }
 }
 
-/// Padded key dim of chunk_state (whole 16-row tiles; the padding rows stay zero).
-__host__ __device__ constexpr int state_rows(int dk) { return (dk + 15) / 16 * 16; }
 
-/// One block per (sequence, value head, kCols = 32 or 64 state columns): walks the sequence's chunks in order and
-/// keeps only what is sequential: saves the state before each chunk (H [chunks, Hv, dk, dv]), the
-/// chunk's U = u - w S0 (U [T, Hv, dv]), then S = exp(G_L) S0 + (diag(exp(G_L - G)) K)^T U.
-/// Both products on tensor cores in 3xTF32 (about fp32 precision; mma_3xtf32). Every input of chunk
-/// ci + 1 (w, k, u, gates) loads (cp.async) while chunk ci is computed: the chain of chunks waits on
-/// no memory. Warp w computes U rows 16 (w / 2) .. + 15 x columns kCols / 2 (w % 2) .. and the state
-/// rows 16 w .. 16 w + 15 x all kCols columns. Row strides are padded so that every fragment load is
-/// free of bank conflicts. One block per SM (about 212 KB of shared memory at dk 128, kCols 64).
+/// Shared memory of chunk_state_kernel<cols> at key dim dk, in bytes: the gates (2 x 64) and D (64)
+/// in fp32, then in bf16 the split S0 (2 x [dkp][cols + 8]), w and k (2 buffers x 2 parts x
+/// [64][dkp + 8] each), U and diag(D) U (2 x [64][cols + 8] each). Row strides 16 bytes past a
+/// multiple of 32: every ldmatrix and fragment store is free of bank conflicts.
+constexpr size_t chunk_state_smem(int dk, int cols) {
+  const int dkp = state_rows(dk);
+  return size_t(2 * dkp * (cols + 8) + 8 * kChunk * (dkp + 8) + 4 * kChunk * (cols + 8)) * sizeof(bf16) +
+         3 * kChunk * sizeof(float);
+}
+
+/// One block per (sequence, value head, kCols = 32 or 64 state columns): walks the sequence's chunks in
+/// order and keeps only what is sequential: saves the state before each chunk (H_s, split, [chunks, Hv,
+/// dkp, dv8]), the chunk's U = u - w S0 (U_s, split, [T, Hv, dv8]), then S = exp(G_L) S0 +
+/// K^T diag(exp(G_L - G)) U.
+/// Both products on tensor cores in 3xBF16 (mma_3xbf16, ~2^-16 relative per product) from operands
+/// split once: w and k by chunk_prepare (bf16 pairs [T, H, dkp]), S0 and diag(D) U here as they are
+/// made. The state itself stays fp32 in registers for the whole sequence: warp w owns state rows
+/// 16 w .. + 15 x all kCols columns (C fragments), and U rows 16 (w / 2) .. + 15 x columns kCols / 2
+/// (w % 2) ... Every input of chunk ci + 1 (w, k, gates by cp.async, u into registers) loads while
+/// chunk ci is computed: the chain of chunks waits on no memory.
 template <int kCols>
-__global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(const float* k, const float* w_in, const float* u_in,
+__global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(Split k_s, Split w_s, const float* u_in,
                                                                const float* G_in, const Chunk* chunks,
                                                                const int32_t* first_chunk, int Hk, int Hv, int dk,
                                                                int dv, const float* init, float* final_state,
-                                                               float* H_out, float* U_out) {
+                                                               Split H_s, Split U_s) {
   extern __shared__ float4 sm4[];
-  float* sm = reinterpret_cast<float*>(sm4);
-  constexpr int ldS = kCols + 8, ldu = kCols + 8;
-  const int dkp = state_rows(dk), ldw = dkp + 4, ldk = dkp + 8;
-  float* S = sm;                          // [dkp][ldS] state columns c0 .. c0 + kCols - 1
-  float* Xw = S + dkp * ldS;              // 2 x [64][ldw] w rows (buffer ci & 1)
-  float* Xk = Xw + 2 * kChunk * ldw;      // 2 x [64][ldk] k rows
-  float* Ub = Xk + 2 * kChunk * ldk;      // 2 x [64][ldu] u, then U
-  float* Gb = Ub + 2 * kChunk * ldu;      // 2 x [64] in-chunk cumulative gates
-  float* D = Gb + 2 * kChunk;             // [64] exp(G_L - G_j)
+  constexpr int ldc = kCols + 8;          // bf16 row stride of S0 and diag(D) U
+  const int dkp = state_rows(dk), ldw = dkp + 8, dv8 = value_cols(dv);
+  float* Gb = reinterpret_cast<float*>(sm4);       // 2 x [64] in-chunk cumulative gates (buffer ci & 1)
+  float* D = Gb + 2 * kChunk;                      // [64] exp(G_L - G_j)
+  bf16* Sh = reinterpret_cast<bf16*>(D + kChunk);  // [dkp][ldc] S0, high part
+  bf16* Sl = Sh + dkp * ldc;                       //             low part
+  bf16* Wb = Sl + dkp * ldc;                       // 2 buffers x {hi, lo} x [64][ldw] w rows
+  bf16* Kb = Wb + 4 * kChunk * ldw;                // the same for k
+  bf16* Uh = Kb + 4 * kChunk * ldw;                // [64][ldc] diag(D) U, high part
+  bf16* Ul = Uh + kChunk * ldc;                    //                      low part
+  bf16* Ur = Ul + kChunk * ldc;                    // {hi, lo} x [64][ldc] U (for chunk_out)
   const int seq = blockIdx.x, h = blockIdx.y, c0 = blockIdx.z * kCols, kh = h / (Hv / Hk), tid = threadIdx.x;
   const int lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
-  const int ncols = min(kCols, dv - c0);
+  const int ncols = min(kCols, dv - c0), ncols8 = min(kCols, dv8 - c0);  // ncols8: the split outputs' columns
   const int64_t state_off = (int64_t(seq) * Hv + h) * dk * dv;
-  for (int e = tid; e < dkp * kCols; e += kThreads) {
-    const int m = e / kCols, cc = e % kCols;
-    S[m * ldS + cc] = init && m < dk && cc < ncols ? init[state_off + int64_t(m) * dv + c0 + cc] : 0.f;
-  }
+  constexpr int kUn = kCols / 16, kSn = kCols / 8;                // n-tiles per warp: U, state
+  const int um = 16 * (warp / 2), un = (kCols / 2) * (warp % 2);  // this warp's U tile
+  const int sm0 = 16 * warp;                                      // this warp's state rows
+  const bool owns = sm0 < dkp;
+  float S[kSn][4];  // rows sm0 + g (+ 8 for [2], [3]) x columns 8 nt + 2 t (+ 1)
+#pragma unroll
+  for (int nt = 0; nt < kSn; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = sm0 + g + 8 * (e / 2), col = 8 * nt + 2 * t + e % 2;
+      S[nt][e] = init && owns && row < dk && col < ncols ? init[state_off + int64_t(row) * dv + c0 + col] : 0.f;
+    }
   const int c_first = first_chunk[seq], c_end = first_chunk[seq + 1];
-  // Every input of chunk ci into buffer ci & 1 (one cp.async group).
+  // w, k and the gates of chunk ci into buffer ci & 1 (one cp.async group; rows past the chunk zero).
   auto fetch = [&](int ci) {
     if (ci < c_end) {
       const Chunk ch = chunks[ci];
-      const int b = ci & 1;
-      load_rows_async(Xw + b * kChunk * ldw, ldw, dkp, w_in, ch.start, ch.len, Hv, h, dk, 0, dk);
-      load_rows_async(Xk + b * kChunk * ldk, ldk, dkp, k, ch.start, ch.len, Hk, kh, dk, 0, dk);
-      load_rows_async(Ub + b * kChunk * ldu, ldu, kCols, u_in, ch.start, ch.len, Hv, h, dv, c0, ncols);
+      load_split_async(Wb + (ci & 1) * 2 * kChunk * ldw, ldw, kChunk * ldw, w_s, int64_t(Hv) * dkp,
+                       (int64_t(ch.start) * Hv + h) * dkp, ch.len, dkp, dkp, kChunk);
+      load_split_async(Kb + (ci & 1) * 2 * kChunk * ldw, ldw, kChunk * ldw, k_s, int64_t(Hk) * dkp,
+                       (int64_t(ch.start) * Hk + kh) * dkp, ch.len, dkp, dkp, kChunk);
       if (tid < kChunk)
-        mma::cp_async4(Gb + b * kChunk + tid, G_in + int64_t(ch.start + min(tid, ch.len - 1)) * Hv + h, tid < ch.len);
+        mma::cp_async4(Gb + (ci & 1) * kChunk + tid, G_in + int64_t(ch.start + min(tid, ch.len - 1)) * Hv + h,
+                       tid < ch.len);
     }
     mma::cp_async_commit();
   };
+  // This warp's u tile of chunk ci into registers (C fragments; zero past the chunk and ncols).
+  auto load_u = [&](float (&u)[kUn][4], int ci) {
+    const Chunk ch = ci < c_end ? chunks[ci] : Chunk{0, 0, 0};
+#pragma unroll
+    for (int nn = 0; nn < kUn; ++nn)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = um + g + 8 * half, col = un + 8 * nn + 2 * t;
+        float2 x = make_float2(0.f, 0.f);
+        if (row < ch.len && col < ncols)  // ncols and col are even
+          x = *reinterpret_cast<const float2*>(u_in + (int64_t(ch.start + row) * Hv + h) * dv + c0 + col);
+        u[nn][2 * half] = x.x, u[nn][2 * half + 1] = x.y;
+      }
+  };
+  float uc[kUn][4], un_next[kUn][4];
+  load_u(uc, c_first);
   fetch(c_first);
   mma::cp_async_wait<0>();
   __syncthreads();
-  constexpr int kUn = kCols / 16, kSn = kCols / 8;      // n-tiles per warp: U, state
-  const int um = 16 * (warp / 2), un = (kCols / 2) * (warp % 2);  // this warp's U tile
-  const int sm0 = 16 * warp;                             // this warp's state rows
   for (int ci = c_first; ci < c_end; ++ci) {
-    const Chunk ch = chunks[ci];
-    const int L = ch.len, b = ci & 1;
-    const float* W = Xw + b * kChunk * ldw;
-    const float* K = Xk + b * kChunk * ldk;
-    float* U = Ub + b * kChunk * ldu;
+    const int L = chunks[ci].len, start = chunks[ci].start, b = ci & 1;
+    const bf16* W = Wb + b * 2 * kChunk * ldw;
+    const bf16* K = Kb + b * 2 * kChunk * ldw;
     const float* G = Gb + b * kChunk;
     fetch(ci + 1);  // into the buffers chunk ci - 1 used, read before the last barrier
-    float* Hc = H_out + (int64_t(ci) * Hv + h) * dk * dv;  // the state before this chunk
-    if (dv % 4 == 0) {  // 16-byte stores (ncols and c0 are multiples of 4 too)
-      for (int e = tid; e < dk * kCols / 4; e += kThreads) {
-        const int m = e / (kCols / 4), cc = 4 * (e % (kCols / 4));
-        if (cc < ncols)
-          *reinterpret_cast<float4*>(Hc + int64_t(m) * dv + c0 + cc) = *reinterpret_cast<const float4*>(S + m * ldS + cc);
-      }
-    } else {
-      for (int e = tid; e < dk * kCols; e += kThreads) {
-        const int m = e / kCols, cc = e % kCols;
-        if (cc < ncols) Hc[int64_t(m) * dv + c0 + cc] = S[m * ldS + cc];
-      }
-    }
-    if (tid < kChunk) D[tid] = tid < L ? __expf(G[L - 1] - G[tid]) : 0.f;
-    // U = u_hat - w S0 for this warp's 16 x kCols / 2 tile
-    {
-      float acc[kUn][4] = {};
-#pragma unroll 4
-      for (int k0 = 0; k0 < dkp; k0 += 8) {
-        const float* xr = W + (um + g) * ldw + k0 + t;
-        const mma::Tf32Split a[4] = {mma::split_tf32(xr[0]), mma::split_tf32(xr[8 * ldw]), mma::split_tf32(xr[4]),
-                                     mma::split_tf32(xr[8 * ldw + 4])};
+    load_u(un_next, ci + 1);
+    if (owns)  // the state before this chunk, split, to shared memory
 #pragma unroll
-        for (int nn = 0; nn < kUn; ++nn) {
-          const float* sb = S + (k0 + t) * ldS + un + 8 * nn + g;
-          const mma::Tf32Split bf[2] = {mma::split_tf32(sb[0]), mma::split_tf32(sb[4 * ldS])};
-          mma::mma_3xtf32(acc[nn], a, bf);
+      for (int nt = 0; nt < kSn; ++nt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = sm0 + g + 8 * half, col = 8 * nt + 2 * t;
+          mma::split_bf16x2(S[nt][2 * half], S[nt][2 * half + 1], *reinterpret_cast<uint32_t*>(Sh + row * ldc + col),
+                            *reinterpret_cast<uint32_t*>(Sl + row * ldc + col));
+        }
+    if (tid < kChunk) D[tid] = tid < L ? __expf(G[L - 1] - G[tid]) : 0.f;
+    __syncthreads();  // S0 and D complete
+    store_split_rows(H_s, dv8, (int64_t(ci) * Hv + h) * dkp * dv8 + c0, Sh, ldc, dkp * ldc, dkp, ncols8);
+    {  // U = u - w S0 for this warp's tile; then diag(D) U, split, for the state update
+      float acc[kUn][4] = {};
+#pragma unroll
+      for (int k0 = 0; k0 < 128; k0 += 16) {  // unrolled: fragments load ahead of the products
+        if (k0 >= dkp) break;
+        uint32_t ah[4], al[4];
+        mma::load_a_x4(ah, W, ldw, um, k0, lane);
+        mma::load_a_x4(al, W + kChunk * ldw, ldw, um, k0, lane);
+#pragma unroll
+        for (int np = 0; np < kUn / 2; ++np) {
+          uint32_t bh[4], bl[4];
+          mma::load_b_trans_x4(bh, Sh, ldc, k0, un + 16 * np, lane);
+          mma::load_b_trans_x4(bl, Sl, ldc, k0, un + 16 * np, lane);
+          mma::mma_3xbf16(acc[2 * np], ah, al, bh[0], bh[1], bl[0], bl[1]);
+          mma::mma_3xbf16(acc[2 * np + 1], ah, al, bh[2], bh[3], bl[2], bl[3]);
         }
       }
 #pragma unroll
       for (int nn = 0; nn < kUn; ++nn)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int row = um + g + 8 * half;
-          if (row >= L) continue;
-          const int col = un + 8 * nn + 2 * t;
-          float* ui = U + row * ldu + col;
-          ui[0] -= acc[nn][2 * half], ui[1] -= acc[nn][2 * half + 1];
-          float* dst = U_out + (int64_t(ch.start + row) * Hv + h) * dv + c0 + col;
-          if (col < ncols) dst[0] = ui[0], dst[1] = ui[1];  // ncols and col are even
+          const int row = um + g + 8 * half, col = un + 8 * nn + 2 * t;
+          const float x0 = uc[nn][2 * half] - acc[nn][2 * half], x1 = uc[nn][2 * half + 1] - acc[nn][2 * half + 1];
+          mma::split_bf16x2(x0, x1, *reinterpret_cast<uint32_t*>(Ur + row * ldc + col),
+                            *reinterpret_cast<uint32_t*>(Ur + kChunk * ldc + row * ldc + col));
+          const float d = D[row];  // zero past the chunk
+          mma::split_bf16x2(x0 * d, x1 * d, *reinterpret_cast<uint32_t*>(Uh + row * ldc + col),
+                            *reinterpret_cast<uint32_t*>(Ul + row * ldc + col));
         }
     }
-    __syncthreads();  // U and D complete; every warp is done reading S
-    // S = exp(G_L) S0 + (diag(exp(G_L - G)) K)^T U for this warp's 16 state rows
-    if (sm0 < dkp) {
+    __syncthreads();  // U and diag(D) U complete; every warp is done reading S0
+    store_split_rows(U_s, int64_t(Hv) * dv8, (int64_t(start) * Hv + h) * dv8 + c0, Ur, ldc, kChunk * ldc, L, ncols8);
+    if (owns) {  // S = exp(G_L) S0 + K^T diag(D) U for this warp's 16 state rows
       const float gl = __expf(G[L - 1]);
-      float sa[kSn][4];
 #pragma unroll
-      for (int nt = 0; nt < kSn; ++nt) {
-        const float* s0 = S + (sm0 + g) * ldS + 8 * nt + 2 * t;
-        sa[nt][0] = gl * s0[0], sa[nt][1] = gl * s0[1], sa[nt][2] = gl * s0[8 * ldS], sa[nt][3] = gl * s0[8 * ldS + 1];
-      }
-#pragma unroll 2
-      for (int j0 = 0; j0 < L; j0 += 8) {  // rows L .. are zero in K, D and U
-        const float d0 = D[j0 + t], d1 = D[j0 + t + 4];
-        const float* kr = K + (j0 + t) * ldk + sm0 + g;
-        const mma::Tf32Split a[4] = {mma::split_tf32(kr[0] * d0), mma::split_tf32(kr[8] * d0),
-                                     mma::split_tf32(kr[4 * ldk] * d1), mma::split_tf32(kr[4 * ldk + 8] * d1)};
+      for (int nt = 0; nt < kSn; ++nt)
 #pragma unroll
-        for (int nt = 0; nt < kSn; ++nt) {
-          const float* ub = U + (j0 + t) * ldu + 8 * nt + g;
-          const mma::Tf32Split bf[2] = {mma::split_tf32(ub[0]), mma::split_tf32(ub[4 * ldu])};
-          mma::mma_3xtf32(sa[nt], a, bf);
+        for (int e = 0; e < 4; ++e) S[nt][e] *= gl;
+#pragma unroll
+      for (int j0 = 0; j0 < kChunk; j0 += 16) {  // rows L .. are zero in K and diag(D) U
+        if (j0 >= L) break;
+        uint32_t ah[4], al[4];
+        mma::load_a_trans_x4(ah, K, ldw, j0, sm0, lane);
+        mma::load_a_trans_x4(al, K + kChunk * ldw, ldw, j0, sm0, lane);
+#pragma unroll
+        for (int np = 0; np < kSn / 2; ++np) {
+          uint32_t bh[4], bl[4];
+          mma::load_b_trans_x4(bh, Uh, ldc, j0, 16 * np, lane);
+          mma::load_b_trans_x4(bl, Ul, ldc, j0, 16 * np, lane);
+          mma::mma_3xbf16(S[2 * np], ah, al, bh[0], bh[1], bl[0], bl[1]);
+          mma::mma_3xbf16(S[2 * np + 1], ah, al, bh[2], bh[3], bl[2], bl[3]);
         }
       }
-#pragma unroll
-      for (int nt = 0; nt < kSn; ++nt) {
-        float* s0 = S + (sm0 + g) * ldS + 8 * nt + 2 * t;
-        s0[0] = sa[nt][0], s0[1] = sa[nt][1], s0[8 * ldS] = sa[nt][2], s0[8 * ldS + 1] = sa[nt][3];
-      }
     }
+#pragma unroll
+    for (int nn = 0; nn < kUn; ++nn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) uc[nn][e] = un_next[nn][e];
     mma::cp_async_wait<0>();  // chunk ci + 1
     __syncthreads();
   }
-  if (final_state)
-    for (int e = tid; e < dk * kCols; e += kThreads) {
-      const int m = e / kCols, cc = e % kCols;
-      if (cc < ncols) final_state[state_off + int64_t(m) * dv + c0 + cc] = S[m * ldS + cc];
-    }
+  if (final_state && owns)
+#pragma unroll
+    for (int nt = 0; nt < kSn; ++nt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = sm0 + g + 8 * half, col = 8 * nt + 2 * t;
+        if (row < dk && col < ncols)
+          *reinterpret_cast<float2*>(final_state + state_off + int64_t(row) * dv + c0 + col) =
+              make_float2(S[nt][2 * half], S[nt][2 * half + 1]);
+      }
 }
 
-/// acc[nt] += A B for a warp's 16-row tile and four 8-column tiles on tensor cores (3xTF32): A rows
-/// a_row .. a_row + 15 of a row-major smem matrix (lda), B [K][ldb] row-major from column b_col; K a
-/// multiple of 8.
-__device__ __forceinline__ void warp_tile_3xtf32(float (&acc)[4][4], const float* A, int lda, int a_row, const float* B,
-                                                 int ldb, int b_col, int K, int g, int t) {
-#pragma unroll 4
-  for (int k0 = 0; k0 < K; k0 += 8) {
-    const float* ar = A + (a_row + g) * lda + k0 + t;
-    const mma::Tf32Split a[4] = {mma::split_tf32(ar[0]), mma::split_tf32(ar[8 * lda]), mma::split_tf32(ar[4]),
-                                 mma::split_tf32(ar[8 * lda + 4])};
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      const float* br = B + (k0 + t) * ldb + b_col + 8 * nt + g;
-      const mma::Tf32Split b[2] = {mma::split_tf32(br[0]), mma::split_tf32(br[4 * ldb])};
-      mma::mma_3xtf32(acc[nt], a, b);
-    }
-  }
+/// Shared memory of chunk_out_kernel at key dim dk, in bytes: split Q [64][dkp + 8], S0
+/// [dkp][72], U [64][72] and P [64][72], two bf16 parts each.
+constexpr size_t chunk_out_smem(int dk) {
+  const int dkp = state_rows(dk);
+  return size_t(2 * (kChunk * (dkp + 8) + dkp * 72 + 2 * kChunk * 72)) * sizeof(bf16);
 }
 
 /// One block per (chunk, value head, 64 value columns): O = diag(exp(G)) Q S0 + P U from the saved
-/// state S0 = H[chunk] and U, all chunks in parallel, on tensor cores (3xTF32). Warp w computes rows
-/// 16 (w / 2) .. + 15 x columns 32 (w % 2) .. + 31; strides padded for conflict-free fragment loads.
-__global__ void __launch_bounds__(kThreads) chunk_out_kernel(const float* q, const float* H_in, const float* U_in,
-                                                             const float* P_in, const float* G_in, const Chunk* chunks,
-                                                             int Hk, int Hv, int dk, int dv, float* o) {
+/// state S0 = H[chunk] and U, all chunks in parallel, on tensor cores in 3xBF16 from the split
+/// operands (q_s [T, Hk, dkp], H_s [chunks, Hv, dkp, dv8], U_s [T, Hv, dv8], P_s [chunks, Hv, 64, 64]).
+/// Warp w computes rows 16 (w / 2) .. + 15 x columns 32 (w % 2) .. + 31.
+__global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split H_s, Split U_s, Split P_s,
+                                                             const float* G_in, const Chunk* chunks, int Hk, int Hv,
+                                                             int dk, int dv, float* o) {
   extern __shared__ float4 sm4[];
-  float* sm = reinterpret_cast<float*>(sm4);
-  constexpr int kOut = 64, lds = kOut + 8, ldp = kChunk + 4;
-  const int dk8 = (dk + 7) / 8 * 8, ld = dk8 + 4;
-  float* Qs = sm;                     // [64][ld]
-  float* Ss = Qs + kChunk * ld;       // [dk8][lds] state columns c0 .. c0 + 63 (rows past dk zero)
-  float* Us = Ss + dk8 * lds;         // [64][lds]
-  float* Pc = Us + kChunk * lds;      // [64][ldp]
+  constexpr int kOut = 64, ldc = kOut + 8;
+  const int dkp = state_rows(dk), dv8 = value_cols(dv), ldq = dkp + 8;
+  bf16* Qs = reinterpret_cast<bf16*>(sm4);  // {hi, lo} x [64][ldq]
+  bf16* Ss = Qs + 2 * kChunk * ldq;         // {hi, lo} x [dkp][ldc] state columns c0 .. c0 + 63
+  bf16* Us = Ss + 2 * dkp * ldc;            // {hi, lo} x [64][ldc]
+  bf16* Ps = Us + 2 * kChunk * ldc;         // {hi, lo} x [64][ldc]
   const Chunk ch = chunks[blockIdx.x];
   const int h = blockIdx.y, c0 = blockIdx.z * kOut, kh = h / (Hv / Hk), L = ch.len, tid = threadIdx.x;
-  const int ncol = min(kOut, dv - c0);
+  const int ncol = min(kOut, dv - c0), ncol8 = min(kOut, dv8 - c0);
   // Every tile in one cp.async group (one memory round trip); what the products read past the data is zero.
-  load_rows_async(Qs, ld, dk8, q, ch.start, L, Hk, kh, dk, 0, dk);
-  const float* Hc = H_in + (int64_t(blockIdx.x) * Hv + h) * dk * dv;  // [dk, dv]
-  load_rows_async(Ss, lds, kOut, Hc, 0, dk, 1, 0, dv, c0, ncol, dk8);
-  load_rows_async(Us, lds, kOut, U_in, ch.start, L, Hv, h, dv, c0, ncol);
-  const float* P = P_in + (int64_t(blockIdx.x) * Hv + h) * kChunk * kChunk;
-  load_rows_async(Pc, ldp, kChunk, P, 0, kChunk, 1, 0, kChunk, 0, kChunk);
+  const int64_t H0 = (int64_t(blockIdx.x) * Hv + h) * dkp * dv8, P0 = (int64_t(blockIdx.x) * Hv + h) * kChunk * kChunk;
+  load_split_async(Qs, ldq, kChunk * ldq, q_s, int64_t(Hk) * dkp, (int64_t(ch.start) * Hk + kh) * dkp, L, dkp, dkp, kChunk);
+  load_split_async(Ss, ldc, dkp * ldc, H_s, dv8, H0 + c0, dkp, ncol8, kOut, dkp);
+  load_split_async(Us, ldc, kChunk * ldc, U_s, int64_t(Hv) * dv8, (int64_t(ch.start) * Hv + h) * dv8 + c0, L, ncol8, kOut,
+                   kChunk);
+  load_split_async(Ps, ldc, kChunk * ldc, P_s, kChunk, P0, kChunk, kChunk, kChunk, kChunk);
   mma::cp_async_commit();
   mma::cp_async_wait<0>();
   __syncthreads();
   const int lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
   const int mt = 16 * (warp / 2), nc = 32 * (warp % 2);
   float acc[4][4] = {};
-  warp_tile_3xtf32(acc, Qs, ld, mt, Ss, lds, nc, dk8, g, t);  // Q S0
+  // acc += A B over k < K: A [16 rows from mt][k] row-major (its low part 64 rows on), B [k][32
+  // columns from nc] row-major (its low part b_rows rows on).
+  auto product = [&](const bf16* A, int lda, const bf16* B, int b_rows, int K) {
+#pragma unroll 2
+    for (int k0 = 0; k0 < K; k0 += 16) {
+      uint32_t ah[4], al[4];
+      mma::load_a_x4(ah, A, lda, mt, k0, lane);
+      mma::load_a_x4(al, A + kChunk * lda, lda, mt, k0, lane);
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        uint32_t bh[4], bl[4];
+        mma::load_b_trans_x4(bh, B, ldc, k0, nc + 16 * np, lane);
+        mma::load_b_trans_x4(bl, B + b_rows * ldc, ldc, k0, nc + 16 * np, lane);
+        mma::mma_3xbf16(acc[2 * np], ah, al, bh[0], bh[1], bl[0], bl[1]);
+        mma::mma_3xbf16(acc[2 * np + 1], ah, al, bh[2], bh[3], bl[2], bl[3]);
+      }
+    }
+  };
+  product(Qs, ldq, Ss, dkp, dkp);  // Q S0
   const int r0 = mt + g, r1 = r0 + 8;
   const float e0 = r0 < L ? __expf(G_in[int64_t(ch.start + r0) * Hv + h]) : 0.f;
   const float e1 = r1 < L ? __expf(G_in[int64_t(ch.start + r1) * Hv + h]) : 0.f;
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt) acc[nt][0] *= e0, acc[nt][1] *= e0, acc[nt][2] *= e1, acc[nt][3] *= e1;
-  warp_tile_3xtf32(acc, Pc, ldp, mt, Us, lds, nc, (L + 7) / 8 * 8, g, t);  // + P U (rows of U past L are zero)
+  product(Ps, ldc, Us, kChunk, (L + 15) / 16 * 16);  // + P U (rows of U past L are zero)
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt) {
     const int col = nc + 8 * nt + 2 * t;
@@ -664,6 +781,18 @@ void allow_shared_memory(Kernel kernel, size_t bytes, const char* what) {
                              std::to_string(optin) + " (A100 / H100 / H200: 166-232 KB)");
   DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
 }
+}  // namespace
+
+namespace {
+/// The two device buffers of a Split, n values each (stream-ordered); zeroed when `zero`.
+struct SplitBuffer {
+  StreamBuffer<bf16> hi, lo;
+  SplitBuffer(size_t n, bool zero, cudaStream_t stream) : hi(n, stream), lo(n, stream) {
+    if (zero && n)
+      for (auto* b : {&hi, &lo}) DFLASH_CUDA_CHECK(cudaMemsetAsync(b->data(), 0, n * sizeof(bf16), stream));
+  }
+  Split get() { return {hi.data(), lo.data()}; }
+};
 }  // namespace
 
 std::vector<int32_t> sequence_starts(const std::vector<int64_t>& cu) {
@@ -745,23 +874,9 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   const int64_t T = plan.T, nch = plan.count;
   const Chunk* d_chunks = plan.chunks.data();
   const int32_t* d_first = plan.first.data();
-  // Empty sequences still pass their initial state through (chunk_state runs no chunk for them).
-  StreamBuffer<float> w(size_t(T * Hv * dk), stream), u(size_t(T * Hv * dv), stream),
-      P(size_t(nch * Hv * kChunk * kChunk), stream), G(size_t(T * Hv), stream);
-  if (nch) {
-    const size_t smem =
-        (2 * kChunk * (std::max(dk, dv) + 4) + kChunk * (kChunk + 1) + kChunk * (kChunk + 4) + 3 * kChunk + kInvScratch) *
-        sizeof(float);
-    allow_shared_memory(chunk_prepare_kernel, smem, "chunk_prepare");
-    chunk_prepare_kernel<<<dim3(unsigned(nch), unsigned(Hk)), kThreads, smem, stream>>>(
-        q, k, v, g, beta, d_chunks, Hk, Hv, dk, dv, w.data(), u.data(), P.data(), G.data());
-    DFLASH_CUDA_CHECK_LAUNCH();
-  }
-  // The sequential part: states before each chunk and the chunks' U.
-  StreamBuffer<float> H(size_t(nch * Hv * dk * dv), stream), U(size_t(T * Hv * dv), stream);
-  // The tensor-core kernel with 64 state columns per block, or 32 when that still fits one wave (one
-  // block per SM) and 64 would leave SMs idle: the chain of chunks is the critical path. GPUs with less
-  // shared memory per block than it needs (A100) run the SIMT kernel.
+  // chunk_state: the tensor-core kernel with 64 state columns per block, or 32 when that still fits
+  // one wave (one block per SM) and 64 would leave SMs idle: the chain of chunks is the critical path.
+  // GPUs with less shared memory per block than it needs (A100) run the SIMT kernel.
   const int dkp = state_rows(dk);
   int dev = 0, sms = 0;
   DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
@@ -769,35 +884,55 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   const size_t limit = shared_limit ? std::min(shared_limit, device_shared_limit()) : device_shared_limit();
   const bool narrow = int64_t(nseq) * Hv * ((dv + 31) / 32) <= sms;
   const int cols = narrow ? 32 : kMaxCols;
-  const size_t smem_tc =
-      (dkp * (cols + 8) + 2 * kChunk * (2 * dkp + 12) + 2 * kChunk * (cols + 8) + 3 * kChunk) * sizeof(float);
-  auto launch_state = [&](auto kernel, int kc, size_t smem) {
+  const size_t smem_tc = chunk_state_smem(dk, cols);
+  const bool tc = smem_tc <= limit;
+  const size_t smem_simt =
+      (dk * kSimtCols + 2 * kChunk * (dk + 4) + 2 * kChunk * (kSimtCols + 4) + 3 * kChunk) * sizeof(float);
+  if (!tc && smem_simt > limit)
+    throw std::runtime_error("gated_delta_rule_chunked: chunk_state needs " + std::to_string(smem_simt) +
+                             " bytes of shared memory per block for these head dims; " + std::to_string(limit) +
+                             " are available");
+  // Empty sequences still pass their initial state through (chunk_state runs no chunk for them).
+  // w in fp32 for the SIMT chunk_state; for the tensor-core one, w and k split. Padding the products
+  // read and no kernel writes is zeroed: the split q / k / w's columns dk .. dkp - 1 and, after the
+  // SIMT chunk_state, H's rows dk .. dkp - 1 and H / U's columns dv .. dv8 - 1.
+  const int dv8 = value_cols(dv);
+  const bool pad_k = dkp != dk, pad_simt = !tc && (pad_k || dv8 != dv);
+  StreamBuffer<float> w(tc ? 0 : size_t(T * Hv * dk), stream), u(size_t(T * Hv * dv), stream), G(size_t(T * Hv), stream);
+  SplitBuffer w_s(tc ? size_t(T * Hv * dkp) : 0, pad_k, stream), k_s(tc ? size_t(T * Hk * dkp) : 0, pad_k, stream),
+      q_s(size_t(T * Hk * dkp), pad_k, stream), P_s(size_t(nch * Hv * kChunk * kChunk), false, stream);
+  if (nch) {
+    const size_t smem =
+        (2 * kChunk * (std::max(dk, dv) + 4) + kChunk * (kChunk + 1) + kChunk * (kChunk + 4) + 3 * kChunk + kInvScratch) *
+        sizeof(float);
+    allow_shared_memory(chunk_prepare_kernel, smem, "chunk_prepare");
+    chunk_prepare_kernel<<<dim3(unsigned(nch), unsigned(Hk)), kThreads, smem, stream>>>(
+        q, k, v, g, beta, d_chunks, Hk, Hv, dk, dv, dkp, w.data(), w_s.get(), k_s.get(), q_s.get(), u.data(), P_s.get(),
+        G.data());
+    DFLASH_CUDA_CHECK_LAUNCH();
+  }
+  // The sequential part: states before each chunk and the chunks' U.
+  SplitBuffer H_s(size_t(nch * Hv * dkp * dv8), pad_simt, stream), U_s(size_t(T * Hv * dv8), pad_simt, stream);
+  auto launch_state = [&](auto kernel, int kc, size_t smem, auto... inputs) {
     allow_shared_memory(kernel, smem, "chunk_state");
     DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                            cudaSharedmemCarveoutMaxShared));
     kernel<<<dim3(unsigned(nseq), unsigned(Hv), unsigned((dv + kc - 1) / kc)), kThreads, smem, stream>>>(
-        k, w.data(), u.data(), G.data(), d_chunks, d_first, Hk, Hv, dk, dv, init, final_state, H.data(), U.data());
+        inputs..., u.data(), G.data(), d_chunks, d_first, Hk, Hv, dk, dv, init, final_state, H_s.get(), U_s.get());
   };
-  if (smem_tc <= limit) {
-    if (narrow) launch_state(chunk_state_kernel<32>, 32, smem_tc);
-    else launch_state(chunk_state_kernel<kMaxCols>, kMaxCols, smem_tc);
-  } else {
-    const size_t smem_simt =
-        (dk * kSimtCols + 2 * kChunk * (dk + 4) + 2 * kChunk * (kSimtCols + 4) + 3 * kChunk) * sizeof(float);
-    if (smem_simt > limit)
-      throw std::runtime_error("gated_delta_rule_chunked: chunk_state needs " + std::to_string(smem_simt) +
-                               " bytes of shared memory per block for these head dims; " + std::to_string(limit) +
-                               " are available");
-    launch_state(chunk_state_simt_kernel, kSimtCols, smem_simt);
-  }
+  if (tc && narrow)
+    launch_state(chunk_state_kernel<32>, 32, smem_tc, k_s.get(), w_s.get());
+  else if (tc)
+    launch_state(chunk_state_kernel<kMaxCols>, kMaxCols, smem_tc, k_s.get(), w_s.get());
+  else
+    launch_state(chunk_state_simt_kernel, kSimtCols, smem_simt, k, w.data());
   DFLASH_CUDA_CHECK_LAUNCH();
   if (!nch) return;
   // The outputs, every chunk in parallel.
-  const int dk8 = (dk + 7) / 8 * 8;
-  const size_t smem_out = (kChunk * (dk8 + 4) + dk8 * 72 + kChunk * 72 + kChunk * (kChunk + 4)) * sizeof(float);
+  const size_t smem_out = chunk_out_smem(dk);
   allow_shared_memory(chunk_out_kernel, smem_out, "chunk_out");
   chunk_out_kernel<<<dim3(unsigned(nch), unsigned(Hv), unsigned((dv + 63) / 64)), kThreads, smem_out, stream>>>(
-      q, H.data(), U.data(), P.data(), G.data(), d_chunks, Hk, Hv, dk, dv, o);
+      q_s.get(), H_s.get(), U_s.get(), P_s.get(), G.data(), d_chunks, Hk, Hv, dk, dv, o);
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 

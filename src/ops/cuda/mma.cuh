@@ -60,6 +60,27 @@ __device__ __forceinline__ void mma_3xtf32(float c[4], const Tf32Split a[4], con
 
 __device__ __forceinline__ uint32_t ld32(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
+/// fp32 values x0, x1 as bf16 pairs hi and lo (x0 in the low halves, as pack()) with x ~ hi + lo to
+/// about 2^-17 relative: hi = bf16(x), lo = bf16(x - hi) (x - hi is exact in fp32).
+__device__ __forceinline__ void split_bf16x2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+  const float2 hf = __bfloat1622float2(h);
+  const __nv_bfloat162 l = __floats2bfloat162_rn(x0 - hf.x, x1 - hf.y);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  lo = *reinterpret_cast<const uint32_t*>(&l);
+}
+
+/// c += A B with A = Ah + Al, B = Bh + Bl split by split_bf16x2 ("3xBF16", m16n8k16): c += Al Bh +
+/// Ah Bl + Ah Bh, small terms first (the Al Bl term, ~2^-18 relative, is dropped). About 2^-16
+/// relative per product at worst: 3xTF32's precision is ~2^-22, bf16's 2^-9; half the mma
+/// instructions of 3xTF32 for the same K.
+__device__ __forceinline__ void mma_3xbf16(float c[4], const uint32_t ah[4], const uint32_t al[4], uint32_t bh0,
+                                           uint32_t bh1, uint32_t bl0, uint32_t bl1) {
+  mma16816(c, al, bh0, bh1);
+  mma16816(c, ah, bl0, bl1);
+  mma16816(c, ah, bh0, bh1);
+}
+
 /// Two floats rounded to a bf16 pair (lo in the low half).
 __device__ __forceinline__ uint32_t pack(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -72,6 +93,16 @@ __device__ __forceinline__ void load_a_x4(uint32_t a[4], const bf16* m, int ld, 
   const unsigned addr =
       unsigned(__cvta_generic_to_shared(m + (row0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + col0 + ((lane >> 4) & 1) * 8));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+               : "r"(addr));
+}
+
+/// The A fragment where A[m][k] = m[k0 + k][m0 + m] (the matrix stored transposed, row-major, ld,
+/// rows 16-byte aligned), one ldmatrix.x4.trans.
+__device__ __forceinline__ void load_a_trans_x4(uint32_t a[4], const bf16* m, int ld, int k0, int m0, int lane) {
+  const unsigned addr =
+      unsigned(__cvta_generic_to_shared(m + (k0 + (lane & 7) + ((lane >> 4) & 1) * 8) * ld + m0 + ((lane >> 3) & 1) * 8));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
                : "r"(addr));
 }
