@@ -10,10 +10,11 @@
 // chunk_state walks the chunks of one sequence in order, per (sequence, value head, 32 or 64 state
 // columns), and keeps only the sequential part (U and the state before each chunk); chunk_out
 // computes O for every chunk in parallel.
-// Every matrix product runs on tensor cores: chunk_prepare's in 3xTF32 (mma_3xtf32: about fp32
-// precision), chunk_state's and chunk_out's in 3xBF16 (mma_3xbf16: ~2^-16 relative per product, half
-// the instructions) from operands split into bf16 pairs once, by the kernel that makes them (Split);
-// the state stays fp32. The substitution for T is fp32 SIMT. The layer's activations between the
+// Every matrix product runs on tensor cores in 3xBF16 (mma_3xbf16: fp32 values as bf16 pairs
+// hi + lo, ~2^-16 relative per product; half the mma instructions of 3xTF32). chunk_state's and
+// chunk_out's operands are split once, by the kernel that makes them (Split); chunk_prepare splits
+// its fp32 tiles in registers. The state and every stored activation stay fp32; bench gdn records
+// the output's error against the fp32 token recurrence. The substitution for T is fp32 SIMT. The layer's activations between the
 // projections' GEMMs (conv1d, q / k / v, o) are fp32 too: bf16 only feeds GEMMs.
 #include <algorithm>
 #include <stdexcept>
@@ -167,28 +168,49 @@ __device__ __forceinline__ void store_split_rows(Split dst, int64_t stride, int6
   }
 }
 
+/// The float pair at p (8-byte aligned) split (split_bf16x2): one register of a 3xBF16 fragment.
+__device__ __forceinline__ void split_pair(const float* p, uint32_t& hi, uint32_t& lo) {
+  const float2 x = *reinterpret_cast<const float2*>(p);
+  mma::split_bf16x2(x.x, x.y, hi, lo);
+}
+
+/// The 3xBF16 fragments of the 16 x 16 tile at (row0, k0) of a row-major fp32 matrix m (shared
+/// memory, ld even), split in registers: as A, or with B[k][n] = m[n][k] (b[0..1] = a[0], a[2]) as
+/// B of the n-tile at row0.
+__device__ __forceinline__ void split_tile(const float* m, int ld, int row0, int k0, int g, int t, uint32_t (&hi)[4],
+                                           uint32_t (&lo)[4]) {
+  const float* p = m + (row0 + g) * ld + k0 + 2 * t;
+  split_pair(p, hi[0], lo[0]);
+  split_pair(p + 8 * ld, hi[1], lo[1]);
+  split_pair(p + 8, hi[2], lo[2]);
+  split_pair(p + 8 * ld + 8, hi[3], lo[3]);
+}
+
 /// out[i][c] = sum_{j < L} M[i][j] * coef[j] * X[j][c] for i < L, c < n (n % 4 == 0, n <= 128) on
-/// tensor cores (3xTF32), handed over in pairs: store(i, c, out[i][c], out[i][c + 1]) for even c. M [64][ldm] (ldm % 32 == 4), X [64][ld] with zero columns n .. (n rounded up
-/// to 8) - 1 (the last ones read) and zero rows (or coef) past L. Warp w computes rows 16 (w % 4) .. + 15 and every other 8-column tile
-/// from w / 4.
+/// tensor cores (3xBF16, split in registers), handed over in pairs: store(i, c, out[i][c],
+/// out[i][c + 1]) for even c. M [64][ldm] (ldm even), X [64][ld] with zero columns n .. (n rounded
+/// up to 8) - 1 (the last ones read) and zero rows (or coef, or M's columns) from L to L rounded up to
+/// 16. Warp w computes rows 16 (w % 4) .. + 15 and every other 8-column tile from w / 4.
 template <typename Store>
 __device__ __forceinline__ void lower_times_rows(const float* M, int ldm, const float* coef, const float* X, int ld,
                                                  int L, int n, Store store) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
   const int mt = 16 * (warp % 4), nt0 = warp / 4, ntiles = (n + 7) / 8;
   float acc[8][4] = {};
-  for (int j0 = 0; j0 < L; j0 += 8) {
-    const float* ar = M + (mt + g) * ldm + j0 + t;
-    const mma::Tf32Split a[4] = {mma::split_tf32(ar[0]), mma::split_tf32(ar[8 * ldm]), mma::split_tf32(ar[4]),
-                                 mma::split_tf32(ar[8 * ldm + 4])};
-    const float f0 = coef[j0 + t], f1 = coef[j0 + t + 4];
+  for (int j0 = 0; j0 < L; j0 += 16) {
+    uint32_t ah[4], al[4];
+    split_tile(M, ldm, mt, j0, g, t, ah, al);
+    const int j = j0 + 2 * t;
+    const float f0 = coef[j], f1 = coef[j + 1], f8 = coef[j + 8], f9 = coef[j + 9];
 #pragma unroll
     for (int q = 0; q < 8; ++q) {
       const int nt = nt0 + 2 * q;
       if (nt >= ntiles) break;
-      const float* br = X + (j0 + t) * ld + 8 * nt + g;
-      const mma::Tf32Split b[2] = {mma::split_tf32(br[0] * f0), mma::split_tf32(br[4 * ld] * f1)};
-      mma::mma_3xtf32(acc[q], a, b);
+      const float* br = X + j * ld + 8 * nt + g;  // B[j][c] = coef[j] X[j][c]
+      uint32_t bh0, bl0, bh1, bl1;
+      mma::split_bf16x2(f0 * br[0], f1 * br[ld], bh0, bl0);
+      mma::split_bf16x2(f8 * br[8 * ld], f9 * br[9 * ld], bh1, bl1);
+      mma::mma_3xbf16(acc[q], ah, al, bh0, bh1, bl0, bl1);
     }
   }
 #pragma unroll
@@ -272,7 +294,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
                                                                     Split q_s, float* u_out, Split P_s, float* G_out) {
   extern __shared__ float4 sm4[];
   float* sm = reinterpret_cast<float*>(sm4);
-  const int ld = max(dk, dv) + 4;    // row stride: 16-byte rows, padded
+  const int ld = max(dkp, dv) + 4;   // row stride: 16-byte rows, padded
   float* Ks = sm;                    // [64][ld] keys
   float* Xs = Ks + kChunk * ld;      // [64][ld] queries, later values
   constexpr int ldm = kChunk + 1, ldt = kChunk + 4;
@@ -284,9 +306,9 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
   float* Y = Bg + kChunk;            // [3][16][17] scratch of the inverse
   const Chunk ch = chunks[blockIdx.x];
   const int kh = blockIdx.y, r = Hv / Hk, L = ch.len, tid = threadIdx.x;
-  const int dk8 = (dk + 7) / 8 * 8, dv8 = (dv + 7) / 8 * 8;  // <= ld: the columns the products read
-  load_rows_async(Ks, ld, dk8, k, ch.start, L, Hk, kh, dk, 0, dk);
-  load_rows_async(Xs, ld, dk8, q, ch.start, L, Hk, kh, dk, 0, dk);
+  const int dv8 = (dv + 7) / 8 * 8;  // <= ld: the columns the products read (keys: dkp)
+  load_rows_async(Ks, ld, dkp, k, ch.start, L, Hk, kh, dk, 0, dk);
+  load_rows_async(Xs, ld, dkp, q, ch.start, L, Hk, kh, dk, 0, dk);
   mma::cp_async_commit();
   mma::cp_async_wait<0>();
   __syncthreads();
@@ -296,24 +318,24 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
     store_split(q_s, at, Xs[r * ld + c], Xs[r * ld + c + 1]);
     if (!w_out) store_split(k_s, at, Ks[r * ld + c], Ks[r * ld + c + 1]);
   }
-  // K K^T and Q K^T on tensor cores (3xTF32): warp w takes rows 16 (w / 2) .. + 15 and columns
-  // 32 (w % 2) .. + 31; B = K^T reads key rows, shared by both products.
+  // K K^T and Q K^T on tensor cores (3xBF16, split in registers): warp w takes rows 16 (w / 2) ..
+  // + 15 and columns 32 (w % 2) .. + 31; B = K^T reads key rows, shared by both products.
   const int lane = tid % 32, warp = tid / 32, gq = lane / 4, tq = lane % 4;
   const int mt = 16 * (warp / 2), nc = 32 * (warp % 2);
   float kk[4][4] = {}, qk[4][4] = {};
-  for (int c0 = 0; c0 < dk; c0 += 8) {
-    const float* kr = Ks + (mt + gq) * ld + c0 + tq;
-    const float* qr = Xs + (mt + gq) * ld + c0 + tq;
-    const mma::Tf32Split ka[4] = {mma::split_tf32(kr[0]), mma::split_tf32(kr[8 * ld]), mma::split_tf32(kr[4]),
-                                  mma::split_tf32(kr[8 * ld + 4])};
-    const mma::Tf32Split qa[4] = {mma::split_tf32(qr[0]), mma::split_tf32(qr[8 * ld]), mma::split_tf32(qr[4]),
-                                  mma::split_tf32(qr[8 * ld + 4])};
+  for (int c0 = 0; c0 < dkp; c0 += 16) {
+    uint32_t kh_[4], kl[4], qh[4], ql[4];
+    split_tile(Ks, ld, mt, c0, gq, tq, kh_, kl);
+    split_tile(Xs, ld, mt, c0, gq, tq, qh, ql);
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      const float* br = Ks + (nc + 8 * nt + gq) * ld + c0 + tq;  // B[c][j] = k_j[c]
-      const mma::Tf32Split b[2] = {mma::split_tf32(br[0]), mma::split_tf32(br[4])};
-      mma::mma_3xtf32(kk[nt], ka, b);
-      mma::mma_3xtf32(qk[nt], qa, b);
+    for (int np = 0; np < 2; ++np) {  // B[c][j] = k_j[c]: key rows nc + 16 np .. as two n-tiles
+      uint32_t bh[4], bl[4];
+      split_tile(Ks, ld, nc + 16 * np, c0, gq, tq, bh, bl);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {  // n-tile 2 np + e: rows nc + 16 np + 8 e (bh[e], bh[e + 2])
+        mma::mma_3xbf16(kk[2 * np + e], kh_, kl, bh[e], bh[e + 2], bl[e], bl[e + 2]);
+        mma::mma_3xbf16(qk[2 * np + e], qh, ql, bh[e], bh[e + 2], bl[e], bl[e + 2]);
+      }
     }
   }
   for (int h = kh * r; h < (kh + 1) * r; ++h) {
@@ -602,7 +624,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(Split k_s, Spl
     __syncthreads();  // S0 and D complete
     store_split_rows(H_s, dv8, (int64_t(ci) * Hv + h) * dkp * dv8 + c0, Sh, ldc, dkp * ldc, dkp, ncols8);
     {  // U = u - w S0 for this warp's tile; then diag(D) U, split, for the state update
-      float acc[kUn][4] = {};
+      float acc[kUn][4] = {}, lo[kUn][4] = {};
 #pragma unroll
       for (int k0 = 0; k0 < 128; k0 += 16) {  // unrolled: fragments load ahead of the products
         if (k0 >= dkp) break;
@@ -614,10 +636,14 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(Split k_s, Spl
           uint32_t bh[4], bl[4];
           mma::load_b_trans_x4(bh, Sh, ldc, k0, un + 16 * np, lane);
           mma::load_b_trans_x4(bl, Sl, ldc, k0, un + 16 * np, lane);
-          mma::mma_3xbf16(acc[2 * np], ah, al, bh[0], bh[1], bl[0], bl[1]);
-          mma::mma_3xbf16(acc[2 * np + 1], ah, al, bh[2], bh[3], bl[2], bl[3]);
+          mma::mma_3xbf16(acc[2 * np], lo[2 * np], ah, al, bh[0], bh[1], bl[0], bl[1]);
+          mma::mma_3xbf16(acc[2 * np + 1], lo[2 * np + 1], ah, al, bh[2], bh[3], bl[2], bl[3]);
         }
       }
+#pragma unroll
+      for (int nn = 0; nn < kUn; ++nn)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nn][e] += lo[nn][e];
 #pragma unroll
       for (int nn = 0; nn < kUn; ++nn)
 #pragma unroll
@@ -635,6 +661,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(Split k_s, Spl
     store_split_rows(U_s, int64_t(Hv) * dv8, (int64_t(start) * Hv + h) * dv8 + c0, Ur, ldc, kChunk * ldc, L, ncols8);
     if (owns) {  // S = exp(G_L) S0 + K^T diag(D) U for this warp's 16 state rows
       const float gl = __expf(G[L - 1]);
+      float lo[kSn][4] = {};
 #pragma unroll
       for (int nt = 0; nt < kSn; ++nt)
 #pragma unroll
@@ -650,10 +677,14 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(Split k_s, Spl
           uint32_t bh[4], bl[4];
           mma::load_b_trans_x4(bh, Uh, ldc, j0, 16 * np, lane);
           mma::load_b_trans_x4(bl, Ul, ldc, j0, 16 * np, lane);
-          mma::mma_3xbf16(S[2 * np], ah, al, bh[0], bh[1], bl[0], bl[1]);
-          mma::mma_3xbf16(S[2 * np + 1], ah, al, bh[2], bh[3], bl[2], bl[3]);
+          mma::mma_3xbf16(S[2 * np], lo[2 * np], ah, al, bh[0], bh[1], bl[0], bl[1]);
+          mma::mma_3xbf16(S[2 * np + 1], lo[2 * np + 1], ah, al, bh[2], bh[3], bl[2], bl[3]);
         }
       }
+#pragma unroll
+      for (int nt = 0; nt < kSn; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) S[nt][e] += lo[nt][e];
     }
 #pragma unroll
     for (int nn = 0; nn < kUn; ++nn)
@@ -710,7 +741,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split
   __syncthreads();
   const int lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
   const int mt = 16 * (warp / 2), nc = 32 * (warp % 2);
-  float acc[4][4] = {};
+  float acc[4][4] = {}, lo[4][4] = {};  // the product is acc + lo (mma_3xbf16's small terms in lo)
   // acc += A B over k < K: A [16 rows from mt][k] row-major (its low part 64 rows on), B [k][32
   // columns from nc] row-major (its low part b_rows rows on).
   auto product = [&](const bf16* A, int lda, const bf16* B, int b_rows, int K) {
@@ -724,8 +755,8 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split
         uint32_t bh[4], bl[4];
         mma::load_b_trans_x4(bh, B, ldc, k0, nc + 16 * np, lane);
         mma::load_b_trans_x4(bl, B + b_rows * ldc, ldc, k0, nc + 16 * np, lane);
-        mma::mma_3xbf16(acc[2 * np], ah, al, bh[0], bh[1], bl[0], bl[1]);
-        mma::mma_3xbf16(acc[2 * np + 1], ah, al, bh[2], bh[3], bl[2], bl[3]);
+        mma::mma_3xbf16(acc[2 * np], lo[2 * np], ah, al, bh[0], bh[1], bl[0], bl[1]);
+        mma::mma_3xbf16(acc[2 * np + 1], lo[2 * np + 1], ah, al, bh[2], bh[3], bl[2], bl[3]);
       }
     }
   };
@@ -734,10 +765,17 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split
   const float e0 = r0 < L ? __expf(G_in[int64_t(ch.start + r0) * Hv + h]) : 0.f;
   const float e1 = r1 < L ? __expf(G_in[int64_t(ch.start + r1) * Hv + h]) : 0.f;
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt) acc[nt][0] *= e0, acc[nt][1] *= e0, acc[nt][2] *= e1, acc[nt][3] *= e1;
+  for (int nt = 0; nt < 4; ++nt) {
+    acc[nt][0] = e0 * (acc[nt][0] + lo[nt][0]), acc[nt][1] = e0 * (acc[nt][1] + lo[nt][1]);
+    acc[nt][2] = e1 * (acc[nt][2] + lo[nt][2]), acc[nt][3] = e1 * (acc[nt][3] + lo[nt][3]);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) lo[nt][e] = 0.f;
+  }
   product(Ps, ldc, Us, kChunk, (L + 15) / 16 * 16);  // + P U (rows of U past L are zero)
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[nt][e] += lo[nt][e];
     const int col = nc + 8 * nt + 2 * t;
     if (col >= ncol) continue;  // ncol and col are even
     if (r0 < L) *reinterpret_cast<float2*>(o + (int64_t(ch.start + r0) * Hv + h) * dv + c0 + col) = make_float2(acc[nt][0], acc[nt][1]);
@@ -903,7 +941,7 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
       q_s(size_t(T * Hk * dkp), pad_k, stream), P_s(size_t(nch * Hv * kChunk * kChunk), false, stream);
   if (nch) {
     const size_t smem =
-        (2 * kChunk * (std::max(dk, dv) + 4) + kChunk * (kChunk + 1) + kChunk * (kChunk + 4) + 3 * kChunk + kInvScratch) *
+        (2 * kChunk * (std::max(dkp, dv) + 4) + kChunk * (kChunk + 1) + kChunk * (kChunk + 4) + 3 * kChunk + kInvScratch) *
         sizeof(float);
     allow_shared_memory(chunk_prepare_kernel, smem, "chunk_prepare");
     chunk_prepare_kernel<<<dim3(unsigned(nch), unsigned(Hk)), kThreads, smem, stream>>>(

@@ -23,41 +23,6 @@ __device__ __forceinline__ void mma16816(float c[4], const uint32_t a[4], uint32
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-/// tf32 of x (round to nearest, ties away), as its bit pattern.
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-  return r;
-}
-
-/// c += A B for one m16n8k8 tile in tf32 (fp32 accumulate). Fragments (PTX ISA, "mma.m16n8k8" for
-/// .tf32), g = lane / 4, t = lane % 4: A a0 = (g, t), a1 = (g+8, t), a2 = (g, t+4), a3 = (g+8, t+4);
-/// B b0 = (k t, n g), b1 = (k t+4, n g); C as m16n8k16.
-__device__ __forceinline__ void mma1688(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-/// An fp32 value as tf32 high and low parts (x ~ hi + lo to about 2^-22 relative).
-struct Tf32Split {
-  uint32_t hi, lo;
-};
-__device__ __forceinline__ Tf32Split split_tf32(float x) {
-  const uint32_t hi = to_tf32(x);
-  return {hi, to_tf32(x - __uint_as_float(hi))};
-}
-
-/// c += A B in about fp32 precision with tensor cores ("3xTF32"): A = Ah + Al, B = Bh + Bl and
-/// c += Al Bh + Ah Bl + Ah Bh (the Al Bl term, ~2^-22 relative, is dropped).
-__device__ __forceinline__ void mma_3xtf32(float c[4], const Tf32Split a[4], const Tf32Split b[2]) {
-  const uint32_t ah[4] = {a[0].hi, a[1].hi, a[2].hi, a[3].hi}, al[4] = {a[0].lo, a[1].lo, a[2].lo, a[3].lo};
-  mma1688(c, al, b[0].hi, b[1].hi);
-  mma1688(c, ah, b[0].lo, b[1].lo);
-  mma1688(c, ah, b[0].hi, b[1].hi);
-}
-
 __device__ __forceinline__ uint32_t ld32(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
 /// fp32 values x0, x1 as bf16 pairs hi and lo (x0 in the low halves, as pack()) with x ~ hi + lo to
@@ -72,13 +37,22 @@ __device__ __forceinline__ void split_bf16x2(float x0, float x1, uint32_t& hi, u
 
 /// c += A B with A = Ah + Al, B = Bh + Bl split by split_bf16x2 ("3xBF16", m16n8k16): c += Al Bh +
 /// Ah Bl + Ah Bh, small terms first (the Al Bl term, ~2^-18 relative, is dropped). About 2^-16
-/// relative per product at worst: 3xTF32's precision is ~2^-22, bf16's 2^-9; half the mma
-/// instructions of 3xTF32 for the same K.
+/// relative per product at worst (bf16 alone: 2^-9); half the mma instructions of 3xTF32 (m16n8k8
+/// tf32, ~2^-22) for the same K.
 __device__ __forceinline__ void mma_3xbf16(float c[4], const uint32_t ah[4], const uint32_t al[4], uint32_t bh0,
                                            uint32_t bh1, uint32_t bl0, uint32_t bl1) {
   mma16816(c, al, bh0, bh1);
   mma16816(c, ah, bl0, bl1);
   mma16816(c, ah, bh0, bh1);
+}
+
+/// mma_3xbf16 with the small terms in their own accumulator: c_lo += Al Bh + Ah Bl, c += Ah Bh (the
+/// product is c + c_lo). Per k step the chains of dependent mma are 2 and 1 long instead of 3.
+__device__ __forceinline__ void mma_3xbf16(float c[4], float c_lo[4], const uint32_t ah[4], const uint32_t al[4],
+                                           uint32_t bh0, uint32_t bh1, uint32_t bl0, uint32_t bl1) {
+  mma16816(c_lo, al, bh0, bh1);
+  mma16816(c, ah, bh0, bh1);
+  mma16816(c_lo, ah, bl0, bl1);
 }
 
 /// Two floats rounded to a bf16 pair (lo in the low half).
