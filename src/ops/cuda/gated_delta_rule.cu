@@ -628,17 +628,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(Split k_s, Spl
 #pragma unroll
       for (int k0 = 0; k0 < 128; k0 += 16) {  // unrolled: fragments load ahead of the products
         if (k0 >= dkp) break;
-        uint32_t ah[4], al[4];
-        mma::load_a_x4(ah, W, ldw, um, k0, lane);
-        mma::load_a_x4(al, W + kChunk * ldw, ldw, um, k0, lane);
-#pragma unroll
-        for (int np = 0; np < kUn / 2; ++np) {
-          uint32_t bh[4], bl[4];
-          mma::load_b_trans_x4(bh, Sh, ldc, k0, un + 16 * np, lane);
-          mma::load_b_trans_x4(bl, Sl, ldc, k0, un + 16 * np, lane);
-          mma::mma_3xbf16(acc[2 * np], lo[2 * np], ah, al, bh[0], bh[1], bl[0], bl[1]);
-          mma::mma_3xbf16(acc[2 * np + 1], lo[2 * np + 1], ah, al, bh[2], bh[3], bl[2], bl[3]);
-        }
+        mma::mma_step_3xbf16<kUn / 2>(acc, lo, W, ldw, kChunk * ldw, um, Sh, ldc, dkp * ldc, un, k0, lane);
       }
 #pragma unroll
       for (int nn = 0; nn < kUn; ++nn)
@@ -669,17 +659,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(Split k_s, Spl
 #pragma unroll
       for (int j0 = 0; j0 < kChunk; j0 += 16) {  // rows L .. are zero in K and diag(D) U
         if (j0 >= L) break;
-        uint32_t ah[4], al[4];
-        mma::load_a_trans_x4(ah, K, ldw, j0, sm0, lane);
-        mma::load_a_trans_x4(al, K + kChunk * ldw, ldw, j0, sm0, lane);
-#pragma unroll
-        for (int np = 0; np < kSn / 2; ++np) {
-          uint32_t bh[4], bl[4];
-          mma::load_b_trans_x4(bh, Uh, ldc, j0, 16 * np, lane);
-          mma::load_b_trans_x4(bl, Ul, ldc, j0, 16 * np, lane);
-          mma::mma_3xbf16(S[2 * np], lo[2 * np], ah, al, bh[0], bh[1], bl[0], bl[1]);
-          mma::mma_3xbf16(S[2 * np + 1], lo[2 * np + 1], ah, al, bh[2], bh[3], bl[2], bl[3]);
-        }
+        mma::mma_step_3xbf16<kSn / 2, true>(S, lo, K, ldw, kChunk * ldw, sm0, Uh, ldc, kChunk * ldc, 0, j0, lane);
       }
 #pragma unroll
       for (int nt = 0; nt < kSn; ++nt)
@@ -746,19 +726,8 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split
   // columns from nc] row-major (its low part b_rows rows on).
   auto product = [&](const bf16* A, int lda, const bf16* B, int b_rows, int K) {
 #pragma unroll 2
-    for (int k0 = 0; k0 < K; k0 += 16) {
-      uint32_t ah[4], al[4];
-      mma::load_a_x4(ah, A, lda, mt, k0, lane);
-      mma::load_a_x4(al, A + kChunk * lda, lda, mt, k0, lane);
-#pragma unroll
-      for (int np = 0; np < 2; ++np) {
-        uint32_t bh[4], bl[4];
-        mma::load_b_trans_x4(bh, B, ldc, k0, nc + 16 * np, lane);
-        mma::load_b_trans_x4(bl, B + b_rows * ldc, ldc, k0, nc + 16 * np, lane);
-        mma::mma_3xbf16(acc[2 * np], lo[2 * np], ah, al, bh[0], bh[1], bl[0], bl[1]);
-        mma::mma_3xbf16(acc[2 * np + 1], lo[2 * np + 1], ah, al, bh[2], bh[3], bl[2], bl[3]);
-      }
-    }
+    for (int k0 = 0; k0 < K; k0 += 16)
+      mma::mma_step_3xbf16<2>(acc, lo, A, lda, kChunk * lda, mt, B, ldc, b_rows * ldc, nc, k0, lane);
   };
   product(Qs, ldq, Ss, dkp, dkp);  // Q S0
   const int r0 = mt + g, r1 = r0 + 8;

@@ -61,44 +61,73 @@ __device__ __forceinline__ uint32_t pack(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+/// ldmatrix.x4 of the 16 x 16 b16 tile m[r0 .. r0 + 15][c0 .. c0 + 15] (shared memory, row-major, ld,
+/// rows 16-byte aligned) as four 8 x 8 matrices into r[0..3], in the order (r0, c0), (r0 + 8, c0),
+/// (r0, c0 + 8), (r0 + 8, c0 + 8), or with kColsFirst (r0, c0), (r0, c0 + 8), (r0 + 8, c0),
+/// (r0 + 8, c0 + 8); each matrix transposed with kTrans.
+template <bool kColsFirst, bool kTrans>
+__device__ __forceinline__ void ldmatrix_tile(uint32_t r[4], const bf16* m, int ld, int r0, int c0, int lane) {
+  const int first = (lane >> 3) & 1, second = (lane >> 4) & 1;  // lanes 8 i .. 8 i + 7 address matrix i
+  const int row = r0 + (lane & 7) + 8 * (kColsFirst ? second : first), col = c0 + 8 * (kColsFirst ? first : second);
+  const unsigned addr = unsigned(__cvta_generic_to_shared(m + row * ld + col));
+  if constexpr (kTrans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
 /// The A fragment at (row0, col0) of a row-major smem matrix (leading dimension ld, rows 16-byte
 /// aligned), one ldmatrix.x4.
 __device__ __forceinline__ void load_a_x4(uint32_t a[4], const bf16* m, int ld, int row0, int col0, int lane) {
-  const unsigned addr =
-      unsigned(__cvta_generic_to_shared(m + (row0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + col0 + ((lane >> 4) & 1) * 8));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-               : "r"(addr));
+  ldmatrix_tile<false, false>(a, m, ld, row0, col0, lane);
 }
 
 /// The A fragment where A[m][k] = m[k0 + k][m0 + m] (the matrix stored transposed, row-major, ld,
 /// rows 16-byte aligned), one ldmatrix.x4.trans.
 __device__ __forceinline__ void load_a_trans_x4(uint32_t a[4], const bf16* m, int ld, int k0, int m0, int lane) {
-  const unsigned addr =
-      unsigned(__cvta_generic_to_shared(m + (k0 + (lane & 7) + ((lane >> 4) & 1) * 8) * ld + m0 + ((lane >> 3) & 1) * 8));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-               : "r"(addr));
+  ldmatrix_tile<true, true>(a, m, ld, k0, m0, lane);
 }
 
 /// B fragments of two n-tiles at once: B[k][n] = m[n0 + n][k0 + k] for n-tiles n0 (b[0], b[1]) and
 /// n0 + 8 (b[2], b[3]) (m row-major, ld, rows 16-byte aligned), one ldmatrix.x4.
 __device__ __forceinline__ void load_b_x4(uint32_t b[4], const bf16* m, int ld, int n0, int k0, int lane) {
-  const unsigned addr =
-      unsigned(__cvta_generic_to_shared(m + (n0 + (lane & 7) + ((lane >> 4) & 1) * 8) * ld + k0 + ((lane >> 3) & 1) * 8));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
-               : "r"(addr));
+  ldmatrix_tile<true, false>(b, m, ld, n0, k0, lane);
 }
 
 /// B fragments of two n-tiles where B[k][n] = m[k0 + k][n0 + n]: n-tile n0 (b[0], b[1]) and n0 + 8
 /// (b[2], b[3]), transposed by ldmatrix.x4.trans.
 __device__ __forceinline__ void load_b_trans_x4(uint32_t b[4], const bf16* m, int ld, int k0, int n0, int lane) {
-  const unsigned addr =
-      unsigned(__cvta_generic_to_shared(m + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + ((lane >> 4) & 1) * 8));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
-               : "r"(addr));
+  ldmatrix_tile<false, true>(b, m, ld, k0, n0, lane);
+}
+
+/// One k step (16) of a warp's acc += A B in 3xBF16 on split bf16 operands in shared memory: A rows
+/// m0 .. m0 + 15 x columns k0 .. k0 + 15 of a row-major matrix a (with kTransA stored transposed,
+/// A[m][k] = a[k][m]), its low part a_lo elements on; B rows k0 .. k0 + 15 x columns n0 .. n0 +
+/// 16 kPairs - 1 of a row-major matrix b, low part b_lo on. acc gets the Ah Bh terms, lo the small ones.
+template <int kPairs, bool kTransA = false>
+__device__ __forceinline__ void mma_step_3xbf16(float (&acc)[2 * kPairs][4], float (&lo)[2 * kPairs][4], const bf16* a,
+                                                int lda, int a_lo, int m0, const bf16* b, int ldb, int b_lo, int n0,
+                                                int k0, int lane) {
+  uint32_t ah[4], al[4];
+  if constexpr (kTransA) {
+    load_a_trans_x4(ah, a, lda, k0, m0, lane);
+    load_a_trans_x4(al, a + a_lo, lda, k0, m0, lane);
+  } else {
+    load_a_x4(ah, a, lda, m0, k0, lane);
+    load_a_x4(al, a + a_lo, lda, m0, k0, lane);
+  }
+#pragma unroll
+  for (int np = 0; np < kPairs; ++np) {
+    uint32_t bh[4], bl[4];
+    load_b_trans_x4(bh, b, ldb, k0, n0 + 16 * np, lane);
+    load_b_trans_x4(bl, b + b_lo, ldb, k0, n0 + 16 * np, lane);
+    mma_3xbf16(acc[2 * np], lo[2 * np], ah, al, bh[0], bh[1], bl[0], bl[1]);
+    mma_3xbf16(acc[2 * np + 1], lo[2 * np + 1], ah, al, bh[2], bh[3], bl[2], bl[3]);
+  }
 }
 
 // cp.async: 16-byte global -> shared copies that complete in the background (zero-filled when !valid).
