@@ -208,8 +208,8 @@ TEST(CudaGdn, ChunkedMatchesTheRecurrence) {
                std::invalid_argument);  // dv not a multiple of 4
 }
 
-// Less shared memory per block than the tensor-core chunk_state needs (A100: 163 KB, against ~167 KB
-// at dk 128 and 32 state columns; 48 KB against ~56 KB at dk 24) takes the SIMT chunk_state: the same
+// Less shared memory per block than the tensor-core chunk_state needs (A100: 163 KB, against ~177 KB
+// at dk 128 and 32 state columns; 48 KB against ~66 KB at dk 24) takes the SIMT chunk_state: the same
 // checks.
 TEST(CudaGdn, ChunkedWithLessSharedMemoryMatchesTheRecurrence) {
   if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";

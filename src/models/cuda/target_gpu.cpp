@@ -318,8 +318,14 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
   const int64_t dv = sp.linear_value_head_dim, Cg = 2 * Hk * dk + Hv * dv;
   const bool hybrid = has_gated_deltanet(sp);
   StreamBuffer<int32_t> d_start = cuda::upload(hybrid ? cuda::sequence_starts(cu) : std::vector<int32_t>{}, s);
+  // A decoding step (at most kDecodeTokens new tokens in every sequence) runs GatedDeltaNet token by
+  // token, as verification does: plain and speculative decoding then make the same states. The
+  // longest sequence of the forward decides for all of it.
+  int64_t max_new = 0;
+  for (size_t q = 0; q + 1 < cu.size(); ++q) max_new = std::max(max_new, cu[q + 1] - cu[q]);
+  const bool token_by_token = cached && (keep_rollback || max_new <= kDecodeTokens);
   std::optional<cuda::GdnChunkPlan> gdn_chunks;  // the chunk list, once for every GatedDeltaNet layer
-  if (hybrid) gdn_chunks.emplace(cu, s);
+  if (hybrid && !token_by_token) gdn_chunks.emplace(cu, s);
   // With a cache: each token's sequence and the cu_seqlens as int32 for the windowed conv.
   std::vector<int32_t> seq_of, cu32;
   if (cached && hybrid) {
@@ -332,11 +338,6 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
   auto d_seq_of = cuda::upload(seq_of, s), d_cu32 = cuda::upload(cu32, s);
   const int Kc = int(sp.linear_conv_kernel_dim);
   const int64_t state_elems = Hv * dk * dv;
-  // A decoding step (at most kDecodeTokens new tokens per sequence) runs GatedDeltaNet token by token,
-  // as verification does: plain and speculative decoding then make the same states.
-  int64_t max_new = 0;
-  for (size_t q = 0; q + 1 < cu.size(); ++q) max_new = std::max(max_new, cu[q + 1] - cu[q]);
-  const bool decode_step = cached && max_new <= kDecodeTokens;
   auto gbuf = [&](int64_t n) { return StreamBuffer<float>(hybrid ? size_t(n) : 0, s); };  // fp32 activations
   StreamBuffer<float> gpre = gbuf(T * Cg), gconv = gbuf(T * Cg), gz = gbuf(T * Hv * dv), gq = gbuf(T * Hk * dk),
                       gk = gbuf(T * Hk * dk), gv = gbuf(T * Hv * dv), go = gbuf(T * Hv * dv), gb = gbuf(T * Hv),
@@ -386,7 +387,7 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
           DFLASH_CUDA_CHECK(cudaMemcpyAsync(keep + off, src, size_t(n) * 4, cudaMemcpyDeviceToDevice, s));
         DFLASH_CUDA_CHECK(cudaMemcpyAsync(gc->state_before.data(), gc->state.data(), n_state * 4, cudaMemcpyDeviceToDevice, s));
       }
-      if (gc && (keep_rollback || decode_step)) {  // token by token
+      if (token_by_token) {
         cuda::gated_delta_rule_recurrent(gq.data(), gk.data(), gv.data(), gg.data(), gbeta.data(), cu, int(Hk), int(Hv),
                                          int(dk), int(dv), gc->state.data(), nullptr, go.data(), s);
       } else {  // the cached state in and out (in place: each block reads its slice before writing it)

@@ -64,7 +64,7 @@ class TargetGpu {
   /// `argmax` is given, the most likely token of every row (computed on the GPU without the logits
   /// leaving it). GatedDeltaNet layers continue each sequence's conv window and state: through the
   /// chunked kernel, or token by token (gated_delta_rule_recurrent) in a decoding step (at most 16 new
-  /// tokens per sequence) and with opt.keep_rollback, which also keeps
+  /// tokens in every sequence of the call) and with opt.keep_rollback, which also keeps
   /// each sequence's state before the forward and every new token's recurrence inputs (q, k, v, g,
   /// beta: 2 Hk dk + Hv dv + 2 Hv floats per token and layer, not a Hv x dk x dv state each) so that
   /// truncate_cache can drop any suffix of them. Throws std::invalid_argument for bad ids or cu_seqlens,

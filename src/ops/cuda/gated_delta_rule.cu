@@ -882,14 +882,15 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   const Chunk* d_chunks = plan.chunks.data();
   const int32_t* d_first = plan.first.data();
   // chunk_state: the tensor-core kernel with 64 state columns per block, or 32 when that still fits
-  // one wave (one block per SM) and 64 would leave SMs idle: the chain of chunks is the critical path.
-  // GPUs with less shared memory per block than it needs (A100) run the SIMT kernel.
+  // one wave (one block per SM) and 64 would leave SMs idle (the chain of chunks is the critical
+  // path), or when only 32 fit in shared memory. GPUs with less shared memory per block than either
+  // needs (A100 at dk 128) run the SIMT kernel.
   const int dkp = state_rows(dk);
   int dev = 0, sms = 0;
   DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
   DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   const size_t limit = shared_limit ? std::min(shared_limit, device_shared_limit()) : device_shared_limit();
-  const bool narrow = int64_t(nseq) * Hv * ((dv + 31) / 32) <= sms;
+  const bool narrow = int64_t(nseq) * Hv * ((dv + 31) / 32) <= sms || chunk_state_smem(dk, kMaxCols) > limit;
   const int cols = narrow ? 32 : kMaxCols;
   const size_t smem_tc = chunk_state_smem(dk, cols);
   const bool tc = smem_tc <= limit;
