@@ -13,7 +13,8 @@
 // Every matrix product runs on tensor cores in 3xBF16 (mma_3xbf16: fp32 values as bf16 pairs
 // hi + lo, ~2^-16 relative per product; half the mma instructions of 3xTF32). chunk_state's and
 // chunk_out's operands are split once, by the kernel that makes them (Split); chunk_prepare splits
-// its fp32 tiles in registers. The state and every stored activation stay fp32; bench gdn records
+// the Gram products' fp32 tiles in registers and its keys and values once, in place in shared memory
+// (split_rows_in_place). The state and every stored activation stay fp32; bench gdn records
 // the output's error against the fp32 token recurrence. The substitution for T is fp32 SIMT. The layer's activations between the
 // projections' GEMMs (conv1d, q / k / v, o) are fp32 too: bf16 only feeds GEMMs.
 #include <algorithm>
@@ -186,37 +187,77 @@ __device__ __forceinline__ void split_tile(const float* m, int ld, int row0, int
   split_pair(p + 8 * ld + 8, hi[3], lo[3]);
 }
 
+/// Row stride (floats) of chunk_prepare's key and query / value tiles: a multiple of 32 plus 4, so
+/// that a row also holds its split (split_rows_in_place) with conflict-free ldmatrix rows.
+__host__ __device__ constexpr int prepare_ld(int dk, int dv) {
+  const int w = state_rows(dk) > state_rows(dv) ? state_rows(dk) : state_rows(dv);
+  return (w + 31) / 32 * 32 + 4;
+}
+
+/// The fp32 tile x [64][ld] (shared memory, ld % 32 == 4), columns [0, width) (even, <= 128),
+/// rewritten in place as its split (split_bf16x2): row r's high parts from bf16 offset 2 ld r, its low
+/// parts from 2 ld r + ld + 4 (each row stays in its own bytes; as a split matrix: row stride 2 ld,
+/// low part ld + 4 on, rows 16-byte aligned, ldmatrix free of bank conflicts). Two rounds of 32 rows,
+/// 8 threads per row; synchronizes the block.
+__device__ __forceinline__ void split_rows_in_place(float* x, int ld, int width) {
+  static_assert(kThreads == 256, "32 rows of 8 threads per round");
+  bf16* b = reinterpret_cast<bf16*>(x);
+  const int rr = threadIdx.x / 8, c0 = 2 * (threadIdx.x % 8);
+  for (int r0 = 0; r0 < kChunk; r0 += 32) {
+    const int r = r0 + rr;
+    float2 v[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (c0 + 16 * i < width) v[i] = *reinterpret_cast<const float2*>(x + r * ld + c0 + 16 * i);
+    __syncthreads();  // every read of these rows is done
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int c = c0 + 16 * i;
+      if (c < width)
+        mma::split_bf16x2(v[i].x, v[i].y, *reinterpret_cast<uint32_t*>(b + 2 * r * ld + c),
+                          *reinterpret_cast<uint32_t*>(b + 2 * r * ld + ld + 4 + c));
+    }
+    __syncthreads();
+  }
+}
+
 /// out[i][c] = sum_{j < L} M[i][j] * coef[j] * X[j][c] for i < L, c < n (n % 4 == 0, n <= 128) on
-/// tensor cores (3xBF16, split in registers), handed over in pairs: store(i, c, out[i][c],
-/// out[i][c + 1]) for even c. M [64][ldm] (ldm even), X [64][ld] with zero columns n .. (n rounded
-/// up to 8) - 1 (the last ones read) and zero rows (or coef, or M's columns) from L to L rounded up to
-/// 16. Warp w computes rows 16 (w % 4) .. + 15 and every other 8-column tile from w / 4.
+/// tensor cores in 3xBF16, handed over in pairs: store(i, c, out[i][c], out[i][c + 1]) for even c.
+/// A = M diag(coef) is split in registers (M [64][ldm] fp32, ldm even); X is split already
+/// (split_rows_in_place: row stride ldx, low part lo_off on), its fragments loaded by ldmatrix, with
+/// zero columns from n to n rounded up to 16 and zero rows (or coef, or M's columns) from L to L rounded
+/// up to 16. Warp w computes rows 16 (w % 4) .. + 15 and the 16-column tiles w / 4, w / 4 + 2, ...
 template <typename Store>
-__device__ __forceinline__ void lower_times_rows(const float* M, int ldm, const float* coef, const float* X, int ld,
-                                                 int L, int n, Store store) {
+__device__ __forceinline__ void lower_times_rows(const float* M, int ldm, const float* coef, const bf16* X, int ldx,
+                                                 int lo_off, int L, int n, Store store) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
-  const int mt = 16 * (warp % 4), nt0 = warp / 4, ntiles = (n + 7) / 8;
-  float acc[8][4] = {};
+  const int mt = 16 * (warp % 4), p0 = warp / 4, pairs = (n + 15) / 16;
+  float acc[8][4] = {};  // n-tiles 2 (p0 + 2 q) + e as acc[2 q + e]
   for (int j0 = 0; j0 < L; j0 += 16) {
     uint32_t ah[4], al[4];
-    split_tile(M, ldm, mt, j0, g, t, ah, al);
     const int j = j0 + 2 * t;
     const float f0 = coef[j], f1 = coef[j + 1], f8 = coef[j + 8], f9 = coef[j + 9];
 #pragma unroll
-    for (int q = 0; q < 8; ++q) {
-      const int nt = nt0 + 2 * q;
-      if (nt >= ntiles) break;
-      const float* br = X + j * ld + 8 * nt + g;  // B[j][c] = coef[j] X[j][c]
-      uint32_t bh0, bl0, bh1, bl1;
-      mma::split_bf16x2(f0 * br[0], f1 * br[ld], bh0, bl0);
-      mma::split_bf16x2(f8 * br[8 * ld], f9 * br[9 * ld], bh1, bl1);
-      mma::mma_3xbf16(acc[q], ah, al, bh0, bh1, bl0, bl1);
+    for (int half = 0; half < 2; ++half) {  // a[half] rows g (+ 8), columns j, j + 1; a[2 + half]: j + 8, j + 9
+      const float* m = M + (mt + g + 8 * half) * ldm + j;
+      mma::split_bf16x2(f0 * m[0], f1 * m[1], ah[half], al[half]);
+      mma::split_bf16x2(f8 * m[8], f9 * m[9], ah[2 + half], al[2 + half]);
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int p = p0 + 2 * q;
+      if (p >= pairs) break;
+      uint32_t bh[4], bl[4];
+      mma::load_b_trans_x4(bh, X, ldx, j0, 16 * p, lane);
+      mma::load_b_trans_x4(bl, X + lo_off, ldx, j0, 16 * p, lane);
+      mma::mma_3xbf16(acc[2 * q], ah, al, bh[0], bh[1], bl[0], bl[1]);
+      mma::mma_3xbf16(acc[2 * q + 1], ah, al, bh[2], bh[3], bl[2], bl[3]);
     }
   }
 #pragma unroll
   for (int q = 0; q < 8; ++q) {
-    const int col = 8 * (nt0 + 2 * q) + 2 * t;
-    if (col >= n) break;  // n and col are even
+    const int col = 16 * (p0 + 2 * (q / 2)) + 8 * (q % 2) + 2 * t;
+    if (col >= n) continue;  // n and col are even
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int i = mt + g + 8 * half;
@@ -294,9 +335,9 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
                                                                     Split q_s, float* u_out, Split P_s, float* G_out) {
   extern __shared__ float4 sm4[];
   float* sm = reinterpret_cast<float*>(sm4);
-  const int ld = max(dkp, dv) + 4;   // row stride: 16-byte rows, padded
-  float* Ks = sm;                    // [64][ld] keys
-  float* Xs = Ks + kChunk * ld;      // [64][ld] queries, later values
+  const int ld = prepare_ld(dk, dv);  // row stride (floats)
+  float* Ks = sm;                     // [64][ld] keys, later split in place
+  float* Xs = Ks + kChunk * ld;       // [64][ld] queries, later values (split in place)
   constexpr int ldm = kChunk + 1, ldt = kChunk + 4;
   float* M = Xs + kChunk * ld;       // [64][ldm] A
   float* Tm = M + kChunk * ldm;      // [64][ldt] T = (I + A)^-1
@@ -306,7 +347,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
   float* Y = Bg + kChunk;            // [3][16][17] scratch of the inverse
   const Chunk ch = chunks[blockIdx.x];
   const int kh = blockIdx.y, r = Hv / Hk, L = ch.len, tid = threadIdx.x;
-  const int dv8 = (dv + 7) / 8 * 8;  // <= ld: the columns the products read (keys: dkp)
+  const int dv16 = state_rows(dv);  // <= ld: the columns the products read (keys: dkp)
   load_rows_async(Ks, ld, dkp, k, ch.start, L, Hk, kh, dk, 0, dk);
   load_rows_async(Xs, ld, dkp, q, ch.start, L, Hk, kh, dk, 0, dk);
   mma::cp_async_commit();
@@ -338,6 +379,9 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
       }
     }
   }
+  split_rows_in_place(Ks, ld, dkp);  // after the Gram products (its first barrier): K for every w
+  const bf16* Kb = reinterpret_cast<const bf16*>(Ks);
+  const bf16* Vb = reinterpret_cast<const bf16*>(Xs);
   for (int h = kh * r; h < (kh + 1) * r; ++h) {
     __syncthreads();  // the previous head (or the Gram products) is done with G, Bt, M, T and Xs
     if (tid < kChunk) {
@@ -369,22 +413,23 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
         store_split(P_s, P0 + i * kChunk + j, p[0], p[1]);
       }
     // The values load while T and w are computed (the queries were last read by the Gram products).
-    load_rows_async(Xs, ld, dv8, v, ch.start, L, Hv, h, dv, 0, dv);
+    load_rows_async(Xs, ld, dv16, v, ch.start, L, Hv, h, dv, 0, dv);
     mma::cp_async_commit();
     __syncthreads();
     invert_unit_lower(M, ldm, Tm, ldt, Y);  // T = (I + A)^-1 (synchronizes)
     // w = T diag(beta e^G) K
     if (w_out)
-      lower_times_rows(Tm, ldt, Bg, Ks, ld, L, dk, [&](int i, int c, float x0, float x1) {
+      lower_times_rows(Tm, ldt, Bg, Kb, 2 * ld, ld + 4, L, dk, [&](int i, int c, float x0, float x1) {
         *reinterpret_cast<float2*>(w_out + (int64_t(ch.start + i) * Hv + h) * dk + c) = make_float2(x0, x1);
       });
     else
-      lower_times_rows(Tm, ldt, Bg, Ks, ld, L, dk, [&](int i, int c, float x0, float x1) {
+      lower_times_rows(Tm, ldt, Bg, Kb, 2 * ld, ld + 4, L, dk, [&](int i, int c, float x0, float x1) {
         store_split(w_s, (int64_t(ch.start + i) * Hv + h) * dkp + c, x0, x1);
       });
     mma::cp_async_wait<0>();
-    __syncthreads();
-    lower_times_rows(Tm, ldt, Bt, Xs, ld, L, dv, [&](int i, int c, float x0, float x1) {  // u = T diag(beta) V
+    __syncthreads();  // every thread's values have landed
+    split_rows_in_place(Xs, ld, dv16);
+    lower_times_rows(Tm, ldt, Bt, Vb, 2 * ld, ld + 4, L, dv, [&](int i, int c, float x0, float x1) {  // u = T diag(beta) V
       *reinterpret_cast<float2*>(u_out + (int64_t(ch.start + i) * Hv + h) * dv + c) = make_float2(x0, x1);
     });
     if (tid < L) G_out[int64_t(ch.start + tid) * Hv + h] = G[tid];
@@ -911,7 +956,7 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
       q_s(size_t(T * Hk * dkp), pad_k, stream), P_s(size_t(nch * Hv * kChunk * kChunk), false, stream);
   if (nch) {
     const size_t smem =
-        (2 * kChunk * (std::max(dkp, dv) + 4) + kChunk * (kChunk + 1) + kChunk * (kChunk + 4) + 3 * kChunk + kInvScratch) *
+        (2 * kChunk * prepare_ld(dk, dv) + kChunk * (kChunk + 1) + kChunk * (kChunk + 4) + 3 * kChunk + kInvScratch) *
         sizeof(float);
     allow_shared_memory(chunk_prepare_kernel, smem, "chunk_prepare");
     chunk_prepare_kernel<<<dim3(unsigned(nch), unsigned(Hk)), kThreads, smem, stream>>>(
