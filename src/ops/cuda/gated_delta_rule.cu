@@ -14,9 +14,10 @@
 // hi + lo, ~2^-16 relative per product; half the mma instructions of 3xTF32). chunk_state's and
 // chunk_out's operands are split once, by the kernel that makes them (Split); chunk_prepare splits
 // the Gram products' fp32 tiles in registers and its keys and values once, in place in shared memory
-// (split_rows_in_place). The state and every stored activation stay fp32; bench gdn records
-// the output's error against the fp32 token recurrence. The substitution for T is fp32 SIMT. The layer's activations between the
-// projections' GEMMs (conv1d, q / k / v, o) are fp32 too: bf16 only feeds GEMMs.
+// (split_rows_in_place). The state and every stored activation stay fp32; bench gdn records the
+// output's error against the fp32 token recurrence. The substitution for T is fp32 SIMT. The
+// layer's activations between the projections' GEMMs (conv1d, q / k / v, o) are fp32 too: bf16
+// only feeds GEMMs.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
