@@ -172,4 +172,19 @@ TEST(CudaMaskedAttention, RefusesUnsupportedHeadDims) {
                std::invalid_argument);
 }
 
+TEST(CudaMaskedAttention, RefusesScalesThatAreNotPositive) {
+  REQUIRE_GPU();
+  // The kernels take each row's maximum of the unscaled scores, so only a positive scale is right.
+  for (float scale : {0.f, -0.125f, NAN, INFINITY}) {
+    EXPECT_THROW(cuda::masked_attention_forward(nullptr, nullptr, nullptr, nullptr, 4, 4, 2, 2, 64, scale, nullptr,
+                                                nullptr, nullptr),
+                 std::invalid_argument)
+        << scale;
+    EXPECT_THROW(cuda::masked_attention_backward(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 4, 4,
+                                                 2, 2, 64, scale, nullptr, nullptr, nullptr, nullptr, nullptr),
+                 std::invalid_argument)
+        << scale;
+  }
+}
+
 #endif

@@ -20,12 +20,13 @@ constexpr int kWarps = 4;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-/// A fragment of a row-major smem matrix at (row0, col0) with leading dimension ld.
-__device__ __forceinline__ void load_a(uint32_t a[4], const bf16* m, int ld, int row0, int col0, int g, int t) {
-  a[0] = ld32(m + (row0 + g) * ld + col0 + 2 * t);
-  a[1] = ld32(m + (row0 + g + 8) * ld + col0 + 2 * t);
-  a[2] = ld32(m + (row0 + g) * ld + col0 + 2 * t + 8);
-  a[3] = ld32(m + (row0 + g + 8) * ld + col0 + 2 * t + 8);
+/// 2^x in one MUFU.EX2 (ex2.approx.ftz.f32: ~2^-22 relative error, results below 2^-126 flushed to
+/// 0, 2^-inf = 0). exp2f without fast-math wraps the same instruction in a denormal-range fix-up
+/// (4 instructions); probabilities that small do not matter next to the bf16 operands.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 /// A fragment for keys/queries 16kk..16kk+15 from an accumulator tile array c[n-tile][4].
@@ -203,41 +204,37 @@ struct RowTile {
   float m_a, m_b, l_a, l_b;
 };
 
-/// The online softmax of one m-tile over a key tile: s [16 x N] scores -> probabilities (in place),
-/// running max / sum updated, oacc rescaled. Rows ra / rb; a tile not `full` masks by their ranges.
+/// The online softmax of one m-tile over a key tile: s [16 x N] raw scores -> probabilities (in
+/// place), running max / sum (log2 domain, scaled) updated, oacc rescaled. Rows ra / rb; a tile not
+/// `full` masks by their ranges. scale_log2 > 0, so the max of the raw scores scales to the max of
+/// the scaled ones and each probability is one FFMA and one exp2.
 template <int D, int N>
 __device__ __forceinline__ void online_softmax(float (*s)[4], RowTile<D>& r, bool full, const KvRange32* ranges, int ra,
                                                int rb, int Nq, int k0, int seg, int Nk, int t, float scale_log2) {
   float mx_a = -INFINITY, mx_b = -INFINITY;
-  if (full) {
-#pragma unroll
-    for (int nt = 0; nt < N / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] *= scale_log2;
-      mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
-      mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
-    }
-  } else {
+  if (!full) {
     const KvRange32 rga = ra < Nq ? ranges[ra] : KvRange32{}, rgb = rb < Nq ? ranges[rb] : KvRange32{};
 #pragma unroll
     for (int nt = 0; nt < N / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = k0 + nt * 8 + 2 * t + (e & 1);
-        const bool ok = key < Nk && visible_in(e < 2 ? rga : rgb, key, seg);
-        s[nt][e] = ok ? s[nt][e] * scale_log2 : -INFINITY;
-        if (e < 2) mx_a = fmaxf(mx_a, s[nt][e]);
-        else mx_b = fmaxf(mx_b, s[nt][e]);
+        if (!(key < Nk && visible_in(e < 2 ? rga : rgb, key, seg))) s[nt][e] = -INFINITY;
       }
   }
-  const float mn_a = fmaxf(r.m_a, quad_max(mx_a)), mn_b = fmaxf(r.m_b, quad_max(mx_b));
+#pragma unroll
+  for (int nt = 0; nt < N / 8; ++nt) {
+    mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
+    mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
+  }
+  const float mn_a = fmaxf(r.m_a, quad_max(mx_a) * scale_log2), mn_b = fmaxf(r.m_b, quad_max(mx_b) * scale_log2);
   const float base_a = mn_a == -INFINITY ? 0.f : mn_a, base_b = mn_b == -INFINITY ? 0.f : mn_b;
-  const float al_a = exp2f(r.m_a - base_a), al_b = exp2f(r.m_b - base_b);  // 0 while nothing was seen
+  const float al_a = fast_exp2(r.m_a - base_a), al_b = fast_exp2(r.m_b - base_b);  // 0 while nothing was seen
   float ps_a = 0.f, ps_b = 0.f;
 #pragma unroll
   for (int nt = 0; nt < N / 8; ++nt) {
-    s[nt][0] = exp2f(s[nt][0] - base_a), s[nt][1] = exp2f(s[nt][1] - base_a);
-    s[nt][2] = exp2f(s[nt][2] - base_b), s[nt][3] = exp2f(s[nt][3] - base_b);
+    s[nt][0] = fast_exp2(fmaf(s[nt][0], scale_log2, -base_a)), s[nt][1] = fast_exp2(fmaf(s[nt][1], scale_log2, -base_a));
+    s[nt][2] = fast_exp2(fmaf(s[nt][2], scale_log2, -base_b)), s[nt][3] = fast_exp2(fmaf(s[nt][3], scale_log2, -base_b));
     ps_a += s[nt][0] + s[nt][1];
     ps_b += s[nt][2] + s[nt][3];
   }
@@ -271,7 +268,7 @@ __global__ void __launch_bounds__(32 * W, MT == 2 ? 2 : (D <= 128 ? 3 : 2))
   uint32_t qa[MT == 1 ? D / 16 : 1][4];
   if constexpr (MT == 1) {
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) load_a(qa[kk], Qs, LD, wrow, kk * 16, g, t);
+    for (int kk = 0; kk < D / 16; ++kk) load_a_x4(qa[kk], Qs, LD, wrow, kk * 16, lane);
     __syncthreads();  // every warp holds its Q fragments before the key buffers are filled
   }
   RowTile<D> rt[MT];
@@ -301,7 +298,7 @@ __global__ void __launch_bounds__(32 * W, MT == 2 ? 2 : (D <= 128 ? 3 : 2))
       for (int kk = 0; kk < D / 16; ++kk) {
         uint32_t a[MT][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) load_a(a[mt], Qs, LD, wrow + 16 * mt, kk * 16, g, t);
+        for (int mt = 0; mt < MT; ++mt) load_a_x4(a[mt], Qs, LD, wrow + 16 * mt, kk * 16, lane);
 #pragma unroll
         for (int nt = 0; nt < N / 8; nt += 2) {
           uint32_t b[4];
@@ -409,12 +406,12 @@ __global__ void __launch_bounds__(32 * W) dq_kernel(const bf16* __restrict__ q, 
   tile_union(ranges, Nq, row0, QR, lohi);
   uint32_t qa[D / 16][4], da[D / 16][4];
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) load_a(qa[kk], Qs, LD, warp * 16, kk * 16, g, t);
+  for (int kk = 0; kk < D / 16; ++kk) load_a_x4(qa[kk], Qs, LD, warp * 16, kk * 16, lane);
   __syncthreads();
   load_rows<D>(Qs, LD, dout, Nq, H, h, row0, QR);
   __syncthreads();
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) load_a(da[kk], Qs, LD, warp * 16, kk * 16, g, t);
+  for (int kk = 0; kk < D / 16; ++kk) load_a_x4(da[kk], Qs, LD, warp * 16, kk * 16, lane);
   const int ra = row0 + warp * 16 + g, rb = ra + 8;
   const KvRange32 rga = ra < Nq ? ranges[ra] : KvRange32{}, rgb = rb < Nq ? ranges[rb] : KvRange32{};
   const float lse_a = ra < Nq ? lse[int64_t(ra) * H + h] * kLog2e : 0.f, lse_b = rb < Nq ? lse[int64_t(rb) * H + h] * kLog2e : 0.f;
@@ -441,7 +438,7 @@ __global__ void __launch_bounds__(32 * W) dq_kernel(const bf16* __restrict__ q, 
         for (int e = 0; e < 4; ++e) {
           const int key = k0 + nt * 8 + 2 * t + (e & 1);
           const bool ok = full || (key < Nk && visible_in(e < 2 ? rga : rgb, key, seg));
-          const float p = ok ? exp2f(s[nt][e] * scale_log2 - (e < 2 ? lse_a : lse_b)) : 0.f;
+          const float p = ok ? fast_exp2(fmaf(s[nt][e], scale_log2, -(e < 2 ? lse_a : lse_b))) : 0.f;
           s[nt][e] = p * (dp[nt][e] - (e < 2 ? dl_a : dl_b));  // dS
         }
       acc_times_smem<D, BN>(acc, s, Ks, LD, lane);
@@ -546,8 +543,8 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         uint32_t ka[4], va[4];
-        load_a(ka, Ks, LD, warp * 16, kk * 16, g, t);
-        load_a(va, Vs, LD, warp * 16, kk * 16, g, t);
+        load_a_x4(ka, Ks, LD, warp * 16, kk * 16, lane);
+        load_a_x4(va, Vs, LD, warp * 16, kk * 16, lane);
 #pragma unroll
         for (int nt = 0; nt < BM / 8; nt += 2) {
           uint32_t b[4];
@@ -565,7 +562,7 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
         for (int e = 0; e < 4; ++e) {
           const int ql = nt * 8 + 2 * t + (e & 1), key = e < 2 ? key_a : key_b;
           const bool ok = full || (row0 + ql < Nq && key < Nk && visible(s_rg[ql], key));
-          const float p = ok ? exp2f(fmaf(st[nt][e], scale_log2, -s_lse[ql] * kLog2e)) : 0.f;
+          const float p = ok ? fast_exp2(fmaf(st[nt][e], scale_log2, -s_lse[ql] * kLog2e)) : 0.f;
           st[nt][e] = p;
           dpt[nt][e] = p * (dpt[nt][e] - s_delta[ql]);  // dS^T
         }
@@ -616,10 +613,12 @@ __global__ void dkv_reduce_kernel(const float* part_dk, const float* part_dv, in
 constexpr int kSplitQueryTiles = 16;
 int dkv_parts(int64_t Nq) { return (Nq + BM - 1) / BM >= kSplitQueryTiles ? 2 : 1; }
 
-void check_args(int64_t Nq, int64_t Nk, int H, int Hkv, const char* what) {
+void check_args(int64_t Nq, int64_t Nk, int H, int Hkv, float scale, const char* what) {
   if (Nq < 0 || Nk < 0 || Nq > INT_MAX / 2 || Nk > INT_MAX / 2 || H <= 0 || Hkv <= 0 || H % Hkv)
     throw std::invalid_argument(std::string(what) + ": bad sizes (Nq " + std::to_string(Nq) + ", Nk " +
                                 std::to_string(Nk) + ", H " + std::to_string(H) + ", Hkv " + std::to_string(Hkv) + ")");
+  if (!(scale > 0.f) || !std::isfinite(scale))  // the kernels take maxima of unscaled scores
+    throw std::invalid_argument(std::string(what) + ": scale " + std::to_string(scale) + " is not a positive finite number");
 }
 
 template <typename K>
@@ -679,7 +678,7 @@ void launch_bwd(const bf16* q, const bf16* k, const bf16* v, const bf16* o, cons
 void masked_attention_forward(const bf16* q, const bf16* k, const bf16* v, const KvRange32* ranges, int64_t Nq,
                               int64_t Nk, int H, int Hkv, int D, float scale, bf16* o, float* lse,
                               cudaStream_t stream) {
-  check_args(Nq, Nk, H, Hkv, "masked_attention_forward");
+  check_args(Nq, Nk, H, Hkv, scale, "masked_attention_forward");
   if (Nq == 0) return;
   switch (D) {
     case 64: return launch_fwd<64, kWarps>(q, k, v, ranges, int(Nq), int(Nk), H, Hkv, scale, o, lse, stream);
@@ -703,7 +702,7 @@ void masked_attention_backward(const bf16* q, const bf16* k, const bf16* v, cons
                                const bf16* dout, const KvRange32* ranges, int64_t Nq, int64_t Nk, int H, int Hkv,
                                int D, float scale, bf16* dq, bf16* dk, bf16* dv, void* workspace,
                                cudaStream_t stream) {
-  check_args(Nq, Nk, H, Hkv, "masked_attention_backward");
+  check_args(Nq, Nk, H, Hkv, scale, "masked_attention_backward");
   if (Nk > 0 && Nq == 0) {
     DFLASH_CUDA_CHECK(cudaMemsetAsync(dk, 0, size_t(Nk) * Hkv * D * sizeof(bf16), stream));
     DFLASH_CUDA_CHECK(cudaMemsetAsync(dv, 0, size_t(Nk) * Hkv * D * sizeof(bf16), stream));

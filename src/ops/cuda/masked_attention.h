@@ -32,7 +32,8 @@ std::vector<KvRange32> causal_ranges(const std::vector<int64_t>& cu_seqlens);
 /// Forward. q [Nq, H, D], k and v [Nk, Hkv, D] bf16 (H % Hkv == 0, query head h uses kv head
 /// h / (H / Hkv)), ranges [Nq] (device). Writes o [Nq, H, D] bf16 (0 for a row that sees nothing)
 /// and, when non-null, lse [Nq, H] fp32 = natural-log logsumexp of the scaled allowed scores
-/// (-inf for a row that sees nothing). D in {64, 128, 256}. Throws std::invalid_argument otherwise.
+/// (-inf for a row that sees nothing). D in {64, 128, 256}, scale > 0 (finite); throws
+/// std::invalid_argument otherwise.
 void masked_attention_forward(const bf16* q, const bf16* k, const bf16* v, const KvRange32* ranges, int64_t Nq,
                               int64_t Nk, int H, int Hkv, int D, float scale, bf16* o, float* lse,
                               cudaStream_t stream);
