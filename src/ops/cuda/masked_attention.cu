@@ -92,29 +92,41 @@ __device__ __forceinline__ float quad_sum(float v) {
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-/// Copies rows [r0, r0 + rows) of one head of a [N, heads, D] tensor into smem [rows][ld] (zeros past N).
-template <int D>
-__device__ void load_rows(bf16* dst, int ld, const bf16* src, int N, int heads, int head, int r0, int rows) {
-  for (int i = threadIdx.x; i < rows * D / 8; i += blockDim.x) {
-    const int r = i / (D / 8), c = (i % (D / 8)) * 8;
-    uint4 val = make_uint4(0, 0, 0, 0);
-    if (r0 + r < N) val = *reinterpret_cast<const uint4*>(src + (int64_t(r0 + r) * heads + head) * D + c);
-    *reinterpret_cast<uint4*>(dst + r * ld + c) = val;
-  }
-}
 // cp.async (sm_80+): the next tile is fetched while the current one is computed on (double buffering).
 /// Waits until at most one committed group (the newest) is still in flight.
 __device__ __forceinline__ void cp_async_wait_prev() { cp_async_wait<1>(); }
 
-/// load_rows with cp.async (rows past N are zero-filled); completes at the next wait.
-template <int D>
-__device__ void load_rows_async(bf16* dst, int ld, const bf16* src, int N, int heads, int head, int r0, int rows) {
-  for (int i = threadIdx.x; i < rows * D / 8; i += blockDim.x) {
-    const int r = i / (D / 8), c = (i % (D / 8)) * 8;
-    const bool ok = r0 + r < N;
-    cp_async16(dst + r * ld + c, ok ? src + (int64_t(r0 + r) * heads + head) * D + c : src, ok);
+/// Copies kRows rows [r0, r0 + kRows) of one head of a [N, heads, D] bf16 tensor into shared memory
+/// [kRows][ld] with cp.async, 16 bytes per copy (rows past N zero-filled); completes at a later wait.
+/// The block's kThreads threads split each row into D / 8 column chunks: thread i copies chunk
+/// i % (D / 8) of rows i / (D / 8) + k kStep, so its addresses are set up once per kernel and a tile
+/// costs one pointer add per copy.
+template <int D, int kThreads>
+struct RowCopier {
+  static constexpr int kChunks = D / 8, kStep = kThreads / kChunks;
+  static_assert(kThreads % kChunks == 0, "whole rows per step");
+  int row, col;
+  int64_t stride;  // elements from one row to the next: heads x D
+  __device__ explicit RowCopier(int heads)
+      : row(threadIdx.x / kChunks), col((threadIdx.x % kChunks) * 8), stride(int64_t(heads) * D) {}
+  template <int kRows>
+  __device__ __forceinline__ void copy(bf16* dst, int ld, const bf16* src, int N, int head, int r0) const {
+    static_assert(kRows % kStep == 0, "whole steps per tile");
+    bf16* d = dst + row * ld + col;
+    const bf16* s = src + int64_t(head) * D + col;
+    const int64_t first = int64_t(r0 + row) * stride;
+    if (r0 + kRows <= N) {
+#pragma unroll
+      for (int k = 0; k < kRows / kStep; ++k) cp_async16(d + k * kStep * ld, s + first + k * kStep * stride, true);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kRows / kStep; ++k) {
+        const bool ok = r0 + row + k * kStep < N;
+        cp_async16(d + k * kStep * ld, ok ? s + first + k * kStep * stride : src, ok);
+      }
+    }
   }
-}
+};
 
 /// Key tiles of a query tile: the ctx union [lohi[0], lohi[1]) then the blk union [lohi[2], lohi[3]),
 /// N keys each. Tile j starts at start(j) and belongs to range seg(j).
@@ -132,20 +144,23 @@ struct KeyTiles {
 
 /// The key / value tiles of a query tile, double-buffered in shared memory (Kb, Vb: 2 x [N][D + 8]):
 /// tile j lives in buffer j & 1; fetch(j + 1) is queued before tile j is waited for.
-template <int D, int N = BN>
+template <int D, int N, int kThreads>
 struct KvPipeline {
   KeyTiles<N> tiles;
   bf16 *Kb, *Vb;
   const bf16 *k, *v;
-  int Nk, Hkv, kvh;
+  int Nk, kvh;
+  RowCopier<D, kThreads> copier;
   static constexpr int LD = D + 8;
+  __device__ KvPipeline(const int* lohi, bf16* Kb, bf16* Vb, const bf16* k, const bf16* v, int Nk, int Hkv, int kvh)
+      : tiles(lohi), Kb(Kb), Vb(Vb), k(k), v(v), Nk(Nk), kvh(kvh), copier(Hkv) {}
   __device__ bf16* K(int j) const { return Kb + (j & 1) * N * LD; }
   __device__ bf16* V(int j) const { return Vb + (j & 1) * N * LD; }
-  /// Queues tile j (nothing past the last) and commits the group.
+  /// Queues tile j (nothing past the last) and commits the group (with any copies queued before).
   __device__ void fetch(int j) const {
     if (j < tiles.n) {
-      load_rows_async<D>(K(j), LD, k, Nk, Hkv, kvh, tiles.start(j), N);
-      load_rows_async<D>(V(j), LD, v, Nk, Hkv, kvh, tiles.start(j), N);
+      copier.template copy<N>(K(j), LD, k, Nk, kvh, tiles.start(j));
+      copier.template copy<N>(V(j), LD, v, Nk, kvh, tiles.start(j));
     }
     cp_async_commit();
   }
@@ -263,10 +278,15 @@ __global__ void __launch_bounds__(32 * W, MT == 2 ? 2 : (D <= 128 ? 3 : 2))
   const int h = blockIdx.y, kvh = h / (H / Hkv), row0 = (gridDim.x - 1 - blockIdx.x) * QR;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int wrow = warp * 16 * MT;  // the warp's first row in the tile
-  load_rows<D>(Qs, LD, q, Nq, H, h, row0, QR);
+  // The query tile is copied while the ranges are scanned. MT 1: it is waited for here; MT 2: it
+  // lands with the first key tile (one cp.async group).
+  RowCopier<D, 32 * W>(H).template copy<QR>(Qs, LD, q, Nq, h, row0);
+  if constexpr (MT == 1) cp_async_commit();
   tile_union(ranges, Nq, row0, QR, lohi);  // (synchronizes)
   uint32_t qa[MT == 1 ? D / 16 : 1][4];
   if constexpr (MT == 1) {
+    cp_async_wait<0>();
+    __syncthreads();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) load_a_x4(qa[kk], Qs, LD, wrow, kk * 16, lane);
     __syncthreads();  // every warp holds its Q fragments before the key buffers are filled
@@ -279,7 +299,7 @@ __global__ void __launch_bounds__(32 * W, MT == 2 ? 2 : (D <= 128 ? 3 : 2))
     rt[mt].m_a = rt[mt].m_b = -INFINITY, rt[mt].l_a = rt[mt].l_b = 0.f;
   }
 
-  const KvPipeline<D, N> kv{KeyTiles<N>(lohi), Kb, Vb, k, v, Nk, Hkv, kvh};
+  const KvPipeline<D, N, 32 * W> kv(lohi, Kb, Vb, k, v, Nk, Hkv, kvh);
   kv.fetch(0);
   for (int j = 0; j < kv.tiles.n; ++j) {
     const int seg = kv.tiles.seg(j), k0 = kv.tiles.start(j);
@@ -339,6 +359,7 @@ __global__ void __launch_bounds__(32 * W, MT == 2 ? 2 : (D <= 128 ? 3 : 2))
     }
     __syncthreads();  // every warp is done with this buffer before it is refilled
   }
+  cp_async_wait<0>();  // (a query tile that sees no key never waited for its copy)
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     RowTile<D>& r = rt[mt];
@@ -393,8 +414,9 @@ __global__ void __launch_bounds__(32 * W) dq_kernel(const bf16* __restrict__ q, 
   constexpr int LD = D + 8;
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int QR = 16 * W;
-  bf16* Qs = reinterpret_cast<bf16*>(smem);  // [QR][LD], then dO
-  bf16* Kb = Qs + QR * LD;                   // 2 x [BN][LD]
+  bf16* Qs = reinterpret_cast<bf16*>(smem);  // [QR][LD]
+  bf16* Os = Qs + QR * LD;                   // dO, [QR][LD]
+  bf16* Kb = Os + QR * LD;                   // 2 x [BN][LD]
   bf16* Vb = Kb + 2 * BN * LD;               // 2 x [BN][LD]
   __shared__ int lohi[8];
   // Query tiles in reverse: later rows see more keys (causal, and DFlash anchors are sorted), so
@@ -402,26 +424,31 @@ __global__ void __launch_bounds__(32 * W) dq_kernel(const bf16* __restrict__ q, 
   const int h = blockIdx.y, kvh = h / (H / Hkv), row0 = (gridDim.x - 1 - blockIdx.x) * QR;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const float scale_log2 = scale * kLog2e;
-  load_rows<D>(Qs, LD, q, Nq, H, h, row0, QR);
-  tile_union(ranges, Nq, row0, QR, lohi);
-  uint32_t qa[D / 16][4], da[D / 16][4];
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) load_a_x4(qa[kk], Qs, LD, warp * 16, kk * 16, lane);
-  __syncthreads();
-  load_rows<D>(Qs, LD, dout, Nq, H, h, row0, QR);
-  __syncthreads();
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) load_a_x4(da[kk], Qs, LD, warp * 16, kk * 16, lane);
+  // Q and dO are copied (one cp.async group) while the ranges are scanned and the first key tile
+  // is queued; the rows' statistics load meanwhile.
+  const RowCopier<D, 32 * W> qcopy(H);
+  qcopy.template copy<QR>(Qs, LD, q, Nq, h, row0);
+  qcopy.template copy<QR>(Os, LD, dout, Nq, h, row0);
+  cp_async_commit();
   const int ra = row0 + warp * 16 + g, rb = ra + 8;
   const KvRange32 rga = ra < Nq ? ranges[ra] : KvRange32{}, rgb = rb < Nq ? ranges[rb] : KvRange32{};
   const float lse_a = ra < Nq ? lse[int64_t(ra) * H + h] * kLog2e : 0.f, lse_b = rb < Nq ? lse[int64_t(rb) * H + h] * kLog2e : 0.f;
   const float dl_a = ra < Nq ? delta[int64_t(ra) * H + h] : 0.f, dl_b = rb < Nq ? delta[int64_t(rb) * H + h] : 0.f;
+  tile_union(ranges, Nq, row0, QR, lohi);  // (synchronizes)
+  const KvPipeline<D, BN, 32 * W> kv(lohi, Kb, Vb, k, v, Nk, Hkv, kvh);
+  kv.fetch(0);
+  cp_async_wait<1>();  // Q and dO have landed (the key tile may still be in flight)
+  __syncthreads();
+  uint32_t qa[D / 16][4], da[D / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    load_a_x4(qa[kk], Qs, LD, warp * 16, kk * 16, lane);
+    load_a_x4(da[kk], Os, LD, warp * 16, kk * 16, lane);
+  }
   float acc[D / 8][4];
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
-  const KvPipeline<D> kv{KeyTiles<BN>(lohi), Kb, Vb, k, v, Nk, Hkv, kvh};
-  kv.fetch(0);
   for (int j = 0; j < kv.tiles.n; ++j) {
     const int seg = kv.tiles.seg(j), k0 = kv.tiles.start(j);
     const bf16* Ks = kv.K(j);
@@ -482,8 +509,12 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
   const int kvh = blockIdx.x % Hkv, k0 = (blockIdx.x / Hkv) * KR, G = H / Hkv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const float scale_log2 = scale * kLog2e;
-  load_rows<D>(Ks, LD, k, Nk, Hkv, kvh, k0, KR);
-  load_rows<D>(Vs, LD, v, Nk, Hkv, kvh, k0, KR);
+  // K and V of this key tile land with the first item's Q and dO (one cp.async group).
+  {
+    const RowCopier<D, 32 * W> kvcopy(Hkv);
+    kvcopy.template copy<KR>(Ks, LD, k, Nk, kvh, k0);
+    kvcopy.template copy<KR>(Vs, LD, v, Nk, kvh, k0);
+  }
   const int key_a = k0 + warp * 16 + g, key_b = key_a + 8;
   float dka[D / 8][4], dva[D / 8][4];
 #pragma unroll
@@ -496,17 +527,21 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
     return (u.x < u.y && u.x < k0 + KR && k0 < u.y) || (u.z < u.w && u.z < k0 + KR && k0 < u.w);
   };
   // Work items: (query tile, query head of this kv head) = qt * G + hi, over the tiles that reach
-  // this key tile. next(-1) is the first.
+  // this key tile. next(-1) is the first. Each warp tests 32 query tiles per step (one load per
+  // lane, a ballot), so the tiles a key tile misses cost no chain of dependent loads.
   auto next = [&](int it) {
     if (it >= 0 && it % G + 1 < G) return it + 1;
-    for (int qt = it < 0 ? qt_begin : it / G + 1; qt < qt_end; ++qt)
-      if (hits(qt)) return qt * G;
+    for (int q0 = it < 0 ? qt_begin : it / G + 1; q0 < qt_end; q0 += 32) {
+      const unsigned m = __ballot_sync(0xffffffffu, q0 + lane < qt_end && hits(q0 + lane));
+      if (m) return (q0 + __ffs(m) - 1) * G;
+    }
     return -1;
   };
+  const RowCopier<D, 32 * W> qcopy(H);
   auto issue = [&](int it, int buf) {
     const int row0 = (it / G) * BM, h = kvh * G + it % G;
-    load_rows_async<D>(Qb + buf * BM * LD, LD, q, Nq, H, h, row0, BM);
-    load_rows_async<D>(Ob + buf * BM * LD, LD, dout, Nq, H, h, row0, BM);
+    qcopy.template copy<BM>(Qb + buf * BM * LD, LD, q, Nq, h, row0);
+    qcopy.template copy<BM>(Ob + buf * BM * LD, LD, dout, Nq, h, row0);
     // The rows' statistics too go through cp.async (rows past Nq: zeros, an empty range), so no
     // thread waits on a global load before the current item's math.
     for (int i = threadIdx.x; i < BM; i += blockDim.x) {
@@ -524,11 +559,11 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
     const int nx = next(it);
     if (nx >= 0) issue(nx, buf ^ 1);
     cp_async_commit();
+    const int4 in = tiles[2 * (it / G) + 1];  // intersection of the query tile's ranges
     cp_async_wait_prev();
     __syncthreads();
     {
       const int row0 = (it / G) * BM;
-      const int4 in = tiles[2 * (it / G) + 1];  // intersection of the query tile's ranges
       const bool full = (k0 >= in.x && k0 + KR <= in.y && k0 + KR <= Nk) || (k0 >= in.z && k0 + KR <= in.w && k0 + KR <= Nk);
       const bf16* Qs = Qb + buf * BM * LD;
       const bf16* Os = Ob + buf * BM * LD;
@@ -573,6 +608,7 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
     it = nx;
     buf ^= 1;
   }
+  cp_async_wait<0>();  // (a key tile that no query sees never waited for its copy)
 #pragma unroll
   for (int dt = 0; dt < D / 8; ++dt) {
     const int c = dt * 8 + 2 * t;
@@ -653,7 +689,7 @@ void launch_bwd(const bf16* q, const bf16* k, const bf16* v, const bf16* o, cons
   DFLASH_CUDA_CHECK_LAUNCH();
   tile_union_kernel<<<(Nq + BM - 1) / BM, 128, 0, s>>>(r, Nq, tiles);
   DFLASH_CUDA_CHECK_LAUNCH();
-  const size_t smem_dq = size_t((16 * W + 4 * BN) * (D + 8)) * sizeof(bf16);
+  const size_t smem_dq = size_t((2 * 16 * W + 4 * BN) * (D + 8)) * sizeof(bf16);
   set_smem(dq_kernel<D, W>, smem_dq);
   dq_kernel<D, W><<<dim3((Nq + 16 * W - 1) / (16 * W), H), 32 * W, smem_dq, s>>>(q, k, v, dout, lse, delta, r, Nq, Nk,
                                                                                    H, Hkv, scale, dq);
