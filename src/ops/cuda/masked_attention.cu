@@ -99,34 +99,26 @@ __device__ __forceinline__ void cp_async_wait_prev() { cp_async_wait<1>(); }
 /// Copies kRows rows [r0, r0 + kRows) of one head of a [N, heads, D] bf16 tensor into shared memory
 /// [kRows][ld] with cp.async, 16 bytes per copy (rows past N zero-filled); completes at a later wait.
 /// The block's kThreads threads split each row into D / 8 column chunks: thread i copies chunk
-/// i % (D / 8) of rows i / (D / 8) + k kStep, so its addresses are set up once per kernel and a tile
-/// costs one pointer add per copy.
-template <int D, int kThreads>
-struct RowCopier {
-  static constexpr int kChunks = D / 8, kStep = kThreads / kChunks;
-  static_assert(kThreads % kChunks == 0, "whole rows per step");
-  int row, col;
-  int64_t stride;  // elements from one row to the next: heads x D
-  __device__ explicit RowCopier(int heads)
-      : row(threadIdx.x / kChunks), col((threadIdx.x % kChunks) * 8), stride(int64_t(heads) * D) {}
-  template <int kRows>
-  __device__ __forceinline__ void copy(bf16* dst, int ld, const bf16* src, int N, int head, int r0) const {
-    static_assert(kRows % kStep == 0, "whole steps per tile");
-    bf16* d = dst + row * ld + col;
-    const bf16* s = src + int64_t(head) * D + col;
-    const int64_t first = int64_t(r0 + row) * stride;
-    if (r0 + kRows <= N) {
+/// i % (D / 8) of rows i / (D / 8) + k kStep (shifts, one 64-bit address, then a pointer add per copy).
+template <int D, int kThreads, int kRows>
+__device__ __forceinline__ void copy_rows_async(bf16* dst, int ld, const bf16* src, int N, int heads, int head, int r0) {
+  constexpr int kChunks = D / 8, kStep = kThreads / kChunks;
+  static_assert(kThreads % kChunks == 0 && kRows % kStep == 0, "whole rows per step, whole steps per tile");
+  const int row = threadIdx.x / kChunks, col = (threadIdx.x % kChunks) * 8;
+  const int64_t stride = int64_t(heads) * D;
+  bf16* d = dst + row * ld + col;
+  const bf16* s = src + int64_t(r0 + row) * stride + int64_t(head) * D + col;
+  if (r0 + kRows <= N) {
 #pragma unroll
-      for (int k = 0; k < kRows / kStep; ++k) cp_async16(d + k * kStep * ld, s + first + k * kStep * stride, true);
-    } else {
+    for (int k = 0; k < kRows / kStep; ++k) cp_async16(d + k * kStep * ld, s + k * kStep * stride, true);
+  } else {
 #pragma unroll
-      for (int k = 0; k < kRows / kStep; ++k) {
-        const bool ok = r0 + row + k * kStep < N;
-        cp_async16(d + k * kStep * ld, ok ? s + first + k * kStep * stride : src, ok);
-      }
+    for (int k = 0; k < kRows / kStep; ++k) {
+      const bool ok = r0 + row + k * kStep < N;
+      cp_async16(d + k * kStep * ld, ok ? s + k * kStep * stride : src, ok);
     }
   }
-};
+}
 
 /// Key tiles of a query tile: the ctx union [lohi[0], lohi[1]) then the blk union [lohi[2], lohi[3]),
 /// N keys each. Tile j starts at start(j) and belongs to range seg(j).
@@ -149,18 +141,17 @@ struct KvPipeline {
   KeyTiles<N> tiles;
   bf16 *Kb, *Vb;
   const bf16 *k, *v;
-  int Nk, kvh;
-  RowCopier<D, kThreads> copier;
+  int Nk, Hkv, kvh;
   static constexpr int LD = D + 8;
   __device__ KvPipeline(const int* lohi, bf16* Kb, bf16* Vb, const bf16* k, const bf16* v, int Nk, int Hkv, int kvh)
-      : tiles(lohi), Kb(Kb), Vb(Vb), k(k), v(v), Nk(Nk), kvh(kvh), copier(Hkv) {}
+      : tiles(lohi), Kb(Kb), Vb(Vb), k(k), v(v), Nk(Nk), Hkv(Hkv), kvh(kvh) {}
   __device__ bf16* K(int j) const { return Kb + (j & 1) * N * LD; }
   __device__ bf16* V(int j) const { return Vb + (j & 1) * N * LD; }
   /// Queues tile j (nothing past the last) and commits the group (with any copies queued before).
   __device__ void fetch(int j) const {
     if (j < tiles.n) {
-      copier.template copy<N>(K(j), LD, k, Nk, kvh, tiles.start(j));
-      copier.template copy<N>(V(j), LD, v, Nk, kvh, tiles.start(j));
+      copy_rows_async<D, kThreads, N>(K(j), LD, k, Nk, Hkv, kvh, tiles.start(j));
+      copy_rows_async<D, kThreads, N>(V(j), LD, v, Nk, Hkv, kvh, tiles.start(j));
     }
     cp_async_commit();
   }
@@ -280,7 +271,7 @@ __global__ void __launch_bounds__(32 * W, MT == 2 ? 2 : (D <= 128 ? 3 : 2))
   const int wrow = warp * 16 * MT;  // the warp's first row in the tile
   // The query tile is copied while the ranges are scanned. MT 1: it is waited for here; MT 2: it
   // lands with the first key tile (one cp.async group).
-  RowCopier<D, 32 * W>(H).template copy<QR>(Qs, LD, q, Nq, h, row0);
+  copy_rows_async<D, 32 * W, QR>(Qs, LD, q, Nq, H, h, row0);
   if constexpr (MT == 1) cp_async_commit();
   tile_union(ranges, Nq, row0, QR, lohi);  // (synchronizes)
   uint32_t qa[MT == 1 ? D / 16 : 1][4];
@@ -426,9 +417,8 @@ __global__ void __launch_bounds__(32 * W) dq_kernel(const bf16* __restrict__ q, 
   const float scale_log2 = scale * kLog2e;
   // Q and dO are copied (one cp.async group) while the ranges are scanned and the first key tile
   // is queued; the rows' statistics load meanwhile.
-  const RowCopier<D, 32 * W> qcopy(H);
-  qcopy.template copy<QR>(Qs, LD, q, Nq, h, row0);
-  qcopy.template copy<QR>(Os, LD, dout, Nq, h, row0);
+  copy_rows_async<D, 32 * W, QR>(Qs, LD, q, Nq, H, h, row0);
+  copy_rows_async<D, 32 * W, QR>(Os, LD, dout, Nq, H, h, row0);
   cp_async_commit();
   const int ra = row0 + warp * 16 + g, rb = ra + 8;
   const KvRange32 rga = ra < Nq ? ranges[ra] : KvRange32{}, rgb = rb < Nq ? ranges[rb] : KvRange32{};
@@ -510,11 +500,8 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const float scale_log2 = scale * kLog2e;
   // K and V of this key tile land with the first item's Q and dO (one cp.async group).
-  {
-    const RowCopier<D, 32 * W> kvcopy(Hkv);
-    kvcopy.template copy<KR>(Ks, LD, k, Nk, kvh, k0);
-    kvcopy.template copy<KR>(Vs, LD, v, Nk, kvh, k0);
-  }
+  copy_rows_async<D, 32 * W, KR>(Ks, LD, k, Nk, Hkv, kvh, k0);
+  copy_rows_async<D, 32 * W, KR>(Vs, LD, v, Nk, Hkv, kvh, k0);
   const int key_a = k0 + warp * 16 + g, key_b = key_a + 8;
   float dka[D / 8][4], dva[D / 8][4];
 #pragma unroll
@@ -526,22 +513,20 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
     const int4 u = tiles[2 * qt];
     return (u.x < u.y && u.x < k0 + KR && k0 < u.y) || (u.z < u.w && u.z < k0 + KR && k0 < u.w);
   };
-  // Work items: (query tile, query head of this kv head) = qt * G + hi, over the tiles that reach
-  // this key tile. next(-1) is the first. Each warp tests 32 query tiles per step (one load per
-  // lane, a ballot), so the tiles a key tile misses cost no chain of dependent loads.
-  auto next = [&](int it) {
-    if (it >= 0 && it % G + 1 < G) return it + 1;
-    for (int q0 = it < 0 ? qt_begin : it / G + 1; q0 < qt_end; q0 += 32) {
+  // Work items: (query tile qt, query head hi of this kv head), over the query tiles that reach this
+  // key tile. first_hit tests 32 query tiles per step in each warp (one load per lane, a ballot), so
+  // the tiles a key tile misses cost no chain of dependent loads.
+  auto first_hit = [&](int from) {
+    for (int q0 = from; q0 < qt_end; q0 += 32) {
       const unsigned m = __ballot_sync(0xffffffffu, q0 + lane < qt_end && hits(q0 + lane));
-      if (m) return (q0 + __ffs(m) - 1) * G;
+      if (m) return q0 + __ffs(m) - 1;
     }
     return -1;
   };
-  const RowCopier<D, 32 * W> qcopy(H);
-  auto issue = [&](int it, int buf) {
-    const int row0 = (it / G) * BM, h = kvh * G + it % G;
-    qcopy.template copy<BM>(Qb + buf * BM * LD, LD, q, Nq, h, row0);
-    qcopy.template copy<BM>(Ob + buf * BM * LD, LD, dout, Nq, h, row0);
+  auto issue = [&](int qt, int hi, int buf) {
+    const int row0 = qt * BM, h = kvh * G + hi;
+    copy_rows_async<D, 32 * W, BM>(Qb + buf * BM * LD, LD, q, Nq, H, h, row0);
+    copy_rows_async<D, 32 * W, BM>(Ob + buf * BM * LD, LD, dout, Nq, H, h, row0);
     // The rows' statistics too go through cp.async (rows past Nq: zeros, an empty range), so no
     // thread waits on a global load before the current item's math.
     for (int i = threadIdx.x; i < BM; i += blockDim.x) {
@@ -552,18 +537,18 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
       cp_async16(&s_rg_b[buf][i], ok ? ranges + r : ranges, ok);
     }
   };
-  int it = next(-1), buf = 0;
-  if (it >= 0) issue(it, 0);
+  int qt = first_hit(qt_begin), hi = 0, buf = 0;
+  if (qt >= 0) issue(qt, hi, 0);
   cp_async_commit();
-  while (it >= 0) {
-    const int nx = next(it);
-    if (nx >= 0) issue(nx, buf ^ 1);
+  while (qt >= 0) {
+    const int nqt = hi + 1 < G ? qt : first_hit(qt + 1), nhi = hi + 1 < G ? hi + 1 : 0;
+    if (nqt >= 0) issue(nqt, nhi, buf ^ 1);
     cp_async_commit();
-    const int4 in = tiles[2 * (it / G) + 1];  // intersection of the query tile's ranges
+    const int4 in = tiles[2 * qt + 1];  // intersection of the query tile's ranges
     cp_async_wait_prev();
     __syncthreads();
     {
-      const int row0 = (it / G) * BM;
+      const int row0 = qt * BM;
       const bool full = (k0 >= in.x && k0 + KR <= in.y && k0 + KR <= Nk) || (k0 >= in.z && k0 + KR <= in.w && k0 + KR <= Nk);
       const bf16* Qs = Qb + buf * BM * LD;
       const bf16* Os = Ob + buf * BM * LD;
@@ -605,7 +590,7 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
       acc_times_smem<D, BM>(dka, dpt, Qs, LD, lane);  // dK += dS^T Q (scaled at the end)
     }
     __syncthreads();
-    it = nx;
+    qt = nqt, hi = nhi;
     buf ^= 1;
   }
   cp_async_wait<0>();  // (a key tile that no query sees never waited for its copy)
