@@ -514,13 +514,11 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
     return (u.x < u.y && u.x < k0 + KR && k0 < u.y) || (u.z < u.w && u.z < k0 + KR && k0 < u.w);
   };
   // Work items: (query tile qt, query head hi of this kv head), over the query tiles that reach this
-  // key tile. first_hit tests 32 query tiles per step in each warp (one load per lane, a ballot), so
-  // the tiles a key tile misses cost no chain of dependent loads.
+  // key tile. (first_hit's serial scan of the table, one broadcast load per tile, measured faster
+  // than testing 32 tiles per warp ballot: 1.91 against 2.58 ms on the 8B drafter's shapes.)
   auto first_hit = [&](int from) {
-    for (int q0 = from; q0 < qt_end; q0 += 32) {
-      const unsigned m = __ballot_sync(0xffffffffu, q0 + lane < qt_end && hits(q0 + lane));
-      if (m) return q0 + __ffs(m) - 1;
-    }
+    for (int q = from; q < qt_end; ++q)
+      if (hits(q)) return q;
     return -1;
   };
   auto issue = [&](int qt, int hi, int buf) {
