@@ -57,52 +57,19 @@ __device__ __forceinline__ void acc_times_smem(float (*acc)[4], const float (*c)
 }
 
 /// c [16 x N] (N/8 accumulator tiles) = A @ M^T: A [16 x D] as D/16 register fragments, M [N][D]
-/// row-major in shared memory. The Q.K^T product of the forward with one m-tile per warp. With fewer
-/// than 8 n-tiles the even and odd k steps go to separate accumulators (summed at the end), so that
-/// 8 independent mma chains cover the tensor cores' latency.
+/// row-major in shared memory. The Q.K^T and dO.V^T products of the query-tile kernels.
 template <int D, int N>
 __device__ __forceinline__ void frag_times_smem_t(float (*c)[4], const uint32_t (*a)[4], const bf16* m, int ld, int lane) {
-  constexpr int kSets = N / 8 < 8 ? 2 : 1;
-  float part[kSets][N / 8][4];
 #pragma unroll
-  for (int p = 0; p < kSets; ++p)
-#pragma unroll
-    for (int nt = 0; nt < N / 8; ++nt) part[p][nt][0] = part[p][nt][1] = part[p][nt][2] = part[p][nt][3] = 0.f;
+  for (int nt = 0; nt < N / 8; ++nt) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.f;
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)
 #pragma unroll
     for (int nt = 0; nt < N / 8; nt += 2) {
       uint32_t b[4];
       load_b_x4(b, m, ld, nt * 8, kk * 16, lane);
-      mma16816(part[kk % kSets][nt], a[kk], b[0], b[1]);
-      mma16816(part[kk % kSets][nt + 1], a[kk], b[2], b[3]);
-    }
-#pragma unroll
-  for (int nt = 0; nt < N / 8; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) c[nt][e] = kSets == 2 ? part[0][nt][e] + part[kSets - 1][nt][e] : part[0][nt][e];
-}
-
-/// c1 = A1 @ M1^T and c2 = A2 @ M2^T (as frag_times_smem_t) in one pass over k, so that 2 N/8
-/// independent mma chains interleave: the S = Q K^T and dP = dO V^T products of the dQ kernel.
-template <int D, int N>
-__device__ __forceinline__ void frag_times_smem_t2(float (*c1)[4], const uint32_t (*a1)[4], const bf16* m1, float (*c2)[4],
-                                                   const uint32_t (*a2)[4], const bf16* m2, int ld, int lane) {
-#pragma unroll
-  for (int nt = 0; nt < N / 8; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) c1[nt][e] = c2[nt][e] = 0.f;
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk)
-#pragma unroll
-    for (int nt = 0; nt < N / 8; nt += 2) {
-      uint32_t b[4];
-      load_b_x4(b, m1, ld, nt * 8, kk * 16, lane);
-      mma16816(c1[nt], a1[kk], b[0], b[1]);
-      mma16816(c1[nt + 1], a1[kk], b[2], b[3]);
-      load_b_x4(b, m2, ld, nt * 8, kk * 16, lane);
-      mma16816(c2[nt], a2[kk], b[0], b[1]);
-      mma16816(c2[nt + 1], a2[kk], b[2], b[3]);
+      mma16816(c[nt], a[kk], b[0], b[1]);
+      mma16816(c[nt + 1], a[kk], b[2], b[3]);
     }
 }
 
@@ -479,7 +446,8 @@ __global__ void __launch_bounds__(32 * W) dq_kernel(const bf16* __restrict__ q, 
     kv.wait(j);
     {
       float s[BN / 8][4], dp[BN / 8][4];
-      frag_times_smem_t2<D, BN>(s, qa, Ks, dp, da, Vs, LD, lane);  // S = Q K^T, dP = dO V^T
+      frag_times_smem_t<D, BN>(s, qa, Ks, LD, lane);   // S = Q K^T
+      frag_times_smem_t<D, BN>(dp, da, Vs, LD, lane);  // dP = dO V^T
       const bool full = tile_full(lohi, seg, k0, BN, Nk);
 #pragma unroll
       for (int nt = 0; nt < BN / 8; ++nt)
