@@ -373,16 +373,24 @@ __global__ void __launch_bounds__(32 * W, MT == 2 ? 2 : (D <= 128 ? 3 : 2))
 }
 
 // ---------------------------------------------------------------------------------------------
-// Backward preprocessing: delta[r, h] = sum_d dO * O (fp32), one warp per (row, head).
+// Backward preprocessing, one warp per (row r < Nqp, head h), head-major so that a query tile's
+// statistics are contiguous: delta_t[h][r] = sum_d dO * O (fp32) and lse2_t[h][r] = lse[r][h] log2(e)
+// (the exponent base of the kernels); both 0 for the padding rows r >= Nq (Nqp = Nq rounded up to BM).
 template <int D>
-__global__ void delta_kernel(const bf16* o, const bf16* dout, int64_t rows_heads, float* delta) {
+__global__ void row_stats_kernel(const bf16* o, const bf16* dout, const float* lse, int Nq, int Nqp, int H,
+                                 float* delta_t, float* lse2_t) {
   const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
-  if (w >= rows_heads) return;
+  if (w >= int64_t(Nqp) * H) return;
+  const int r = int(w / H), h = int(w % H);
   float s = 0.f;
-  for (int c = lane; c < D; c += 32) s += __bfloat162float(o[w * D + c]) * __bfloat162float(dout[w * D + c]);
+  if (r < Nq)
+    for (int c = lane; c < D; c += 32) s += __bfloat162float(o[w * D + c]) * __bfloat162float(dout[w * D + c]);
   for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-  if (lane == 0) delta[w] = s;
+  if (lane == 0) {
+    delta_t[int64_t(h) * Nqp + r] = s;
+    lse2_t[int64_t(h) * Nqp + r] = r < Nq ? lse[w] * kLog2e : 0.f;
+  }
 }
 
 /// Per query tile, the union of its rows' ranges (int4: ctx lo, ctx hi, blk lo, blk hi).
@@ -399,9 +407,9 @@ __global__ void tile_union_kernel(const KvRange32* ranges, int Nq, int4* out) {
 template <int D, int W>
 __global__ void __launch_bounds__(32 * W) dq_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                       const bf16* __restrict__ v, const bf16* __restrict__ dout,
-                                                      const float* __restrict__ lse, const float* __restrict__ delta,
-                                                      const KvRange32* __restrict__ ranges, int Nq, int Nk, int H,
-                                                      int Hkv, float scale, bf16* dq) {
+                                                      const float* __restrict__ lse2_t, const float* __restrict__ delta_t,
+                                                      const KvRange32* __restrict__ ranges, int Nq, int Nqp, int Nk,
+                                                      int H, int Hkv, float scale, bf16* dq) {
   constexpr int LD = D + 8;
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int QR = 16 * W;
@@ -422,8 +430,8 @@ __global__ void __launch_bounds__(32 * W) dq_kernel(const bf16* __restrict__ q, 
   cp_async_commit();
   const int ra = row0 + warp * 16 + g, rb = ra + 8;
   const KvRange32 rga = ra < Nq ? ranges[ra] : KvRange32{}, rgb = rb < Nq ? ranges[rb] : KvRange32{};
-  const float lse_a = ra < Nq ? lse[int64_t(ra) * H + h] * kLog2e : 0.f, lse_b = rb < Nq ? lse[int64_t(rb) * H + h] * kLog2e : 0.f;
-  const float dl_a = ra < Nq ? delta[int64_t(ra) * H + h] : 0.f, dl_b = rb < Nq ? delta[int64_t(rb) * H + h] : 0.f;
+  const int64_t hrow = int64_t(h) * Nqp;  // (ra, rb < Nqp)
+  const float lse_a = lse2_t[hrow + ra], lse_b = lse2_t[hrow + rb], dl_a = delta_t[hrow + ra], dl_b = delta_t[hrow + rb];
   tile_union(ranges, Nq, row0, QR, lohi);  // (synchronizes)
   const KvPipeline<D, BN, 32 * W> kv(lohi, Kb, Vb, k, v, Nk, Hkv, kvh);
   kv.fetch(0);
@@ -482,9 +490,9 @@ __global__ void __launch_bounds__(32 * W) dq_kernel(const bf16* __restrict__ q, 
 template <int D, int W>
 __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                        const bf16* __restrict__ v, const bf16* __restrict__ dout,
-                                                       const float* __restrict__ lse, const float* __restrict__ delta,
+                                                       const float* __restrict__ lse2_t, const float* __restrict__ delta_t,
                                                        const KvRange32* __restrict__ ranges,
-                                                       const int4* __restrict__ tiles, int Nq, int Nk, int H, int Hkv,
+                                                       const int4* __restrict__ tiles, int Nq, int Nqp, int Nk, int H, int Hkv,
                                                        float scale, int qpp, bf16* dk, bf16* dv, float* part_dk,
                                                        float* part_dv) {
   constexpr int LD = D + 8;
@@ -494,7 +502,7 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
   bf16* Vs = Ks + KR * LD;                   // [KR][LD]
   bf16* Qb = Vs + KR * LD;                   // 2 x [BM][LD]
   bf16* Ob = Qb + 2 * BM * LD;               // dO, 2 x [BM][LD]
-  __shared__ float s_lse_b[2][BM], s_delta_b[2][BM];  // lse (natural log), delta of the item's rows
+  __shared__ __align__(16) float s_lse_b[2][BM], s_delta_b[2][BM];  // lse2_t, delta_t of the item's rows
   __shared__ __align__(16) KvRange32 s_rg_b[2][BM];
   const int kvh = blockIdx.x % Hkv, k0 = (blockIdx.x / Hkv) * KR, G = H / Hkv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -509,10 +517,10 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
 #pragma unroll
     for (int e = 0; e < 4; ++e) dka[i][e] = dva[i][e] = 0.f;
   const int qt_begin = blockIdx.y * qpp, qt_end = min((Nq + BM - 1) / BM, qt_begin + qpp);
-  auto hits = [&](int qt) {
-    const int4 u = tiles[2 * qt];
+  auto hits_union = [&](int4 u) {
     return (u.x < u.y && u.x < k0 + KR && k0 < u.y) || (u.z < u.w && u.z < k0 + KR && k0 < u.w);
   };
+  auto hits = [&](int qt) { return hits_union(tiles[2 * qt]); };
   // Work items: (query tile qt, query head hi of this kv head), over the query tiles that reach this
   // key tile. (first_hit's serial scan of the table, one broadcast load per tile, measured faster
   // than testing 32 tiles per warp ballot: 1.91 against 2.58 ms on the 8B drafter's shapes.)
@@ -525,21 +533,28 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
     const int row0 = qt * BM, h = kvh * G + hi;
     copy_rows_async<D, 32 * W, BM>(Qb + buf * BM * LD, LD, q, Nq, H, h, row0);
     copy_rows_async<D, 32 * W, BM>(Ob + buf * BM * LD, LD, dout, Nq, H, h, row0);
-    // The rows' statistics too go through cp.async (rows past Nq: zeros, an empty range), so no
-    // thread waits on a global load before the current item's math.
-    for (int i = threadIdx.x; i < BM; i += blockDim.x) {
-      const int r = row0 + i;
-      const bool ok = r < Nq;
-      cp_async4(&s_lse_b[buf][i], ok ? lse + int64_t(r) * H + h : lse, ok);
-      cp_async4(&s_delta_b[buf][i], ok ? delta + int64_t(r) * H + h : delta, ok);
-      cp_async16(&s_rg_b[buf][i], ok ? ranges + r : ranges, ok);
-    }
+    // The rows' statistics too go through cp.async (head-major and padded to Nqp, 16 bytes a copy;
+    // ranges of rows past Nq: an empty range), so no thread waits on a global load before the
+    // current item's math.
+    static_assert(BM == 64 && 32 * W >= BM, "one statistics copy per thread");
+    const int i = threadIdx.x;
+    if (i < BM / 4) cp_async16(&s_lse_b[buf][4 * i], lse2_t + int64_t(h) * Nqp + row0 + 4 * i, true);
+    else if (i < BM / 2) cp_async16(&s_delta_b[buf][4 * (i - BM / 4)], delta_t + int64_t(h) * Nqp + row0 + 4 * (i - BM / 4), true);
+    if (i < BM) cp_async16(&s_rg_b[buf][i], row0 + i < Nq ? ranges + row0 + i : ranges, row0 + i < Nq);
   };
+  // The union of the query tile after the current one is loaded G items ahead of its test (a key
+  // tile is mostly seen by a run of consecutive query tiles).
+  auto union_after = [&](int qt) { return qt >= 0 && qt + 1 < qt_end ? tiles[2 * (qt + 1)] : make_int4(0, 0, 0, 0); };
   int qt = first_hit(qt_begin), hi = 0, buf = 0;
+  int4 cand = union_after(qt);
   if (qt >= 0) issue(qt, hi, 0);
   cp_async_commit();
   while (qt >= 0) {
-    const int nqt = hi + 1 < G ? qt : first_hit(qt + 1), nhi = hi + 1 < G ? hi + 1 : 0;
+    int nqt = qt, nhi = hi + 1;
+    if (nhi == G) {
+      nqt = qt + 1 < qt_end && hits_union(cand) ? qt + 1 : first_hit(qt + 2), nhi = 0;
+      cand = union_after(nqt);
+    }
     if (nqt >= 0) issue(nqt, nhi, buf ^ 1);
     cp_async_commit();
     const int4 in = tiles[2 * qt + 1];  // intersection of the query tile's ranges
@@ -580,7 +595,7 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
         for (int e = 0; e < 4; ++e) {
           const int ql = nt * 8 + 2 * t + (e & 1), key = e < 2 ? key_a : key_b;
           const bool ok = full || (row0 + ql < Nq && key < Nk && visible(s_rg[ql], key));
-          const float p = ok ? fast_exp2(fmaf(st[nt][e], scale_log2, -s_lse[ql] * kLog2e)) : 0.f;
+          const float p = ok ? fast_exp2(fmaf(st[nt][e], scale_log2, -s_lse[ql])) : 0.f;
           st[nt][e] = p;
           dpt[nt][e] = p * (dpt[nt][e] - s_delta[ql]);  // dS^T
         }
@@ -628,6 +643,9 @@ __global__ void dkv_reduce_kernel(const float* part_dk, const float* part_dv, in
   }
 }
 
+/// Rows of the head-major row statistics: Nq rounded up to whole query tiles (BM).
+int padded_rows(int64_t Nq) { return int((Nq + BM - 1) / BM * BM); }
+
 /// Parts of the dK / dV launch: 2 once there are kSplitQueryTiles query tiles or more, else 1.
 constexpr int kSplitQueryTiles = 16;
 int dkv_parts(int64_t Nq) { return (Nq + BM - 1) / BM >= kSplitQueryTiles ? 2 : 1; }
@@ -665,16 +683,17 @@ void launch_fwd(const bf16* q, const bf16* k, const bf16* v, const KvRange32* r,
 template <int D>
 void launch_bwd(const bf16* q, const bf16* k, const bf16* v, const bf16* o, const float* lse, const bf16* dout,
                 const KvRange32* r, int Nq, int Nk, int H, int Hkv, float scale, bf16* dq, bf16* dk, bf16* dv,
-                float* delta, int4* tiles, float* partials, cudaStream_t s) {
+                float* delta_t, float* lse2_t, int4* tiles, float* partials, cudaStream_t s) {
   constexpr int W = kWarps;
-  const int64_t rh = int64_t(Nq) * H;
-  delta_kernel<D><<<int((rh * 32 + 255) / 256), 256, 0, s>>>(o, dout, rh, delta);
+  const int Nqp = padded_rows(Nq);
+  const int64_t rh = int64_t(Nqp) * H;
+  row_stats_kernel<D><<<int((rh * 32 + 255) / 256), 256, 0, s>>>(o, dout, lse, Nq, Nqp, H, delta_t, lse2_t);
   DFLASH_CUDA_CHECK_LAUNCH();
   tile_union_kernel<<<(Nq + BM - 1) / BM, 128, 0, s>>>(r, Nq, tiles);
   DFLASH_CUDA_CHECK_LAUNCH();
   const size_t smem_dq = size_t((2 * 16 * W + 4 * BN) * (D + 8)) * sizeof(bf16);
   set_smem(dq_kernel<D, W>, smem_dq);
-  dq_kernel<D, W><<<dim3((Nq + 16 * W - 1) / (16 * W), H), 32 * W, smem_dq, s>>>(q, k, v, dout, lse, delta, r, Nq, Nk,
+  dq_kernel<D, W><<<dim3((Nq + 16 * W - 1) / (16 * W), H), 32 * W, smem_dq, s>>>(q, k, v, dout, lse2_t, delta_t, r, Nq, Nqp, Nk,
                                                                                    H, Hkv, scale, dq);
   DFLASH_CUDA_CHECK_LAUNCH();
   const size_t smem_kv = size_t((2 * 16 * W + 4 * BM) * (D + 8)) * sizeof(bf16);
@@ -683,7 +702,7 @@ void launch_bwd(const bf16* q, const bf16* k, const bf16* v, const bf16* o, cons
   float* pdk = parts > 1 ? partials : nullptr;
   float* pdv = parts > 1 ? partials + int64_t(parts) * Nk * Hkv * D : nullptr;
   dkv_kernel<D, W><<<dim3(((Nk + 16 * W - 1) / (16 * W)) * Hkv, parts), 32 * W, smem_kv, s>>>(
-      q, k, v, dout, lse, delta, r, tiles, Nq, Nk, H, Hkv, scale, qpp, dk, dv, pdk, pdv);
+      q, k, v, dout, lse2_t, delta_t, r, tiles, Nq, Nqp, Nk, H, Hkv, scale, qpp, dk, dv, pdk, pdv);
   DFLASH_CUDA_CHECK_LAUNCH();
   if (parts > 1) {
     const int64_t n = int64_t(Nk) * Hkv * D;
@@ -709,11 +728,13 @@ void masked_attention_forward(const bf16* q, const bf16* k, const bf16* v, const
 
 namespace {
 int64_t align16(int64_t b) { return (b + 15) / 16 * 16; }
+/// Bytes of the row statistics delta_t and lse2_t, [H][padded_rows(Nq)] fp32 each.
+int64_t row_stats_bytes(int64_t Nq, int H) { return 2 * int64_t(H) * padded_rows(Nq) * int64_t(sizeof(float)); }
 }  // namespace
 
 int64_t masked_attention_backward_workspace_bytes(int64_t Nq, int64_t Nk, int H, int Hkv, int D) {
   const int parts = dkv_parts(Nq);
-  return align16(Nq * H * int64_t(sizeof(float))) + align16(2 * ((Nq + BM - 1) / BM) * int64_t(sizeof(int4))) +
+  return row_stats_bytes(Nq, H) + align16(2 * ((Nq + BM - 1) / BM) * int64_t(sizeof(int4))) +
          (parts > 1 ? 2 * int64_t(parts) * Nk * Hkv * D * int64_t(sizeof(float)) : 0);
 }
 
@@ -728,14 +749,15 @@ void masked_attention_backward(const bf16* q, const bf16* k, const bf16* v, cons
   }
   if (Nq == 0 || Nk == 0) return;
   char* ws = static_cast<char*>(workspace);
-  float* delta = reinterpret_cast<float*>(ws);
-  int4* tiles = reinterpret_cast<int4*>(ws + align16(Nq * H * int64_t(sizeof(float))));
+  float* delta_t = reinterpret_cast<float*>(ws);
+  float* lse2_t = delta_t + int64_t(H) * padded_rows(Nq);
+  int4* tiles = reinterpret_cast<int4*>(ws + row_stats_bytes(Nq, H));
   float* partials = reinterpret_cast<float*>(reinterpret_cast<char*>(tiles) + align16(2 * ((Nq + BM - 1) / BM) * int64_t(sizeof(int4))));
   switch (D) {
     case 64:
-      return launch_bwd<64>(q, k, v, o, lse, dout, ranges, int(Nq), int(Nk), H, Hkv, scale, dq, dk, dv, delta, tiles, partials, stream);
+      return launch_bwd<64>(q, k, v, o, lse, dout, ranges, int(Nq), int(Nk), H, Hkv, scale, dq, dk, dv, delta_t, lse2_t, tiles, partials, stream);
     case 128:
-      return launch_bwd<128>(q, k, v, o, lse, dout, ranges, int(Nq), int(Nk), H, Hkv, scale, dq, dk, dv, delta, tiles, partials, stream);
+      return launch_bwd<128>(q, k, v, o, lse, dout, ranges, int(Nq), int(Nk), H, Hkv, scale, dq, dk, dv, delta_t, lse2_t, tiles, partials, stream);
     default: throw std::invalid_argument("masked_attention_backward: head_dim " + std::to_string(D) + " not in {64, 128}");
   }
 }
