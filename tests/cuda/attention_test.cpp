@@ -173,9 +173,10 @@ TEST(CudaMaskedAttention, RefusesUnsupportedHeadDims) {
 }
 
 TEST(CudaMaskedAttention, RefusesScalesThatAreNotPositive) {
-  REQUIRE_GPU();
-  // The kernels take each row's maximum of the unscaled scores, so only a positive scale is right.
-  for (float scale : {0.f, -0.125f, NAN, INFINITY}) {
+  // (Checked on the host before any CUDA call: runs without a GPU.) The kernels take each row's
+  // maximum of the unscaled scores, so only a positive scale is right; one that overflows once
+  // multiplied by log2(e) is refused too.
+  for (float scale : {0.f, -0.125f, NAN, INFINITY, 3e38f}) {
     EXPECT_THROW(cuda::masked_attention_forward(nullptr, nullptr, nullptr, nullptr, 4, 4, 2, 2, 64, scale, nullptr,
                                                 nullptr, nullptr),
                  std::invalid_argument)
@@ -187,4 +188,18 @@ TEST(CudaMaskedAttention, RefusesScalesThatAreNotPositive) {
   }
 }
 
+TEST(CudaMaskedAttention, BackwardWithoutKeysZeroesDq) {
+  REQUIRE_GPU();
+  // No key at all: every row sees nothing, so dq is 0 (written, not left as it was).
+  const int64_t Nq = 70, H = 4, D = 64;
+  cudaStream_t s = nullptr;
+  DeviceArray<bf16> q(size_t(Nq * H * D)), o(size_t(Nq * H * D)), dout(size_t(Nq * H * D)), dq(size_t(Nq * H * D));
+  DeviceArray<float> lse(size_t(Nq * H));
+  dq.fill_bytes(0xFF, s);  // NaN bf16
+  cuda::masked_attention_backward(q.data(), nullptr, nullptr, o.data(), lse.data(), dout.data(), nullptr, Nq, 0, int(H), 2,
+                                  int(D), 0.125f, dq.data(), nullptr, nullptr, nullptr, s);
+  for (float x : test::to_host_f32(dq, s)) ASSERT_EQ(x, 0.f);
+}
+
 #endif
+

@@ -12,8 +12,9 @@ namespace {
 
 using namespace mma;
 
-// Tiles: the forward and dQ kernels give each of their W warps 16 query rows (16 W rows per CTA) and
-// walk keys 64 at a time; the dK/dV kernel gives each warp 16 keys and walks queries 64 at a time.
+// Tiles: the dQ kernel gives each of its W warps 16 query rows (16 W rows per CTA), the forward 16 or
+// 32 (fwd_mtiles), and both walk keys 64 at a time (32 at head_dim 256 in the forward); the dK/dV
+// kernel gives each warp 16 keys and walks queries 64 at a time.
 constexpr int BM = 64;  // query rows per tile in the dK / dV kernel (and in its tile table)
 constexpr int BN = 64;  // keys per tile in the dQ kernel and the forward's default (fwd_keys)
 constexpr int kWarps = 4;
@@ -350,7 +351,7 @@ __global__ void __launch_bounds__(32 * W, MT == 2 ? 2 : (D <= 128 ? 3 : 2))
     }
     __syncthreads();  // every warp is done with this buffer before it is refilled
   }
-  cp_async_wait<0>();  // (a query tile that sees no key never waited for its copy)
+  cp_async_wait<0>();  // (with MT 2, a query tile that sees no key never waited for its copy)
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     RowTile<D>& r = rt[mt];
@@ -413,6 +414,7 @@ __global__ void __launch_bounds__(32 * W) dq_kernel(const bf16* __restrict__ q, 
   constexpr int LD = D + 8;
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int QR = 16 * W;
+  static_assert(BM % QR == 0, "a query tile's rows stay below Nqp, the rows of the statistics");
   bf16* Qs = reinterpret_cast<bf16*>(smem);  // [QR][LD]
   bf16* Os = Qs + QR * LD;                   // dO, [QR][LD]
   bf16* Kb = Os + QR * LD;                   // 2 x [BN][LD]
@@ -525,8 +527,8 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
   // key tile. (first_hit's serial scan of the table, one broadcast load per tile, measured faster
   // than testing 32 tiles per warp ballot: 1.91 against 2.58 ms on the 8B drafter's shapes.)
   auto first_hit = [&](int from) {
-    for (int q = from; q < qt_end; ++q)
-      if (hits(q)) return q;
+    for (int t = from; t < qt_end; ++t)
+      if (hits(t)) return t;
     return -1;
   };
   auto issue = [&](int qt, int hi, int buf) {
@@ -654,7 +656,7 @@ void check_args(int64_t Nq, int64_t Nk, int H, int Hkv, float scale, const char*
   if (Nq < 0 || Nk < 0 || Nq > INT_MAX / 2 || Nk > INT_MAX / 2 || H <= 0 || Hkv <= 0 || H % Hkv)
     throw std::invalid_argument(std::string(what) + ": bad sizes (Nq " + std::to_string(Nq) + ", Nk " +
                                 std::to_string(Nk) + ", H " + std::to_string(H) + ", Hkv " + std::to_string(Hkv) + ")");
-  if (!(scale > 0.f) || !std::isfinite(scale))  // the kernels take maxima of unscaled scores
+  if (!(scale > 0.f) || !std::isfinite(scale * kLog2e))  // the kernels take maxima of unscaled scores
     throw std::invalid_argument(std::string(what) + ": scale " + std::to_string(scale) + " is not a positive finite number");
 }
 
@@ -743,23 +745,21 @@ void masked_attention_backward(const bf16* q, const bf16* k, const bf16* v, cons
                                int D, float scale, bf16* dq, bf16* dk, bf16* dv, void* workspace,
                                cudaStream_t stream) {
   check_args(Nq, Nk, H, Hkv, scale, "masked_attention_backward");
+  if (D != 64 && D != 128)
+    throw std::invalid_argument("masked_attention_backward: head_dim " + std::to_string(D) + " not in {64, 128}");
   if (Nk > 0 && Nq == 0) {
     DFLASH_CUDA_CHECK(cudaMemsetAsync(dk, 0, size_t(Nk) * Hkv * D * sizeof(bf16), stream));
     DFLASH_CUDA_CHECK(cudaMemsetAsync(dv, 0, size_t(Nk) * Hkv * D * sizeof(bf16), stream));
   }
+  if (Nq > 0 && Nk == 0) DFLASH_CUDA_CHECK(cudaMemsetAsync(dq, 0, size_t(Nq) * H * D * sizeof(bf16), stream));
   if (Nq == 0 || Nk == 0) return;
   char* ws = static_cast<char*>(workspace);
   float* delta_t = reinterpret_cast<float*>(ws);
   float* lse2_t = delta_t + int64_t(H) * padded_rows(Nq);
   int4* tiles = reinterpret_cast<int4*>(ws + row_stats_bytes(Nq, H));
   float* partials = reinterpret_cast<float*>(reinterpret_cast<char*>(tiles) + align16(2 * ((Nq + BM - 1) / BM) * int64_t(sizeof(int4))));
-  switch (D) {
-    case 64:
-      return launch_bwd<64>(q, k, v, o, lse, dout, ranges, int(Nq), int(Nk), H, Hkv, scale, dq, dk, dv, delta_t, lse2_t, tiles, partials, stream);
-    case 128:
-      return launch_bwd<128>(q, k, v, o, lse, dout, ranges, int(Nq), int(Nk), H, Hkv, scale, dq, dk, dv, delta_t, lse2_t, tiles, partials, stream);
-    default: throw std::invalid_argument("masked_attention_backward: head_dim " + std::to_string(D) + " not in {64, 128}");
-  }
+  const auto launch = D == 64 ? launch_bwd<64> : launch_bwd<128>;
+  launch(q, k, v, o, lse, dout, ranges, int(Nq), int(Nk), H, Hkv, scale, dq, dk, dv, delta_t, lse2_t, tiles, partials, stream);
 }
 
 }  // namespace dflash::cuda

@@ -23,8 +23,6 @@ __device__ __forceinline__ void mma16816(float c[4], const uint32_t a[4], uint32
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ uint32_t ld32(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
-
 /// fp32 values x0, x1 as bf16 pairs hi and lo (x0 in the low halves, as pack()) with x ~ hi + lo to
 /// about 2^-17 relative: hi = bf16(x), lo = bf16(x - hi) (x - hi is exact in fp32).
 __device__ __forceinline__ void split_bf16x2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
