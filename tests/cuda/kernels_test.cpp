@@ -11,6 +11,7 @@
 
 #include "ops/activation.h"
 #include "ops/cuda/adamw.h"
+#include "ops/cuda/device_info.h"
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/norm.h"
@@ -65,6 +66,14 @@ std::vector<double> ref_gemm(const cuda::GemmShape& g, const std::vector<float>&
 }
 
 }  // namespace
+
+TEST(CudaDeviceInfo, ArchitectureListsWithFeatureSuffixes) {
+  // (No GPU needed.) CMake architecture lists may name Hopper's arch-specific target "90a".
+  EXPECT_EQ(cuda::parse_archs("80 90a 100 120"), (std::vector<int>{80, 90, 100, 120}));
+  EXPECT_EQ(cuda::parse_archs("90"), (std::vector<int>{90}));
+  EXPECT_TRUE(cuda::parse_archs("").empty());
+  EXPECT_THROW(cuda::parse_archs("native"), std::invalid_argument);
+}
 
 TEST(CudaGemm, AllTransposesOddSizesAccumulateAndBf16Output) {
   REQUIRE_GPU();

@@ -21,11 +21,13 @@ std::vector<DeviceInfo> devices() {
   return r;
 }
 
-std::vector<int> compiled_archs() {
+std::vector<int> parse_archs(const std::string& list) {
   std::vector<int> r;
-  std::istringstream archs(DFLASH_CUDA_ARCHS);  // e.g. "80 90 100 120", set by CMake
-  for (int a; archs >> a;) r.push_back(a);
+  std::istringstream archs(list);
+  for (std::string a; archs >> a;) r.push_back(std::stoi(a));  // "90a": 90 (with Hopper's own instructions)
   return r;
 }
+
+std::vector<int> compiled_archs() { return parse_archs(DFLASH_CUDA_ARCHS); }  // e.g. "80 90 100 120", set by CMake
 
 }  // namespace dflash::cuda

@@ -15,7 +15,10 @@ struct DeviceInfo {
 
 /// Visible devices; empty when no driver or GPU is present (never throws).
 std::vector<DeviceInfo> devices();
-/// The architectures this binary carries device code for, e.g. {80, 90, 100, 120}.
+/// The architectures this binary carries device code for, e.g. {80, 90, 100, 120} (90 for sm_90a).
 std::vector<int> compiled_archs();
+/// A CMake-style architecture list ("80 90a 100 120") as numbers ({80, 90, 100, 120}); throws
+/// std::invalid_argument on a token that does not start with a number.
+std::vector<int> parse_archs(const std::string& list);
 
 }  // namespace dflash::cuda
