@@ -13,6 +13,9 @@
 #include "ops/linear.h"
 #include "ops/norm.h"
 #include "ops/rope.h"
+#ifdef DFLASH_HAVE_CUDA
+#include "ops/cuda/masked_attention.h"
+#endif
 
 namespace dflash {
 
@@ -274,7 +277,9 @@ std::vector<KernelChoice> layer_kernels(const ModelSpec& s, int64_t layer) {
     r.push_back({"cuda",
                  (kind == LayerKind::Attention
                       ? "cuda::masked_attention_forward<head_dim " + std::to_string(s.head_dim) +
-                            "> (causal varlen, mma.sync bf16, fp32 softmax)" +
+                            "> (causal varlen, " +
+                            (cuda::masked_attention_uses_wgmma(int(s.head_dim)) ? "wgmma (sm_90a)" : "mma.sync") +
+                            " bf16, fp32 softmax)" +
                             (s.attn_output_gate() ? " + sigmoid output gate" : "") + " + cuBLASLt bf16 GEMMs"
                       : std::string("cuda::causal_conv1d_silu + gated_delta_rule_chunked (chunk 64, WY/UT form, fp32 state) + "
                                     "gated_rms_norm + cuBLASLt bf16 GEMMs")) +

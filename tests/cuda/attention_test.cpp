@@ -57,27 +57,39 @@ void run_case(const Case& c, uint64_t seed) {
   DeviceArray<cuda::KvRange32> dr(cuda::to_kv_range32(c.ranges), s);
   DeviceArray<bf16> o(q.size());
   DeviceArray<float> lse(size_t(c.Nq * c.H));
-  o.fill_bytes(0xFF, s);
-  lse.fill_bytes(0xFF, s);
-  cuda::masked_attention_forward(dq_.data(), dk_.data(), dv_.data(), dr.data(), c.Nq, c.Nk, c.H, c.Hkv, c.D,
-                                 float(scale), o.data(), lse.data(), s);
-  const auto o_gpu = test::to_host_f32(o, s);
-  const auto lse_gpu = lse.to_host(s);
-  ASSERT_TRUE(test::all_finite(o_gpu));
-  const double eo = test::rel_l2(o_gpu, o_ref.data);
-  EXPECT_LE(eo, kTolBf16Attention);
-  std::vector<double> lf_gpu, lf_ref;
-  for (size_t i = 0; i < lse_gpu.size(); ++i) {
-    if (std::isinf(lse_ref.data[i])) {
-      EXPECT_TRUE(std::isinf(lse_gpu[i]) && lse_gpu[i] < 0) << "row-head " << i << " sees nothing";
-      continue;
+  // The forward of each kernel family this GPU runs (mma.sync, and wgmma where kAuto picks it); the
+  // backward below takes the kAuto forward's o and lse.
+  auto forward = [&](cuda::AttentionKernel kernel, const char* what) {
+    o.fill_bytes(0xFF, s);
+    lse.fill_bytes(0xFF, s);
+    cuda::masked_attention_forward(dq_.data(), dk_.data(), dv_.data(), dr.data(), c.Nq, c.Nk, c.H, c.Hkv, c.D,
+                                   float(scale), o.data(), lse.data(), s, kernel);
+    const auto o_gpu = test::to_host_f32(o, s);
+    const auto lse_gpu = lse.to_host(s);
+    ASSERT_TRUE(test::all_finite(o_gpu)) << what;
+    const double eo = test::rel_l2(o_gpu, o_ref.data);
+    EXPECT_LE(eo, kTolBf16Attention) << what;
+    std::vector<double> lf_gpu, lf_ref;
+    for (size_t i = 0; i < lse_gpu.size(); ++i) {
+      if (std::isinf(lse_ref.data[i])) {
+        EXPECT_TRUE(std::isinf(lse_gpu[i]) && lse_gpu[i] < 0) << what << ": row-head " << i << " sees nothing";
+        continue;
+      }
+      lf_gpu.push_back(lse_gpu[i]);
+      lf_ref.push_back(lse_ref.data[i]);
     }
-    lf_gpu.push_back(lse_gpu[i]);
-    lf_ref.push_back(lse_ref.data[i]);
+    const double el = test::rel_l2(lf_gpu, lf_ref);
+    EXPECT_LE(el, 1e-5) << what;
+    std::printf("%s fwd: o %.2e lse %.2e", what, eo, el);
+  };
+  std::printf("[gpu attention] %-26s D %3d ", c.name.c_str(), c.D);
+  if (cuda::masked_attention_uses_wgmma(c.D)) {
+    forward(cuda::AttentionKernel::kMmaSync, "mma.sync");
+    std::printf(" | ");
+    forward(cuda::AttentionKernel::kAuto, "wgmma");
+  } else {
+    forward(cuda::AttentionKernel::kAuto, "mma.sync");
   }
-  const double el = test::rel_l2(lf_gpu, lf_ref);
-  EXPECT_LE(el, 1e-5);
-  std::printf("[gpu attention] %-26s D %3d fwd: o %.2e lse %.2e", c.name.c_str(), c.D, eo, el);
   if (c.backward) {
     BasicTensor<double> dq_ref, dk_ref, dv_ref;
     cpu::masked_attention_backward(Q, K, V, o_ref, lse_ref, DO, c.ranges, scale, &dq_ref, &dk_ref, &dv_ref);

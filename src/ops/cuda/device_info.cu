@@ -28,6 +28,6 @@ std::vector<int> parse_archs(const std::string& list) {
   return r;
 }
 
-std::vector<int> compiled_archs() { return parse_archs(DFLASH_CUDA_ARCHS); }  // e.g. "80 90 100 120", set by CMake
+std::vector<int> compiled_archs() { return parse_archs(DFLASH_CUDA_ARCHS); }  // e.g. "80 90a 100 120", set by CMake
 
 }  // namespace dflash::cuda

@@ -5,6 +5,7 @@
 
 #include "ops/cuda/masked_attention.h"
 #include "ops/cuda/mma.cuh"
+#include "ops/cuda/wgmma.cuh"
 
 namespace dflash::cuda {
 
@@ -252,6 +253,26 @@ __device__ __forceinline__ void online_softmax(float (*s)[4], RowTile<D>& r, boo
   for (int i = 0; i < D / 8; ++i) r.oacc[i][0] *= al_a, r.oacc[i][1] *= al_a, r.oacc[i][2] *= al_b, r.oacc[i][3] *= al_b;
 }
 
+/// The forward's epilogue for one m-tile: rows ra and rb of head h get O / l (bf16; 0 for a row
+/// that saw nothing) and, when lse is non-null, the natural-log logsumexp (-inf for such a row).
+template <int D>
+__device__ __forceinline__ void write_rows(RowTile<D>& r, bf16* o, float* lse, int ra, int rb, int Nq, int H, int h, int t) {
+  r.l_a = quad_sum(r.l_a), r.l_b = quad_sum(r.l_b);
+  const float ia = r.l_a > 0.f ? 1.f / r.l_a : 0.f, ib = r.l_b > 0.f ? 1.f / r.l_b : 0.f;
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) {
+    const int c = dt * 8 + 2 * t;
+    if (ra < Nq)
+      *reinterpret_cast<uint32_t*>(o + (int64_t(ra) * H + h) * D + c) = pack(r.oacc[dt][0] * ia, r.oacc[dt][1] * ia);
+    if (rb < Nq)
+      *reinterpret_cast<uint32_t*>(o + (int64_t(rb) * H + h) * D + c) = pack(r.oacc[dt][2] * ib, r.oacc[dt][3] * ib);
+  }
+  if (lse && t == 0) {
+    if (ra < Nq) lse[int64_t(ra) * H + h] = r.l_a > 0.f ? (r.m_a + log2f(r.l_a)) * kLn2 : -INFINITY;
+    if (rb < Nq) lse[int64_t(rb) * H + h] = r.l_b > 0.f ? (r.m_b + log2f(r.l_b)) * kLn2 : -INFINITY;
+  }
+}
+
 template <int D, int W, int N, int MT>
 __global__ void __launch_bounds__(32 * W, MT == 2 ? 2 : (D <= 128 ? 3 : 2))
     fwd_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
@@ -354,23 +375,121 @@ __global__ void __launch_bounds__(32 * W, MT == 2 ? 2 : (D <= 128 ? 3 : 2))
   cp_async_wait<0>();  // (with MT 2, a query tile that sees no key never waited for its copy)
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
-    RowTile<D>& r = rt[mt];
-    const int ra = row0 + wrow + 16 * mt + g, rb = ra + 8;
-    r.l_a = quad_sum(r.l_a), r.l_b = quad_sum(r.l_b);
-    const float ia = r.l_a > 0.f ? 1.f / r.l_a : 0.f, ib = r.l_b > 0.f ? 1.f / r.l_b : 0.f;
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-      const int c = dt * 8 + 2 * t;
-      if (ra < Nq)
-        *reinterpret_cast<uint32_t*>(o + (int64_t(ra) * H + h) * D + c) = pack(r.oacc[dt][0] * ia, r.oacc[dt][1] * ia);
-      if (rb < Nq)
-        *reinterpret_cast<uint32_t*>(o + (int64_t(rb) * H + h) * D + c) = pack(r.oacc[dt][2] * ib, r.oacc[dt][3] * ib);
-    }
-    if (lse && t == 0) {
-      if (ra < Nq) lse[int64_t(ra) * H + h] = r.l_a > 0.f ? (r.m_a + log2f(r.l_a)) * kLn2 : -INFINITY;
-      if (rb < Nq) lse[int64_t(rb) * H + h] = r.l_b > 0.f ? (r.m_b + log2f(r.l_b)) * kLn2 : -INFINITY;
-    }
+    const int ra = row0 + wrow + 16 * mt + g;
+    write_rows(rt[mt], o, lse, ra, ra + 8, Nq, H, h, t);
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward on Hopper (sm_90a, head_dim 128): the same algorithm with warpgroup MMAs. One CTA of two
+// warpgroups per (128 query rows, head); warpgroup w owns rows 64 w .. 64 w + 63 (warp 4 w + i rows
+// 16 i .. of them, as in the mma.sync kernel, so the softmax and epilogue are shared). Q, K and V
+// tiles sit in shared memory with the 128-byte swizzle (wgmma.cuh); S = Q K^T reads both from shared
+// memory, O += P V takes P from registers and V (MN-major) from shared memory. The next key tile's S
+// is issued before this tile's softmax, so the tensor cores work while the warps exponentiate.
+
+/// copy_rows_async into wgmma's 128-byte-swizzled layout: the [kRows][D] tile as D / 64 column
+/// blocks of [kRows][64]; row r of a block at r 128 bytes, its 16-byte chunk c at ((c ^ r % 8) 16).
+/// Consecutive threads fill consecutive 16 bytes of shared memory (conflict-free), reading the
+/// 128 bytes of one row's block in a permuted order (still one coalesced segment).
+template <int D, int kThreads, int kRows>
+__device__ __forceinline__ void copy_rows_sw128(bf16* dst, const bf16* src, int N, int heads, int head, int r0) {
+  constexpr int kUnits = kRows * D / 8;
+  const int64_t stride = int64_t(heads) * D;
+  const bf16* s = src + int64_t(head) * D;
+#pragma unroll
+  for (int k = 0; k < (kUnits + kThreads - 1) / kThreads; ++k) {
+    const int L = int(threadIdx.x) + k * kThreads;  // 16-byte unit of the tile in shared memory
+    if (kUnits % kThreads != 0 && L >= kUnits) break;
+    const int blk = L / (kRows * 8), r = (L / 8) % kRows, c = (L % 8) ^ (r % 8);
+    const bool ok = r0 + r < N;
+    cp_async16(dst + L * 8, ok ? s + int64_t(r0 + r) * stride + blk * 64 + c * 8 : src, ok);
+  }
+}
+
+template <int D, int WG, int N>
+__global__ void __launch_bounds__(128 * WG, 1)
+    fwd_wgmma_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                     const KvRange32* __restrict__ ranges, int Nq, int Nk, int H, int Hkv, float scale_log2, bf16* o,
+                     float* lse) {
+  static_assert(D == 128, "one n = 128 wgmma covers the output row");
+  constexpr int QR = 64 * WG, kThreads = 128 * WG;
+  extern __shared__ __align__(16) unsigned char smem[];
+  // 128-byte swizzle atoms need 1024-byte alignment (the launch adds 1024 bytes).
+  // Each tile as D / 64 swizzled [rows][64] column blocks (copy_rows_sw128).
+  bf16* Qs = reinterpret_cast<bf16*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~uintptr_t(1023));  // [QR x D]
+  bf16* Kb = Qs + QR * D;  // 3 x [N x D]: tile j in buffer j % 3
+  bf16* Vb = Kb + 3 * N * D;  // 3 x [N x D]
+  __shared__ int lohi[8];
+  const int h = blockIdx.y, kvh = h / (H / Hkv), row0 = (gridDim.x - 1 - blockIdx.x) * QR;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  copy_rows_sw128<D, kThreads, QR>(Qs, q, Nq, H, h, row0);  // lands with the first key tile
+  tile_union(ranges, Nq, row0, QR, lohi);                  // (synchronizes)
+  RowTile<D> rt;
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) rt.oacc[i][0] = rt.oacc[i][1] = rt.oacc[i][2] = rt.oacc[i][3] = 0.f;
+  rt.m_a = rt.m_b = -INFINITY, rt.l_a = rt.l_b = 0.f;
+  const KeyTiles<N> tiles(lohi);
+  auto fetch = [&](int j) {  // one cp.async group, empty past the last tile
+    if (j < tiles.n) {
+      copy_rows_sw128<D, kThreads, N>(Kb + (j % 3) * N * D, k, Nk, Hkv, kvh, tiles.start(j));
+      copy_rows_sw128<D, kThreads, N>(Vb + (j % 3) * N * D, v, Nk, Hkv, kvh, tiles.start(j));
+    }
+    cp_async_commit();
+  };
+  const bf16* Qw = Qs + (warp / 4) * 64 * 64;  // this warpgroup's rows in column block 0
+  static_assert(N == 64, "S tiles of 64 keys (m64n64k16)");
+  auto issue_s = [&](float (&s)[N / 8][4], int j) {  // S = Q K_j^T, committed, not waited for
+    const bf16* Kj = Kb + (j % 3) * N * D;
+    wgmma::fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks)  // column block ks / 4, 32 bytes per k step inside it
+      wgmma::m64n64k16_ss(s, wgmma::desc_sw128(Qw + (ks / 4) * QR * 64 + (ks % 4) * 16, 16, 1024),
+                           wgmma::desc_sw128(Kj + (ks / 4) * N * 64 + (ks % 4) * 16, 16, 1024), ks > 0);
+    wgmma::commit_and_wait<1>();  // (the previous tile's S may still run; this one is in flight)
+  };
+  const int ra = row0 + warp * 16 + g, rb = ra + 8;
+  // Tile j: S_j was issued one step earlier, so the tensor cores compute S_{j+1} while this
+  // warpgroup runs tile j's softmax. Buffers: three, the next two tiles in flight.
+  auto step = [&](int j, float (&sc)[N / 8][4], float (&sn)[N / 8][4]) {
+    fetch(j + 2);  // into tile j - 1's buffer, freed by the barrier that ended step j - 1
+    cp_async_wait<1>();  // tile j + 1 has landed (j + 2 may be in flight)
+    wgmma::fence_proxy_async();
+    __syncthreads();
+    // S_{j+1}; past the last tile it multiplies a buffer's stale contents and is never read (no
+    // branch around a wgmma: the compiler would serialize them all).
+    issue_s(sn, j + 1);  // in flight during this tile's softmax
+    const int seg = tiles.seg(j), k0 = tiles.start(j);
+    online_softmax<D, N>(sc, rt, tile_full(lohi, seg, k0, N, Nk), ranges, ra, rb, Nq, k0, seg, Nk, t, scale_log2);
+    const bf16* Vj = Vb + (j % 3) * N * D;
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < N / 16; ++kk) {
+      uint32_t a[4];
+      acc_to_a(a, sc, kk);
+      // MN-major: LBO = the stride between the two 64-column blocks, SBO = 8 rows of 128 bytes.
+      wgmma::m64n128k16_rs_mn(rt.oacc, a, wgmma::desc_sw128(Vj + kk * 16 * 64, N * 128, 1024), true);
+    }
+    wgmma::commit_and_wait<0>();
+    __syncthreads();  // every warp is done with tile j's buffer before it is refilled
+  };
+  float s0[N / 8][4], s1[N / 8][4];
+  fetch(0);
+  fetch(1);
+  cp_async_wait<1>();  // Q and tile 0
+  wgmma::fence_proxy_async();
+  __syncthreads();
+  issue_s(s0, 0);
+  wgmma::commit_and_wait<0>();  // (no wgmma in flight across a branch: the compiler would serialize them all)
+  for (int j = 0; j < tiles.n; ++j) {
+    step(j, s0, s1);
+#pragma unroll
+    for (int nt = 0; nt < N / 8; ++nt)  // S_{j+1} (complete: step waited for every wgmma)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s0[nt][e] = s1[nt][e];
+  }
+  cp_async_wait<0>();  // (a query tile that sees no key never waited for its copy)
+  write_rows(rt, o, lse, ra, rb, Nq, H, h, t);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -682,6 +801,16 @@ void launch_fwd(const bf16* q, const bf16* k, const bf16* v, const KvRange32* r,
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
+void launch_fwd_wgmma(const bf16* q, const bf16* k, const bf16* v, const KvRange32* r, int Nq, int Nk, int H,
+                      int Hkv, float scale, bf16* o, float* lse, cudaStream_t s) {
+  constexpr int D = 128, WG = 2, N = 64, QR = 64 * WG;  // (3 warpgroups leave no registers for two S tiles)
+  const size_t smem = size_t(QR + 6 * N) * D * sizeof(bf16) + 1024;  // + alignment of the swizzle atoms
+  set_smem(fwd_wgmma_kernel<D, WG, N>, smem);
+  fwd_wgmma_kernel<D, WG, N><<<dim3((Nq + QR - 1) / QR, H), 128 * WG, smem, s>>>(q, k, v, r, Nq, Nk, H, Hkv,
+                                                                                 scale * kLog2e, o, lse);
+  DFLASH_CUDA_CHECK_LAUNCH();
+}
+
 template <int D>
 void launch_bwd(const bf16* q, const bf16* k, const bf16* v, const bf16* o, const float* lse, const bf16* dout,
                 const KvRange32* r, int Nq, int Nk, int H, int Hkv, float scale, bf16* dq, bf16* dk, bf16* dv,
@@ -715,14 +844,31 @@ void launch_bwd(const bf16* q, const bf16* k, const bf16* v, const bf16* o, cons
 
 }  // namespace
 
+bool masked_attention_uses_wgmma(int D) {
+  // The binary carries sm_90a code only when built for "90a" (CMakeLists.txt); a compute capability
+  // 9.0 device then runs it (there is no plain sm_90 code to prefer).
+  static const bool built = std::string(DFLASH_CUDA_ARCHS).find("90a") != std::string::npos;
+  if (!built || D != 128) return false;
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+    cudaGetLastError();  // no usable device: nothing runs, and the error is not left behind
+    return false;
+  }
+  return major == 9 && minor == 0;
+}
+
 void masked_attention_forward(const bf16* q, const bf16* k, const bf16* v, const KvRange32* ranges, int64_t Nq,
                               int64_t Nk, int H, int Hkv, int D, float scale, bf16* o, float* lse,
-                              cudaStream_t stream) {
+                              cudaStream_t stream, AttentionKernel kernel) {
   check_args(Nq, Nk, H, Hkv, scale, "masked_attention_forward");
   if (Nq == 0) return;
   switch (D) {
     case 64: return launch_fwd<64, kWarps>(q, k, v, ranges, int(Nq), int(Nk), H, Hkv, scale, o, lse, stream);
-    case 128: return launch_fwd<128, kWarps>(q, k, v, ranges, int(Nq), int(Nk), H, Hkv, scale, o, lse, stream);
+    case 128:
+      if (kernel == AttentionKernel::kAuto && masked_attention_uses_wgmma(D))
+        return launch_fwd_wgmma(q, k, v, ranges, int(Nq), int(Nk), H, Hkv, scale, o, lse, stream);
+      return launch_fwd<128, kWarps>(q, k, v, ranges, int(Nq), int(Nk), H, Hkv, scale, o, lse, stream);
     case 256: return launch_fwd<256, 4>(q, k, v, ranges, int(Nq), int(Nk), H, Hkv, scale, o, lse, stream);
     default: throw std::invalid_argument("masked_attention_forward: head_dim " + std::to_string(D) + " not in {64, 128, 256}");
   }

@@ -29,6 +29,15 @@ std::vector<KvRange32> to_kv_range32(const std::vector<cpu::KvRanges>& r);
 /// [s0, t] (ctx range), no second range. What the target's attention needs.
 std::vector<KvRange32> causal_ranges(const std::vector<int64_t>& cu_seqlens);
 
+/// Kernel family of the forward. kAuto: warpgroup MMAs (wgmma, fwd_wgmma_kernel) at head_dim 128 on
+/// a compute capability 9.0 GPU (H100 / H200) when the build carries sm_90a code, else mma.sync;
+/// kMmaSync: mma.sync everywhere (what A100 and Blackwell run; the tests compare the two).
+enum class AttentionKernel { kAuto, kMmaSync };
+
+/// Whether masked_attention_forward with kAuto runs wgmma at head_dim D on the current device (false
+/// without a usable device; never throws).
+bool masked_attention_uses_wgmma(int D);
+
 /// Forward. q [Nq, H, D], k and v [Nk, Hkv, D] bf16 (H % Hkv == 0, query head h uses kv head
 /// h / (H / Hkv)), ranges [Nq] (device). Writes o [Nq, H, D] bf16 (0 for a row that sees nothing)
 /// and, when non-null, lse [Nq, H] fp32 = natural-log logsumexp of the scaled allowed scores
@@ -36,7 +45,7 @@ std::vector<KvRange32> causal_ranges(const std::vector<int64_t>& cu_seqlens);
 /// std::invalid_argument otherwise.
 void masked_attention_forward(const bf16* q, const bf16* k, const bf16* v, const KvRange32* ranges, int64_t Nq,
                               int64_t Nk, int H, int Hkv, int D, float scale, bf16* o, float* lse,
-                              cudaStream_t stream);
+                              cudaStream_t stream, AttentionKernel kernel = AttentionKernel::kAuto);
 
 /// Bytes of workspace masked_attention_backward needs: each row's delta and lse, head-major (2 x H x
 /// Nq rounded up to 64 floats), a table of the query tiles' key ranges and, for long query sets,

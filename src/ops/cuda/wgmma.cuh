@@ -1,0 +1,112 @@
+// Hopper warpgroup MMAs (wgmma.mma_async, PTX ISA "Asynchronous Warpgroup Level Matrix Multiply"),
+// sm_90a only: a warpgroup (4 consecutive warps, the first one's index divisible by 4) multiplies a
+// 64-row A (shared memory or registers) by a B in shared memory, fp32 accumulators in registers.
+//
+// Shared-memory operands use the 128-byte swizzle (the no-swizzle layout measured 1.5x slower in
+// the attention forward): a [rows][64 bf16] block stores row r at r 128 bytes with its 16-byte chunk c
+// at (c ^ r % 8) 16, in 1024-byte-aligned atoms of 8 rows. A descriptor gives the start address, LBO
+// and SBO. K-major operands (K along the row: Q, K): SBO 1024 (8 rows), LBO unused, one k step of 16
+// = 32 bytes further inside the block, the next 64 columns in the next block. MN-major operands (K
+// down the rows: V in P V): SBO 1024 (8 rows along K), LBO the stride between 64-column blocks along
+// N, one k step = 16 rows further. Both checked against a CPU product on the H200.
+//
+// Accumulator layout of m64nNk16 (per warp w of the warpgroup, rows 16 w .. 16 w + 15; g = lane / 4,
+// t = lane % 4): d[n8][0..1] = (g, 8 n8 + 2t ..), d[n8][2..3] = (g + 8, 8 n8 + 2t ..), the mma.sync
+// m16n8k16 C layout per n-tile. A from registers: the mma.sync m16n8k16 A fragment of the warp's rows.
+// Without sm_90a (other targets, or sm_90 without the "a" features) every entry point traps.
+#pragma once
+#include <cstdint>
+
+namespace dflash::cuda::wgmma {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define DFLASH_WGMMA_ON 1
+#else
+#define DFLASH_WGMMA_ON 0
+#endif
+
+/// Descriptor of a shared-memory operand at `smem` without swizzle (16-byte aligned); lbo, sbo in bytes.
+__device__ __forceinline__ uint64_t desc(const void* smem, uint32_t lbo, uint32_t sbo) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  return uint64_t((a >> 4) & 0x3FFF) | uint64_t((lbo >> 4) & 0x3FFF) << 16 | uint64_t((sbo >> 4) & 0x3FFF) << 32;
+}
+
+/// desc() of a 128-byte-swizzled operand (layout type 1; its atoms 1024-byte aligned).
+__device__ __forceinline__ uint64_t desc_sw128(const void* smem, uint32_t lbo, uint32_t sbo) {
+  return desc(smem, lbo, sbo) | (uint64_t(1) << 62);
+}
+
+/// Orders this thread's earlier register writes before the next wgmma (wgmma.fence).
+__device__ __forceinline__ void fence() {
+#if DFLASH_WGMMA_ON
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+/// Commits the issued wgmmas as one group and waits until at most N groups are in flight.
+template <int N>
+__device__ __forceinline__ void commit_and_wait() {
+#if DFLASH_WGMMA_ON
+  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#else
+  __trap();
+#endif
+}
+
+/// Makes this thread's ordinary shared-memory writes (stores, cp.async) visible to the async proxy
+/// that wgmma reads through; then a barrier, before the wgmma.
+__device__ __forceinline__ void fence_proxy_async() {
+#if DFLASH_WGMMA_ON
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+#define DFLASH_ACC8(d)                                                                                               \
+  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),       \
+      "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),   \
+      "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),   \
+      "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),   \
+      "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+/// d [64 x 64] (+)= A B^T over one k step of 16: A [64 x 16] and B [64 x 16] K-major in shared
+/// memory (descriptors da, db); accumulate = false overwrites d.
+__device__ __forceinline__ void m64n64k16_ss(float (&d)[8][4], uint64_t da, uint64_t db, bool accumulate) {
+#if DFLASH_WGMMA_ON
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+      "%23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : DFLASH_ACC8(d)
+      : "l"(da), "l"(db), "r"(int(accumulate)));
+#else
+  __trap();
+#endif
+}
+
+/// d [64 x 128] (+)= A B over one k step of 16: A [64 x 16] from registers (a: the warp's mma.sync A
+/// fragment), B [16 x 128] MN-major in shared memory (descriptor db).
+__device__ __forceinline__ void m64n128k16_rs_mn(float (&d)[16][4], const uint32_t (&a)[4], uint64_t db, bool accumulate) {
+#if DFLASH_WGMMA_ON
+  float(&lo)[8][4] = *reinterpret_cast<float(*)[8][4]>(&d[0]);
+  float(&hi)[8][4] = *reinterpret_cast<float(*)[8][4]>(&d[8]);
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+      "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "
+      "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : DFLASH_ACC8(lo), DFLASH_ACC8(hi)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(int(accumulate)));
+#else
+  __trap();
+#endif
+}
+
+#undef DFLASH_ACC8
+
+}  // namespace dflash::cuda::wgmma
