@@ -73,6 +73,12 @@ TEST(CudaDeviceInfo, ArchitectureListsWithFeatureSuffixes) {
   EXPECT_EQ(cuda::parse_archs("90"), (std::vector<int>{90}));
   EXPECT_TRUE(cuda::parse_archs("").empty());
   EXPECT_THROW(cuda::parse_archs("native"), std::invalid_argument);
+  // The wgmma kernels run only where an H100 / H200 surely loads the sm_90a code.
+  EXPECT_TRUE(cuda::sm90a_without_sm90("80 90a 100 120"));
+  EXPECT_TRUE(cuda::sm90a_without_sm90("90a-real"));
+  EXPECT_FALSE(cuda::sm90a_without_sm90("80 90 100 120"));
+  EXPECT_FALSE(cuda::sm90a_without_sm90("90 90a"));
+  EXPECT_FALSE(cuda::sm90a_without_sm90("90-virtual 90a"));
 }
 
 TEST(CudaGemm, AllTransposesOddSizesAccumulateAndBf16Output) {

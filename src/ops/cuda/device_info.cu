@@ -28,6 +28,18 @@ std::vector<int> parse_archs(const std::string& list) {
   return r;
 }
 
+bool sm90a_without_sm90(const std::string& list) {
+  std::istringstream archs(list);
+  bool a = false, plain = false;
+  for (std::string t; archs >> t;) {
+    // CMake spellings: "90a", "90a-real", "90-virtual"
+    const std::string base = t.substr(0, t.find('-'));
+    a |= base == "90a";
+    plain |= base == "90";
+  }
+  return a && !plain;
+}
+
 std::vector<int> compiled_archs() { return parse_archs(DFLASH_CUDA_ARCHS); }  // e.g. "80 90a 100 120", set by CMake
 
 }  // namespace dflash::cuda

@@ -17,6 +17,9 @@ struct DeviceInfo {
 std::vector<DeviceInfo> devices();
 /// The architectures this binary carries device code for, e.g. {80, 90, 100, 120} (90 for sm_90a).
 std::vector<int> compiled_archs();
+/// Whether a CMake-style architecture list names sm_90a ("90a") and no plain sm_90 ("90"): then an H100 /
+/// H200 runs the sm_90a code (with both, which one the driver loads is not ours to choose).
+bool sm90a_without_sm90(const std::string& list);
 /// A CMake-style architecture list ("80 90a 100 120") as numbers ({80, 90, 100, 120}); throws
 /// std::invalid_argument on a token that does not start with a number.
 std::vector<int> parse_archs(const std::string& list);

@@ -3,6 +3,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "ops/cuda/device_info.h"
 #include "ops/cuda/masked_attention.h"
 #include "ops/cuda/mma.cuh"
 #include "ops/cuda/wgmma.cuh"
@@ -446,11 +447,11 @@ __global__ void __launch_bounds__(128 * WG, 1)
     for (int ks = 0; ks < D / 16; ++ks)  // column block ks / 4, 32 bytes per k step inside it
       wgmma::m64n64k16_ss(s, wgmma::desc_sw128(Qw + (ks / 4) * QR * 64 + (ks % 4) * 16, 16, 1024),
                            wgmma::desc_sw128(Kj + (ks / 4) * N * 64 + (ks % 4) * 16, 16, 1024), ks > 0);
-    wgmma::commit_and_wait<1>();  // (the previous tile's S may still run; this one is in flight)
+    wgmma::commit_and_wait<1>();  // commits; this S stays in flight (every earlier wgmma was waited for)
   };
   const int ra = row0 + warp * 16 + g, rb = ra + 8;
   // Tile j: S_j was issued one step earlier, so the tensor cores compute S_{j+1} while this
-  // warpgroup runs tile j's softmax. Buffers: three, the next two tiles in flight.
+  // warpgroup runs tile j's softmax. Buffers: three (tile j, tile j + 1 landed, tile j + 2 in flight).
   auto step = [&](int j, float (&sc)[N / 8][4], float (&sn)[N / 8][4]) {
     fetch(j + 2);  // into tile j - 1's buffer, freed by the barrier that ended step j - 1
     cp_async_wait<1>();  // tile j + 1 has landed (j + 2 may be in flight)
@@ -846,8 +847,8 @@ void launch_bwd(const bf16* q, const bf16* k, const bf16* v, const bf16* o, cons
 
 bool masked_attention_uses_wgmma(int D) {
   // The binary carries sm_90a code only when built for "90a" (CMakeLists.txt); a compute capability
-  // 9.0 device then runs it (there is no plain sm_90 code to prefer).
-  static const bool built = std::string(DFLASH_CUDA_ARCHS).find("90a") != std::string::npos;
+  // 9.0 device then surely runs it only when there is no plain sm_90 code to choose instead.
+  static const bool built = sm90a_without_sm90(DFLASH_CUDA_ARCHS);
   if (!built || D != 128) return false;
   int dev = 0, major = 0, minor = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||

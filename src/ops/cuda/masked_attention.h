@@ -2,7 +2,8 @@
 // (context prefix / window up to each anchor + own block) and, with causal ranges, the targets'
 // causal varlen attention. Reference: src/ops/cpu/dflash_attention.cpp (masked_attention_forward /
 // masked_attention_backward); algorithm: FlashAttention-2 (Dao, 2023) with bf16 tensor-core MMAs
-// (mma.sync m16n8k16), online softmax in fp32, tiles of 64 queries x 64 keys, and key tiles outside
+// (mma.sync m16n8k16; at head_dim 128 on H100 / H200 the forward uses Hopper's wgmma instead, see
+// AttentionKernel), online softmax in fp32, tiles of 64 queries x 64 keys, and key tiles outside
 // every row's ranges skipped.
 #pragma once
 #include <cstdint>
