@@ -93,21 +93,25 @@ void run_case(const Case& c, uint64_t seed) {
   if (c.backward) {
     BasicTensor<double> dq_ref, dk_ref, dv_ref;
     cpu::masked_attention_backward(Q, K, V, o_ref, lse_ref, DO, c.ranges, scale, &dq_ref, &dk_ref, &dv_ref);
-    DeviceArray<bf16> gq(q.size()), gk(k.size()), gv(v.size());
-    gq.fill_bytes(0xFF, s);
-    gk.fill_bytes(0xFF, s);
-    gv.fill_bytes(0xFF, s);
     DeviceArray<char> ws{size_t(cuda::masked_attention_backward_workspace_bytes(c.Nq, c.Nk, c.H, c.Hkv, c.D))};
-    cuda::masked_attention_backward(dq_.data(), dk_.data(), dv_.data(), o.data(), lse.data(), ddo.data(), dr.data(),
-                                    c.Nq, c.Nk, c.H, c.Hkv, c.D, float(scale), gq.data(), gk.data(), gv.data(),
-                                    ws.data(), s);
-    const auto a = test::to_host_f32(gq, s), b = test::to_host_f32(gk, s), d = test::to_host_f32(gv, s);
-    ASSERT_TRUE(test::all_finite(a) && test::all_finite(b) && test::all_finite(d));
-    const double e1 = test::rel_l2(a, dq_ref.data), e2 = test::rel_l2(b, dk_ref.data), e3 = test::rel_l2(d, dv_ref.data);
-    EXPECT_LE(e1, kTolBf16Attention);
-    EXPECT_LE(e2, kTolBf16Attention);
-    EXPECT_LE(e3, kTolBf16Attention);
-    std::printf(" | bwd: dq %.2e dk %.2e dv %.2e", e1, e2, e3);
+    auto backward = [&](cuda::AttentionKernel kernel, const char* what) {
+      DeviceArray<bf16> gq(q.size()), gk(k.size()), gv(v.size());
+      gq.fill_bytes(0xFF, s);
+      gk.fill_bytes(0xFF, s);
+      gv.fill_bytes(0xFF, s);
+      cuda::masked_attention_backward(dq_.data(), dk_.data(), dv_.data(), o.data(), lse.data(), ddo.data(), dr.data(),
+                                      c.Nq, c.Nk, c.H, c.Hkv, c.D, float(scale), gq.data(), gk.data(), gv.data(),
+                                      ws.data(), s, kernel);
+      const auto a = test::to_host_f32(gq, s), b = test::to_host_f32(gk, s), d = test::to_host_f32(gv, s);
+      ASSERT_TRUE(test::all_finite(a) && test::all_finite(b) && test::all_finite(d)) << what;
+      const double e1 = test::rel_l2(a, dq_ref.data), e2 = test::rel_l2(b, dk_ref.data), e3 = test::rel_l2(d, dv_ref.data);
+      EXPECT_LE(e1, kTolBf16Attention) << what;
+      EXPECT_LE(e2, kTolBf16Attention) << what;
+      EXPECT_LE(e3, kTolBf16Attention) << what;
+      std::printf(" | %s bwd: dq %.2e dk %.2e dv %.2e", what, e1, e2, e3);
+    };
+    if (cuda::masked_attention_uses_wgmma(c.D)) backward(cuda::AttentionKernel::kMmaSync, "mma.sync");
+    backward(cuda::AttentionKernel::kAuto, cuda::masked_attention_uses_wgmma(c.D) ? "wgmma" : "mma.sync");
   }
   std::printf("\n");
   DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
@@ -165,13 +169,25 @@ TEST(CudaMaskedAttention, CausalVarlenAndOverlappingRows) {
   }
   // Row 0 sees [0, 100); row 1 sees [0, 10) and [50, 60): the ctx and blk unions overlap, and no key
   // may count twice for row 0. Rows 2.. see nothing.
-  Case c;
-  c.name = "overlapping unions";
-  c.Nq = 5, c.Nk = 120, c.H = 2, c.Hkv = 2, c.D = 64;
-  c.ranges.resize(5);
-  c.ranges[0] = {0, 100, 0, 0};
-  c.ranges[1] = {0, 10, 50, 60};
-  run_case(c, 50);
+  for (int D : {64, 128}) {
+    Case c;
+    c.name = "overlapping unions";
+    c.Nq = 5, c.Nk = 120, c.H = 2, c.Hkv = 2, c.D = D;
+    c.ranges.resize(5);
+    c.ranges[0] = {0, 100, 0, 0};
+    c.ranges[1] = {0, 10, 50, 60};
+    run_case(c, 50 + D);
+  }
+  // Query tiles in which no row sees a key (rows 64.. of 200: every kernel's tile sizes), and keys
+  // that no query sees (the dK / dV of keys 150..: zero).
+  for (int D : {64, 128}) {
+    Case c;
+    c.name = "rows and keys unseen";
+    c.Nq = 200, c.Nk = 260, c.H = 4, c.Hkv = 2, c.D = D;
+    c.ranges.resize(200);
+    for (int i = 0; i < 64; ++i) c.ranges[size_t(i)] = {0, 40 + i, 140, 150};
+    run_case(c, 60 + D);
+  }
 }
 
 TEST(CudaMaskedAttention, RefusesUnsupportedHeadDims) {

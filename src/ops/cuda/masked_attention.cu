@@ -408,19 +408,49 @@ __device__ __forceinline__ void copy_rows_sw128(bf16* dst, const bf16* src, int 
   }
 }
 
+/// The 1024-byte-aligned start of dynamic shared memory (the swizzle atoms' alignment; the launches
+/// add 1024 bytes).
+__device__ __forceinline__ bf16* align_sw128(unsigned char* smem) {
+  return reinterpret_cast<bf16*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~uintptr_t(1023));
+}
+
+/// d [64 x 64] = A B^T over k = D (wgmma, both operands K-major in shared memory): A = 64 rows of a
+/// swizzled tile of kArows rows (a: the first of them, in column block 0), B = a whole swizzled tile
+/// of 64 rows. Issued, not committed. S = Q K^T, dP = dO V^T, S^T = K Q^T, dP^T = V dO^T.
+template <int D, int kArows>
+__device__ __forceinline__ void ss_abt(float (&d)[8][4], const bf16* a, const bf16* b) {
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks)  // column block ks / 4, 32 bytes per k step inside it
+    wgmma::m64n64k16_ss(d, wgmma::desc_sw128(a + (ks / 4) * kArows * 64 + (ks % 4) * 16, 16, 1024),
+                        wgmma::desc_sw128(b + (ks / 4) * 64 * 64 + (ks % 4) * 16, 16, 1024), ks > 0);
+}
+
+/// d [64 x 128] += A B (wgmma): A [64 x K] = the accumulator tiles c rounded to bf16 (all fragments
+/// built before the fence), B = a swizzled tile of K rows x 128, MN-major (K down its rows). Issued,
+/// not committed. O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q.
+template <int K>
+__device__ __forceinline__ void rs_ab(float (&d)[16][4], const float (*c)[4], const bf16* b) {
+  uint32_t a[K / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk) acc_to_a(a[kk], c, kk);
+  wgmma::fence();
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk)  // LBO = the stride between the two 64-column blocks, SBO = 8 rows
+    wgmma::m64n128k16_rs_mn(d, a[kk], wgmma::desc_sw128(b + kk * 16 * 64, K * 128, 1024), true);
+}
+
 template <int D, int WG, int N>
 __global__ void __launch_bounds__(128 * WG, 1)
     fwd_wgmma_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                      const KvRange32* __restrict__ ranges, int Nq, int Nk, int H, int Hkv, float scale_log2, bf16* o,
                      float* lse) {
-  static_assert(D == 128, "one n = 128 wgmma covers the output row");
+  static_assert(D == 128 && N == 64, "one n = 128 wgmma covers the output row; S tiles of 64 keys (m64n64k16)");
   constexpr int QR = 64 * WG, kThreads = 128 * WG;
   extern __shared__ __align__(16) unsigned char smem[];
-  // 128-byte swizzle atoms need 1024-byte alignment (the launch adds 1024 bytes).
   // Each tile as D / 64 swizzled [rows][64] column blocks (copy_rows_sw128).
-  bf16* Qs = reinterpret_cast<bf16*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~uintptr_t(1023));  // [QR x D]
-  bf16* Kb = Qs + QR * D;  // 3 x [N x D]: tile j in buffer j % 3
-  bf16* Vb = Kb + 3 * N * D;  // 3 x [N x D]
+  bf16* Qs = align_sw128(smem);  // [QR x D]
+  bf16* Kb = Qs + QR * D;        // 3 x [N x D]: tile j in buffer j % 3
+  bf16* Vb = Kb + 3 * N * D;     // 3 x [N x D]
   __shared__ int lohi[8];
   const int h = blockIdx.y, kvh = h / (H / Hkv), row0 = (gridDim.x - 1 - blockIdx.x) * QR;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -439,15 +469,10 @@ __global__ void __launch_bounds__(128 * WG, 1)
     cp_async_commit();
   };
   const bf16* Qw = Qs + (warp / 4) * 64 * 64;  // this warpgroup's rows in column block 0
-  static_assert(N == 64, "S tiles of 64 keys (m64n64k16)");
   auto issue_s = [&](float (&s)[N / 8][4], int j) {  // S = Q K_j^T, committed, not waited for
-    const bf16* Kj = Kb + (j % 3) * N * D;
     wgmma::fence();
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks)  // column block ks / 4, 32 bytes per k step inside it
-      wgmma::m64n64k16_ss(s, wgmma::desc_sw128(Qw + (ks / 4) * QR * 64 + (ks % 4) * 16, 16, 1024),
-                           wgmma::desc_sw128(Kj + (ks / 4) * N * 64 + (ks % 4) * 16, 16, 1024), ks > 0);
-    wgmma::commit_and_wait<1>();  // commits; this S stays in flight (every earlier wgmma was waited for)
+    ss_abt<D, QR>(s, Qw, Kb + (j % 3) * N * D);
+    wgmma::commit();
   };
   const int ra = row0 + warp * 16 + g, rb = ra + 8;
   // Tile j: S_j was issued one step earlier, so the tensor cores compute S_{j+1} while this
@@ -457,21 +482,14 @@ __global__ void __launch_bounds__(128 * WG, 1)
     cp_async_wait<1>();  // tile j + 1 has landed (j + 2 may be in flight)
     wgmma::fence_proxy_async();
     __syncthreads();
-    // S_{j+1}; past the last tile it multiplies a buffer's stale contents and is never read (no
-    // branch around a wgmma: the compiler would serialize them all).
-    issue_s(sn, j + 1);  // in flight during this tile's softmax
+    // S_{j+1}; after the last tile, tile j again, never read (no branch around a wgmma: the
+    // compiler would serialize them all).
+    issue_s(sn, min(j + 1, tiles.n - 1));  // in flight during this tile's softmax
     const int seg = tiles.seg(j), k0 = tiles.start(j);
     online_softmax<D, N>(sc, rt, tile_full(lohi, seg, k0, N, Nk), ranges, ra, rb, Nq, k0, seg, Nk, t, scale_log2);
-    const bf16* Vj = Vb + (j % 3) * N * D;
-    wgmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < N / 16; ++kk) {
-      uint32_t a[4];
-      acc_to_a(a, sc, kk);
-      // MN-major: LBO = the stride between the two 64-column blocks, SBO = 8 rows of 128 bytes.
-      wgmma::m64n128k16_rs_mn(rt.oacc, a, wgmma::desc_sw128(Vj + kk * 16 * 64, N * 128, 1024), true);
-    }
-    wgmma::commit_and_wait<0>();
+    rs_ab<N>(rt.oacc, sc, Vb + (j % 3) * N * D);
+    wgmma::commit();
+    wgmma::wait<0>();
     __syncthreads();  // every warp is done with tile j's buffer before it is refilled
   };
   float s0[N / 8][4], s1[N / 8][4];
@@ -480,8 +498,8 @@ __global__ void __launch_bounds__(128 * WG, 1)
   cp_async_wait<1>();  // Q and tile 0
   wgmma::fence_proxy_async();
   __syncthreads();
-  issue_s(s0, 0);
-  wgmma::commit_and_wait<0>();  // (no wgmma in flight across a branch: the compiler would serialize them all)
+  issue_s(s0, 0);  // (with no tile, of a buffer never written, and never read)
+  wgmma::wait<0>();  // (no wgmma in flight across a branch: the compiler would serialize them all)
   for (int j = 0; j < tiles.n; ++j) {
     step(j, s0, s1);
 #pragma unroll
@@ -522,6 +540,51 @@ __global__ void tile_union_kernel(const KvRange32* ranges, int Nq, int4* out) {
     out[2 * blockIdx.x] = make_int4(lohi[0], lohi[1], lohi[2], lohi[3]);
     out[2 * blockIdx.x + 1] = make_int4(lohi[4], lohi[5], lohi[6], lohi[7]);
   }
+}
+
+/// The dQ kernels' epilogue: rows ra and rb (< Nq) of head h get acc scale (bf16).
+template <int D>
+__device__ __forceinline__ void write_dq_rows(const float (*acc)[4], float scale, bf16* dq, int ra, int rb, int Nq,
+                                              int H, int h, int t) {
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) {
+    const int c = dt * 8 + 2 * t;
+    if (ra < Nq)
+      *reinterpret_cast<uint32_t*>(dq + (int64_t(ra) * H + h) * D + c) = pack(acc[dt][0] * scale, acc[dt][1] * scale);
+    if (rb < Nq)
+      *reinterpret_cast<uint32_t*>(dq + (int64_t(rb) * H + h) * D + c) = pack(acc[dt][2] * scale, acc[dt][3] * scale);
+  }
+}
+
+/// s [16 x N] of the warp's rows ra / rb (one m-tile): S -> P = exp2(S scale_log2 - lse2) in place;
+/// a tile not `full` masks by the rows' ranges (rga / rgb) through range `seg`.
+template <int N>
+__device__ __forceinline__ void dq_probs(float (*s)[4], bool full, const KvRange32& rga, const KvRange32& rgb,
+                                         float lse_a, float lse_b, int k0, int seg, int Nk, int t, float scale_log2) {
+  if (full) {  // (one uniform branch, then no per-element test)
+#pragma unroll
+    for (int nt = 0; nt < N / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2, -(e < 2 ? lse_a : lse_b)));
+    return;
+  }
+#pragma unroll
+  for (int nt = 0; nt < N / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int key = k0 + nt * 8 + 2 * t + (e & 1);
+      const bool ok = key < Nk && visible_in(e < 2 ? rga : rgb, key, seg);
+      s[nt][e] = ok ? fast_exp2(fmaf(s[nt][e], scale_log2, -(e < 2 ? lse_a : lse_b))) : 0.f;
+    }
+}
+
+/// p: P -> dS = P (dP - delta) in place (delta per row: dl_a for rows g, dl_b for rows g + 8).
+template <int N>
+__device__ __forceinline__ void dq_dscores(float (*p)[4], const float (*dp)[4], float dl_a, float dl_b) {
+#pragma unroll
+  for (int nt = 0; nt < N / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) p[nt][e] *= dp[nt][e] - (e < 2 ? dl_a : dl_b);
 }
 
 // dQ: one CTA per (query tile, head), like the forward; recomputes P and dP per key tile.
@@ -578,28 +641,13 @@ __global__ void __launch_bounds__(32 * W) dq_kernel(const bf16* __restrict__ q, 
       float s[BN / 8][4], dp[BN / 8][4];
       frag_times_smem_t<D, BN>(s, qa, Ks, LD, lane);   // S = Q K^T
       frag_times_smem_t<D, BN>(dp, da, Vs, LD, lane);  // dP = dO V^T
-      const bool full = tile_full(lohi, seg, k0, BN, Nk);
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = k0 + nt * 8 + 2 * t + (e & 1);
-          const bool ok = full || (key < Nk && visible_in(e < 2 ? rga : rgb, key, seg));
-          const float p = ok ? fast_exp2(fmaf(s[nt][e], scale_log2, -(e < 2 ? lse_a : lse_b))) : 0.f;
-          s[nt][e] = p * (dp[nt][e] - (e < 2 ? dl_a : dl_b));  // dS
-        }
+      dq_probs<BN>(s, tile_full(lohi, seg, k0, BN, Nk), rga, rgb, lse_a, lse_b, k0, seg, Nk, t, scale_log2);
+      dq_dscores<BN>(s, dp, dl_a, dl_b);
       acc_times_smem<D, BN>(acc, s, Ks, LD, lane);
     }
     __syncthreads();
   }
-#pragma unroll
-  for (int dt = 0; dt < D / 8; ++dt) {
-    const int c = dt * 8 + 2 * t;
-    if (ra < Nq)
-      *reinterpret_cast<uint32_t*>(dq + (int64_t(ra) * H + h) * D + c) = pack(acc[dt][0] * scale, acc[dt][1] * scale);
-    if (rb < Nq)
-      *reinterpret_cast<uint32_t*>(dq + (int64_t(rb) * H + h) * D + c) = pack(acc[dt][2] * scale, acc[dt][3] * scale);
-  }
+  write_dq_rows<D>(acc, scale, dq, ra, rb, Nq, H, h, t);
 }
 
 // dK, dV: one CTA per (key tile, kv head, part); warp w owns keys 16w..16w+15; loops over the query
@@ -609,6 +657,126 @@ __global__ void __launch_bounds__(32 * W) dq_kernel(const bf16* __restrict__ q, 
 // several, each part writes fp32 partial sums [part][Nk][Hkv][D] that dkv_reduce_kernel adds up in
 // part order (deterministic) - the split keeps a heavily seen key tile from being one long serial
 // chain at the end of the launch.
+
+/// The dK / dV kernels' work items for the key tile [k0, k0 + kr): (query tile qt, query head hi of
+/// the kv head, hi < G), over the query tiles [.., qt_end) whose ranges reach the key tile (tiles:
+/// the tile table of tile_union_kernel). qt < 0: no item left. A key tile is mostly seen by a run of
+/// consecutive query tiles: the union of the tile after the current one is loaded G items ahead of
+/// its test, and first_hit searches only at the start and after a gap.
+struct DkvItems {
+  const int4* tiles;
+  int k0, kr, qt_end, G;
+  int qt = -1, hi = 0;
+  int4 cand;
+  __device__ DkvItems(const int4* tiles, int k0, int kr, int qt_begin, int qt_end, int G)
+      : tiles(tiles), k0(k0), kr(kr), qt_end(qt_end), G(G) {
+    qt = first_hit(qt_begin);
+    cand = union_after(qt);
+  }
+  __device__ bool hits_union(int4 u) const {
+    return (u.x < u.y && u.x < k0 + kr && k0 < u.y) || (u.z < u.w && u.z < k0 + kr && k0 < u.w);
+  }
+  /// The first query tile from `from` on that reaches the key tile; each warp tests 32 tiles at a
+  /// time (a key tile of the blocks is reached by one query tile, far into the table).
+  __device__ int first_hit(int from) const {
+    const int lane = threadIdx.x % 32;
+    for (int base = from; base < qt_end; base += 32) {
+      const int qi = base + lane;
+      const unsigned m = __ballot_sync(0xffffffffu, qi < qt_end && hits_union(tiles[2 * qi]));
+      if (m) return base + __ffs(int(m)) - 1;
+    }
+    return -1;
+  }
+  __device__ int4 union_after(int qi) const {
+    return qi >= 0 && qi + 1 < qt_end ? tiles[2 * (qi + 1)] : make_int4(0, 0, 0, 0);
+  }
+  /// The item after the current one (nqt < 0: none); advances the look-ahead, not the current item.
+  __device__ void peek_next(int& nqt, int& nhi) {
+    nqt = qt, nhi = hi + 1;
+    if (nhi == G) {
+      nqt = qt + 1 < qt_end && hits_union(cand) ? qt + 1 : first_hit(qt + 2), nhi = 0;
+      cand = union_after(nqt);
+    }
+  }
+  /// Whether every row of the current query tile sees all keys [k0, k0 + kr) (its intersection).
+  __device__ bool full(int Nk) const {
+    const int4 in = tiles[2 * qt + 1];
+    return (k0 >= in.x && k0 + kr <= in.y && k0 + kr <= Nk) || (k0 >= in.z && k0 + kr <= in.w && k0 + kr <= Nk);
+  }
+};
+
+/// Queues (cp.async, no commit) the statistics of query tile row0 of head h into shared memory: the
+/// rows' lse2_t and delta_t (head-major, padded to Nqp: 16 bytes a copy) and ranges (rows past Nq:
+/// an empty range), so no thread waits on a global load before an item's math. Threads 0..BM-1.
+__device__ __forceinline__ void copy_row_stats(float* s_lse, float* s_delta, KvRange32* s_rg, const float* lse2_t,
+                                               const float* delta_t, const KvRange32* ranges, int h, int row0, int Nq,
+                                               int Nqp) {
+  static_assert(BM == 64, "one statistics copy per thread");
+  const int i = threadIdx.x;
+  if (i < BM / 4) cp_async16(&s_lse[4 * i], lse2_t + int64_t(h) * Nqp + row0 + 4 * i, true);
+  else if (i < BM / 2) cp_async16(&s_delta[4 * (i - BM / 4)], delta_t + int64_t(h) * Nqp + row0 + 4 * (i - BM / 4), true);
+  if (i < BM) cp_async16(&s_rg[i], row0 + i < Nq ? ranges + row0 + i : ranges, row0 + i < Nq);
+}
+
+/// st [keys x 64 queries]: S^T -> P^T in place (accumulator layout: rows = keys key_a / key_b,
+/// columns = the query tile's rows); a tile not `full` masks by the rows' ranges.
+template <int NT>
+__device__ __forceinline__ void dkv_probs(float (*st)[4], bool full, const float* s_lse, const KvRange32* s_rg,
+                                          int row0, int Nq, int Nk, int key_a, int key_b, int t, float scale_log2) {
+  if (full) {  // (one uniform branch, then no per-element test)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[nt][e] = fast_exp2(fmaf(st[nt][e], scale_log2, -s_lse[nt * 8 + 2 * t + (e & 1)]));
+    return;
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int ql = nt * 8 + 2 * t + (e & 1), key = e < 2 ? key_a : key_b;
+      const bool ok = row0 + ql < Nq && key < Nk && visible(s_rg[ql], key);
+      st[nt][e] = ok ? fast_exp2(fmaf(st[nt][e], scale_log2, -s_lse[ql])) : 0.f;
+    }
+}
+
+/// dpt: dP^T -> dS^T = P^T (dP^T - delta) in place (pt = P^T; delta per column, the query rows).
+template <int NT>
+__device__ __forceinline__ void dkv_dscores(float (*dpt)[4], const float (*pt)[4], const float* s_delta, int t) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dpt[nt][e] = pt[nt][e] * (dpt[nt][e] - s_delta[nt * 8 + 2 * t + (e & 1)]);
+}
+
+/// The dK / dV kernels' epilogue for keys key_a / key_b (< Nk) of kv head kvh: dK (times scale) and
+/// dV as bf16, or as fp32 partial sums of part `part` when part_dk / part_dv are non-null.
+template <int D>
+__device__ __forceinline__ void write_dkv_rows(const float (*dka)[4], const float (*dva)[4], float scale, int key_a,
+                                               int key_b, int Nk, int Hkv, int kvh, int part, int t, bf16* dk, bf16* dv,
+                                               float* part_dk, float* part_dv) {
+  const int64_t off = part_dk ? int64_t(part) * Nk * Hkv * D : 0;
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) {
+    const int c = dt * 8 + 2 * t;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int key = half ? key_b : key_a;
+      if (key >= Nk) continue;
+      const int64_t i = (int64_t(key) * Hkv + kvh) * D + c;
+      const float k0 = dka[dt][2 * half] * scale, k1 = dka[dt][2 * half + 1] * scale;
+      const float v0 = dva[dt][2 * half], v1 = dva[dt][2 * half + 1];
+      if (part_dk) {
+        *reinterpret_cast<float2*>(part_dk + off + i) = make_float2(k0, k1);
+        *reinterpret_cast<float2*>(part_dv + off + i) = make_float2(v0, v1);
+      } else {
+        *reinterpret_cast<uint32_t*>(dk + i) = pack(k0, k1);
+        *reinterpret_cast<uint32_t*>(dv + i) = pack(v0, v1);
+      }
+    }
+  }
+}
+
 template <int D, int W>
 __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                        const bf16* __restrict__ v, const bf16* __restrict__ dout,
@@ -620,6 +788,7 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
   constexpr int LD = D + 8;
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int KR = 16 * W;  // keys per CTA
+  static_assert(32 * W >= BM, "copy_row_stats");
   bf16* Ks = reinterpret_cast<bf16*>(smem);  // [KR][LD]
   bf16* Vs = Ks + KR * LD;                   // [KR][LD]
   bf16* Qb = Vs + KR * LD;                   // 2 x [BM][LD]
@@ -638,58 +807,28 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
   for (int i = 0; i < D / 8; ++i)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dka[i][e] = dva[i][e] = 0.f;
-  const int qt_begin = blockIdx.y * qpp, qt_end = min((Nq + BM - 1) / BM, qt_begin + qpp);
-  auto hits_union = [&](int4 u) {
-    return (u.x < u.y && u.x < k0 + KR && k0 < u.y) || (u.z < u.w && u.z < k0 + KR && k0 < u.w);
-  };
-  auto hits = [&](int qt) { return hits_union(tiles[2 * qt]); };
-  // Work items: (query tile qt, query head hi of this kv head), over the query tiles that reach this
-  // key tile. (first_hit's serial scan of the table, one broadcast load per tile, measured faster
-  // than testing 32 tiles per warp ballot: 1.91 against 2.58 ms on the 8B drafter's shapes.)
-  auto first_hit = [&](int from) {
-    for (int qi = from; qi < qt_end; ++qi)
-      if (hits(qi)) return qi;
-    return -1;
-  };
+  const int qt_begin = blockIdx.y * qpp;
+  DkvItems items(tiles, k0, KR, qt_begin, min((Nq + BM - 1) / BM, qt_begin + qpp), G);
   auto issue = [&](int qt, int hi, int buf) {
     const int row0 = qt * BM, h = kvh * G + hi;
     copy_rows_async<D, 32 * W, BM>(Qb + buf * BM * LD, LD, q, Nq, H, h, row0);
     copy_rows_async<D, 32 * W, BM>(Ob + buf * BM * LD, LD, dout, Nq, H, h, row0);
-    // The rows' statistics too go through cp.async (head-major and padded to Nqp, 16 bytes a copy;
-    // ranges of rows past Nq: an empty range), so no thread waits on a global load before the
-    // current item's math.
-    static_assert(BM == 64 && 32 * W >= BM, "one statistics copy per thread");
-    const int i = threadIdx.x;
-    if (i < BM / 4) cp_async16(&s_lse_b[buf][4 * i], lse2_t + int64_t(h) * Nqp + row0 + 4 * i, true);
-    else if (i < BM / 2) cp_async16(&s_delta_b[buf][4 * (i - BM / 4)], delta_t + int64_t(h) * Nqp + row0 + 4 * (i - BM / 4), true);
-    if (i < BM) cp_async16(&s_rg_b[buf][i], row0 + i < Nq ? ranges + row0 + i : ranges, row0 + i < Nq);
+    copy_row_stats(s_lse_b[buf], s_delta_b[buf], s_rg_b[buf], lse2_t, delta_t, ranges, h, row0, Nq, Nqp);
   };
-  // The union of the query tile after the current one is loaded G items ahead of its test (a key
-  // tile is mostly seen by a run of consecutive query tiles).
-  auto union_after = [&](int qt) { return qt >= 0 && qt + 1 < qt_end ? tiles[2 * (qt + 1)] : make_int4(0, 0, 0, 0); };
-  int qt = first_hit(qt_begin), hi = 0, buf = 0;
-  int4 cand = union_after(qt);
-  if (qt >= 0) issue(qt, hi, 0);
+  int buf = 0;
+  if (items.qt >= 0) issue(items.qt, 0, 0);
   cp_async_commit();
-  while (qt >= 0) {
-    int nqt = qt, nhi = hi + 1;
-    if (nhi == G) {
-      nqt = qt + 1 < qt_end && hits_union(cand) ? qt + 1 : first_hit(qt + 2), nhi = 0;
-      cand = union_after(nqt);
-    }
+  while (items.qt >= 0) {
+    int nqt, nhi;
+    items.peek_next(nqt, nhi);
     if (nqt >= 0) issue(nqt, nhi, buf ^ 1);
     cp_async_commit();
-    const int4 in = tiles[2 * qt + 1];  // intersection of the query tile's ranges
+    const bool full = items.full(Nk);
     cp_async_wait_prev();
     __syncthreads();
     {
-      const int row0 = qt * BM;
-      const bool full = (k0 >= in.x && k0 + KR <= in.y && k0 + KR <= Nk) || (k0 >= in.z && k0 + KR <= in.w && k0 + KR <= Nk);
       const bf16* Qs = Qb + buf * BM * LD;
       const bf16* Os = Ob + buf * BM * LD;
-      const float* s_lse = s_lse_b[buf];
-      const float* s_delta = s_delta_b[buf];
-      const KvRange32* s_rg = s_rg_b[buf];
       float st[BM / 8][4], dpt[BM / 8][4];  // [keys of the warp] x [queries]
 #pragma unroll
       for (int nt = 0; nt < BM / 8; ++nt)
@@ -711,48 +850,164 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
           mma16816(dpt[nt + 1], va, b[2], b[3]);
         }
       }
-#pragma unroll
-      for (int nt = 0; nt < BM / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int ql = nt * 8 + 2 * t + (e & 1), key = e < 2 ? key_a : key_b;
-          const bool ok = full || (row0 + ql < Nq && key < Nk && visible(s_rg[ql], key));
-          const float p = ok ? fast_exp2(fmaf(st[nt][e], scale_log2, -s_lse[ql])) : 0.f;
-          st[nt][e] = p;
-          dpt[nt][e] = p * (dpt[nt][e] - s_delta[ql]);  // dS^T
-        }
+      dkv_probs<BM / 8>(st, full, s_lse_b[buf], s_rg_b[buf], items.qt * BM, Nq, Nk, key_a, key_b, t, scale_log2);
+      dkv_dscores<BM / 8>(dpt, st, s_delta_b[buf], t);
       acc_times_smem<D, BM>(dva, st, Os, LD, lane);   // dV += P^T dO
       acc_times_smem<D, BM>(dka, dpt, Qs, LD, lane);  // dK += dS^T Q (scaled at the end)
     }
     __syncthreads();
-    qt = nqt, hi = nhi;
+    items.qt = nqt, items.hi = nhi;
     buf ^= 1;
   }
   cp_async_wait<0>();  // (a key tile that no query sees never waited for its copy)
+  write_dkv_rows<D>(dka, dva, scale, key_a, key_b, Nk, Hkv, kvh, blockIdx.y, t, dk, dv, part_dk, part_dv);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward on Hopper (sm_90a, head_dim 128): the two kernels above with warpgroup MMAs on the
+// forward's swizzled tiles (ss_abt, rs_ab). In dQ the two score products are committed as two
+// groups, so P's exponentials run while the tensor cores compute dP. (The same in dK / dV, with P^T dO
+// in flight while dS^T is formed, measured 1.64 against 1.62 ms for the plain order below, and
+// spilled registers.)
+
+/// dQ: one CTA of two warpgroups per (128 query rows, head), warpgroup w rows 64 w .. 64 w + 63
+/// (warp 4 w + i rows 16 i ..), as fwd_wgmma_kernel; keys 64 at a time, double-buffered.
+template <int D, int WG, int N>
+__global__ void __launch_bounds__(128 * WG, 1)
+    dq_wgmma_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                    const bf16* __restrict__ dout, const float* __restrict__ lse2_t, const float* __restrict__ delta_t,
+                    const KvRange32* __restrict__ ranges, int Nq, int Nqp, int Nk, int H, int Hkv, float scale, bf16* dq) {
+  static_assert(D == 128 && N == 64, "m64n64 score tiles, one m64n128 product per output row");
+  constexpr int QR = 64 * WG, kThreads = 128 * WG;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* Qs = align_sw128(smem);  // [QR x D]
+  bf16* Os = Qs + QR * D;        // dO [QR x D]
+  bf16* Kb = Os + QR * D;        // 2 x [N x D]: tile j in buffer j & 1
+  bf16* Vb = Kb + 2 * N * D;     // 2 x [N x D]
+  __shared__ int lohi[8];
+  const int h = blockIdx.y, kvh = h / (H / Hkv), row0 = (gridDim.x - 1 - blockIdx.x) * QR;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const float scale_log2 = scale * kLog2e;
+  copy_rows_sw128<D, kThreads, QR>(Qs, q, Nq, H, h, row0);  // Q and dO land with the first key tile
+  copy_rows_sw128<D, kThreads, QR>(Os, dout, Nq, H, h, row0);
+  const int ra = row0 + warp * 16 + g, rb = ra + 8;
+  const KvRange32 rga = ra < Nq ? ranges[ra] : KvRange32{}, rgb = rb < Nq ? ranges[rb] : KvRange32{};
+  // (rows past Nq, which may lie past Nqp too, see no key: their statistics are not read)
+  const int64_t hrow = int64_t(h) * Nqp;
+  const float lse_a = ra < Nq ? lse2_t[hrow + ra] : 0.f, lse_b = rb < Nq ? lse2_t[hrow + rb] : 0.f;
+  const float dl_a = ra < Nq ? delta_t[hrow + ra] : 0.f, dl_b = rb < Nq ? delta_t[hrow + rb] : 0.f;
+  tile_union(ranges, Nq, row0, QR, lohi);  // (synchronizes)
+  const KeyTiles<N> tiles(lohi);
+  auto fetch = [&](int j) {  // one cp.async group, empty past the last tile
+    if (j < tiles.n) {
+      copy_rows_sw128<D, kThreads, N>(Kb + (j & 1) * N * D, k, Nk, Hkv, kvh, tiles.start(j));
+      copy_rows_sw128<D, kThreads, N>(Vb + (j & 1) * N * D, v, Nk, Hkv, kvh, tiles.start(j));
+    }
+    cp_async_commit();
+  };
+  const bf16* Qw = Qs + (warp / 4) * 64 * 64;  // this warpgroup's rows in column block 0
+  const bf16* Ow = Os + (warp / 4) * 64 * 64;
+  float acc[D / 8][4];
 #pragma unroll
-  for (int dt = 0; dt < D / 8; ++dt) {
-    const int c = dt * 8 + 2 * t;
-    if (part_dk) {  // fp32 partial sums of this part
-      const int64_t off = int64_t(blockIdx.y) * Nk * Hkv * D;
-      if (key_a < Nk) {
-        *reinterpret_cast<float2*>(part_dk + off + (int64_t(key_a) * Hkv + kvh) * D + c) = make_float2(dka[dt][0] * scale, dka[dt][1] * scale);
-        *reinterpret_cast<float2*>(part_dv + off + (int64_t(key_a) * Hkv + kvh) * D + c) = make_float2(dva[dt][0], dva[dt][1]);
-      }
-      if (key_b < Nk) {
-        *reinterpret_cast<float2*>(part_dk + off + (int64_t(key_b) * Hkv + kvh) * D + c) = make_float2(dka[dt][2] * scale, dka[dt][3] * scale);
-        *reinterpret_cast<float2*>(part_dv + off + (int64_t(key_b) * Hkv + kvh) * D + c) = make_float2(dva[dt][2], dva[dt][3]);
-      }
-      continue;
-    }
-    if (key_a < Nk) {
-      *reinterpret_cast<uint32_t*>(dk + (int64_t(key_a) * Hkv + kvh) * D + c) = pack(dka[dt][0] * scale, dka[dt][1] * scale);
-      *reinterpret_cast<uint32_t*>(dv + (int64_t(key_a) * Hkv + kvh) * D + c) = pack(dva[dt][0], dva[dt][1]);
-    }
-    if (key_b < Nk) {
-      *reinterpret_cast<uint32_t*>(dk + (int64_t(key_b) * Hkv + kvh) * D + c) = pack(dka[dt][2] * scale, dka[dt][3] * scale);
-      *reinterpret_cast<uint32_t*>(dv + (int64_t(key_b) * Hkv + kvh) * D + c) = pack(dva[dt][2], dva[dt][3]);
-    }
+  for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  fetch(0);
+  for (int j = 0; j < tiles.n; ++j) {
+    fetch(j + 1);        // into tile j - 1's buffer, freed by the barrier that ended step j - 1
+    cp_async_wait<1>();  // tile j (and Q, dO) landed
+    wgmma::fence_proxy_async();
+    __syncthreads();
+    const bf16* Kj = Kb + (j & 1) * N * D;
+    float s[N / 8][4], dp[N / 8][4];
+    wgmma::fence();
+    ss_abt<D, QR>(s, Qw, Kj);  // S = Q K^T
+    wgmma::commit();
+    ss_abt<D, QR>(dp, Ow, Vb + (j & 1) * N * D);  // dP = dO V^T
+    wgmma::commit();
+    wgmma::wait<1>();  // S (dP in flight)
+    const int seg = tiles.seg(j), k0 = tiles.start(j);
+    dq_probs<N>(s, tile_full(lohi, seg, k0, N, Nk), rga, rgb, lse_a, lse_b, k0, seg, Nk, t, scale_log2);
+    wgmma::wait<0>();  // dP
+    dq_dscores<N>(s, dp, dl_a, dl_b);
+    rs_ab<N>(acc, s, Kj);  // dQ += dS K (scaled at the end)
+    wgmma::commit();
+    wgmma::wait<0>();
+    __syncthreads();  // every warp is done with tile j's buffer before it is refilled
   }
+  cp_async_wait<0>();  // (a query tile that sees no key never waited for its copy)
+  write_dq_rows<D>(acc, scale, dq, ra, rb, Nq, H, h, t);
+}
+
+/// dK, dV: one CTA of two warpgroups per (128 keys, kv head, part), warpgroup w keys 64 w ..
+/// 64 w + 63 (warp 4 w + i keys 16 i ..); items, splitting and epilogue as dkv_kernel. S^T = K Q^T
+/// and dP^T = V dO^T read K, V, Q and dO K-major; P^T dO and dS^T Q read dO and Q MN-major.
+template <int D, int WG>
+__global__ void __launch_bounds__(128 * WG, 1)
+    dkv_wgmma_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                     const bf16* __restrict__ dout, const float* __restrict__ lse2_t, const float* __restrict__ delta_t,
+                     const KvRange32* __restrict__ ranges, const int4* __restrict__ tiles, int Nq, int Nqp, int Nk, int H,
+                     int Hkv, float scale, int qpp, bf16* dk, bf16* dv, float* part_dk, float* part_dv) {
+  static_assert(D == 128 && BM == 64, "m64n64 score tiles, one m64n128 product per key row");
+  constexpr int KR = 64 * WG, kThreads = 128 * WG;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* Ks = align_sw128(smem);  // [KR x D]
+  bf16* Vs = Ks + KR * D;        // [KR x D]
+  bf16* Qb = Vs + KR * D;        // 2 x [BM x D]
+  bf16* Ob = Qb + 2 * BM * D;    // dO, 2 x [BM x D]
+  __shared__ __align__(16) float s_lse_b[2][BM], s_delta_b[2][BM];
+  __shared__ __align__(16) KvRange32 s_rg_b[2][BM];
+  const int kvh = blockIdx.x % Hkv, k0 = (blockIdx.x / Hkv) * KR, G = H / Hkv;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const float scale_log2 = scale * kLog2e;
+  copy_rows_sw128<D, kThreads, KR>(Ks, k, Nk, Hkv, kvh, k0);  // K and V land with the first item
+  copy_rows_sw128<D, kThreads, KR>(Vs, v, Nk, Hkv, kvh, k0);
+  const int key_a = k0 + warp * 16 + g, key_b = key_a + 8;
+  const bf16* Kw = Ks + (warp / 4) * 64 * 64;  // this warpgroup's keys in column block 0
+  const bf16* Vw = Vs + (warp / 4) * 64 * 64;
+  float dka[D / 8][4], dva[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dka[i][e] = dva[i][e] = 0.f;
+  const int qt_begin = blockIdx.y * qpp;
+  DkvItems items(tiles, k0, KR, qt_begin, min((Nq + BM - 1) / BM, qt_begin + qpp), G);
+  auto issue = [&](int qt, int hi, int buf) {
+    const int row0 = qt * BM, h = kvh * G + hi;
+    copy_rows_sw128<D, kThreads, BM>(Qb + buf * BM * D, q, Nq, H, h, row0);
+    copy_rows_sw128<D, kThreads, BM>(Ob + buf * BM * D, dout, Nq, H, h, row0);
+    copy_row_stats(s_lse_b[buf], s_delta_b[buf], s_rg_b[buf], lse2_t, delta_t, ranges, h, row0, Nq, Nqp);
+  };
+  int buf = 0;
+  if (items.qt >= 0) issue(items.qt, 0, 0);
+  cp_async_commit();
+  while (items.qt >= 0) {
+    int nqt, nhi;
+    items.peek_next(nqt, nhi);
+    if (nqt >= 0) issue(nqt, nhi, buf ^ 1);
+    cp_async_commit();
+    const bool full = items.full(Nk);
+    cp_async_wait_prev();
+    wgmma::fence_proxy_async();
+    __syncthreads();
+    const bf16* Qt = Qb + buf * BM * D;
+    const bf16* Ot = Ob + buf * BM * D;
+    float st[BM / 8][4], dpt[BM / 8][4];  // [keys of the warpgroup] x [queries]
+    wgmma::fence();
+    ss_abt<D, KR>(st, Kw, Qt);   // S^T = K Q^T
+    ss_abt<D, KR>(dpt, Vw, Ot);  // dP^T = V dO^T
+    wgmma::commit();
+    wgmma::wait<0>();
+    dkv_probs<BM / 8>(st, full, s_lse_b[buf], s_rg_b[buf], items.qt * BM, Nq, Nk, key_a, key_b, t, scale_log2);
+    dkv_dscores<BM / 8>(dpt, st, s_delta_b[buf], t);
+    rs_ab<BM>(dva, st, Ot);   // dV += P^T dO
+    rs_ab<BM>(dka, dpt, Qt);  // dK += dS^T Q (scaled at the end)
+    wgmma::commit();
+    wgmma::wait<0>();
+    __syncthreads();  // every warp is done with this item's buffers before they are refilled
+    items.qt = nqt, items.hi = nhi;
+    buf ^= 1;
+  }
+  cp_async_wait<0>();  // (a key tile that no query sees never waited for its copy)
+  write_dkv_rows<D>(dka, dva, scale, key_a, key_b, Nk, Hkv, kvh, blockIdx.y, t, dk, dv, part_dk, part_dv);
 }
 
 /// dk[i] = sum over parts of part_dk[p][i] (p in order), the same for dv; n = Nk * Hkv * D.
@@ -812,10 +1067,27 @@ void launch_fwd_wgmma(const bf16* q, const bf16* k, const bf16* v, const KvRange
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
+/// The dQ and dK / dV launches of the Hopper kernels (head_dim 128, two warpgroups per CTA).
+void launch_bwd_wgmma(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const KvRange32* r, int Nq,
+                      int Nqp, int Nk, int H, int Hkv, float scale, bf16* dq, float* delta_t, float* lse2_t,
+                      const int4* tiles, int parts, int qpp, bf16* dk, bf16* dv, float* pdk, float* pdv, cudaStream_t s) {
+  constexpr int D = 128, WG = 2, N = 64, QR = 64 * WG, KR = 64 * WG;
+  const size_t smem_dq = size_t(2 * QR + 4 * N) * D * sizeof(bf16) + 1024;  // + alignment of the swizzle atoms
+  set_smem(dq_wgmma_kernel<D, WG, N>, smem_dq);
+  dq_wgmma_kernel<D, WG, N><<<dim3((Nq + QR - 1) / QR, H), 128 * WG, smem_dq, s>>>(q, k, v, dout, lse2_t, delta_t, r, Nq,
+                                                                                  Nqp, Nk, H, Hkv, scale, dq);
+  DFLASH_CUDA_CHECK_LAUNCH();
+  const size_t smem_kv = size_t(2 * KR + 4 * BM) * D * sizeof(bf16) + 1024;
+  set_smem(dkv_wgmma_kernel<D, WG>, smem_kv);
+  dkv_wgmma_kernel<D, WG><<<dim3(((Nk + KR - 1) / KR) * Hkv, parts), 128 * WG, smem_kv, s>>>(
+      q, k, v, dout, lse2_t, delta_t, r, tiles, Nq, Nqp, Nk, H, Hkv, scale, qpp, dk, dv, pdk, pdv);
+  DFLASH_CUDA_CHECK_LAUNCH();
+}
+
 template <int D>
 void launch_bwd(const bf16* q, const bf16* k, const bf16* v, const bf16* o, const float* lse, const bf16* dout,
                 const KvRange32* r, int Nq, int Nk, int H, int Hkv, float scale, bf16* dq, bf16* dk, bf16* dv,
-                float* delta_t, float* lse2_t, int4* tiles, float* partials, cudaStream_t s) {
+                float* delta_t, float* lse2_t, int4* tiles, float* partials, bool wgmma, cudaStream_t s) {
   constexpr int W = kWarps;
   const int Nqp = padded_rows(Nq);
   const int64_t rh = int64_t(Nqp) * H;
@@ -823,19 +1095,24 @@ void launch_bwd(const bf16* q, const bf16* k, const bf16* v, const bf16* o, cons
   DFLASH_CUDA_CHECK_LAUNCH();
   tile_union_kernel<<<(Nq + BM - 1) / BM, 128, 0, s>>>(r, Nq, tiles);
   DFLASH_CUDA_CHECK_LAUNCH();
-  const size_t smem_dq = size_t((2 * 16 * W + 4 * BN) * (D + 8)) * sizeof(bf16);
-  set_smem(dq_kernel<D, W>, smem_dq);
-  dq_kernel<D, W><<<dim3((Nq + 16 * W - 1) / (16 * W), H), 32 * W, smem_dq, s>>>(q, k, v, dout, lse2_t, delta_t, r, Nq, Nqp, Nk,
-                                                                                   H, Hkv, scale, dq);
-  DFLASH_CUDA_CHECK_LAUNCH();
-  const size_t smem_kv = size_t((2 * 16 * W + 4 * BM) * (D + 8)) * sizeof(bf16);
-  set_smem(dkv_kernel<D, W>, smem_kv);
   const int parts = dkv_parts(Nq), qtiles = (Nq + BM - 1) / BM, qpp = (qtiles + parts - 1) / parts;
   float* pdk = parts > 1 ? partials : nullptr;
   float* pdv = parts > 1 ? partials + int64_t(parts) * Nk * Hkv * D : nullptr;
-  dkv_kernel<D, W><<<dim3(((Nk + 16 * W - 1) / (16 * W)) * Hkv, parts), 32 * W, smem_kv, s>>>(
-      q, k, v, dout, lse2_t, delta_t, r, tiles, Nq, Nqp, Nk, H, Hkv, scale, qpp, dk, dv, pdk, pdv);
-  DFLASH_CUDA_CHECK_LAUNCH();
+  if (wgmma) {
+    launch_bwd_wgmma(q, k, v, dout, r, Nq, Nqp, Nk, H, Hkv, scale, dq, delta_t, lse2_t, tiles, parts, qpp, dk, dv, pdk,
+                     pdv, s);
+  } else {
+    const size_t smem_dq = size_t((2 * 16 * W + 4 * BN) * (D + 8)) * sizeof(bf16);
+    set_smem(dq_kernel<D, W>, smem_dq);
+    dq_kernel<D, W><<<dim3((Nq + 16 * W - 1) / (16 * W), H), 32 * W, smem_dq, s>>>(q, k, v, dout, lse2_t, delta_t, r, Nq,
+                                                                                     Nqp, Nk, H, Hkv, scale, dq);
+    DFLASH_CUDA_CHECK_LAUNCH();
+    const size_t smem_kv = size_t((2 * 16 * W + 4 * BM) * (D + 8)) * sizeof(bf16);
+    set_smem(dkv_kernel<D, W>, smem_kv);
+    dkv_kernel<D, W><<<dim3(((Nk + 16 * W - 1) / (16 * W)) * Hkv, parts), 32 * W, smem_kv, s>>>(
+        q, k, v, dout, lse2_t, delta_t, r, tiles, Nq, Nqp, Nk, H, Hkv, scale, qpp, dk, dv, pdk, pdv);
+    DFLASH_CUDA_CHECK_LAUNCH();
+  }
   if (parts > 1) {
     const int64_t n = int64_t(Nk) * Hkv * D;
     dkv_reduce_kernel<<<int(std::min<int64_t>((n + 255) / 256, 65535 * 4)), 256, 0, s>>>(pdk, pdv, parts, n, dk, dv);
@@ -890,7 +1167,7 @@ int64_t masked_attention_backward_workspace_bytes(int64_t Nq, int64_t Nk, int H,
 void masked_attention_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* o, const float* lse,
                                const bf16* dout, const KvRange32* ranges, int64_t Nq, int64_t Nk, int H, int Hkv,
                                int D, float scale, bf16* dq, bf16* dk, bf16* dv, void* workspace,
-                               cudaStream_t stream) {
+                               cudaStream_t stream, AttentionKernel kernel) {
   check_args(Nq, Nk, H, Hkv, scale, "masked_attention_backward");
   if (D != 64 && D != 128)
     throw std::invalid_argument("masked_attention_backward: head_dim " + std::to_string(D) + " not in {64, 128}");
@@ -906,7 +1183,9 @@ void masked_attention_backward(const bf16* q, const bf16* k, const bf16* v, cons
   int4* tiles = reinterpret_cast<int4*>(ws + row_stats_bytes(Nq, H));
   float* partials = reinterpret_cast<float*>(reinterpret_cast<char*>(tiles) + align16(2 * ((Nq + BM - 1) / BM) * int64_t(sizeof(int4))));
   const auto launch = D == 64 ? launch_bwd<64> : launch_bwd<128>;
-  launch(q, k, v, o, lse, dout, ranges, int(Nq), int(Nk), H, Hkv, scale, dq, dk, dv, delta_t, lse2_t, tiles, partials, stream);
+  const bool wgmma = D == 128 && kernel == AttentionKernel::kAuto && masked_attention_uses_wgmma(D);
+  launch(q, k, v, o, lse, dout, ranges, int(Nq), int(Nk), H, Hkv, scale, dq, dk, dv, delta_t, lse2_t, tiles, partials,
+         wgmma, stream);
 }
 
 }  // namespace dflash::cuda

@@ -2,7 +2,7 @@
 // (context prefix / window up to each anchor + own block) and, with causal ranges, the targets'
 // causal varlen attention. Reference: src/ops/cpu/dflash_attention.cpp (masked_attention_forward /
 // masked_attention_backward); algorithm: FlashAttention-2 (Dao, 2023) with bf16 tensor-core MMAs
-// (mma.sync m16n8k16; at head_dim 128 on H100 / H200 the forward uses Hopper's wgmma instead, see
+// (mma.sync m16n8k16; at head_dim 128 on H100 / H200 forward and backward use Hopper's wgmma instead, see
 // AttentionKernel), online softmax in fp32, tiles of 64 queries x 64 keys, and key tiles outside
 // every row's ranges skipped.
 #pragma once
@@ -30,12 +30,13 @@ std::vector<KvRange32> to_kv_range32(const std::vector<cpu::KvRanges>& r);
 /// [s0, t] (ctx range), no second range. What the target's attention needs.
 std::vector<KvRange32> causal_ranges(const std::vector<int64_t>& cu_seqlens);
 
-/// Kernel family of the forward. kAuto: warpgroup MMAs (wgmma, fwd_wgmma_kernel) at head_dim 128 on
-/// a compute capability 9.0 GPU (H100 / H200) when the build carries sm_90a code, else mma.sync;
-/// kMmaSync: mma.sync everywhere (what A100 and Blackwell run; the tests compare the two).
+/// Kernel family of the forward and backward. kAuto: warpgroup MMAs (wgmma: fwd_wgmma_kernel,
+/// dq_wgmma_kernel, dkv_wgmma_kernel) at head_dim 128 on a compute capability 9.0 GPU (H100 / H200)
+/// when the build carries sm_90a code, else mma.sync; kMmaSync: mma.sync everywhere (what A100 and
+/// Blackwell run; the tests compare the two).
 enum class AttentionKernel { kAuto, kMmaSync };
 
-/// Whether masked_attention_forward with kAuto runs wgmma at head_dim D on the current device (false
+/// Whether masked_attention_forward / _backward with kAuto run wgmma at head_dim D on the current device (false
 /// without a usable device; never throws).
 bool masked_attention_uses_wgmma(int D);
 
@@ -61,6 +62,6 @@ int64_t masked_attention_backward_workspace_bytes(int64_t Nq, int64_t Nk, int H,
 void masked_attention_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* o, const float* lse,
                                const bf16* dout, const KvRange32* ranges, int64_t Nq, int64_t Nk, int H, int Hkv,
                                int D, float scale, bf16* dq, bf16* dk, bf16* dv, void* workspace,
-                               cudaStream_t stream);
+                               cudaStream_t stream, AttentionKernel kernel = AttentionKernel::kAuto);
 
 }  // namespace dflash::cuda

@@ -45,11 +45,20 @@ __device__ __forceinline__ void fence() {
 #endif
 }
 
-/// Commits the issued wgmmas as one group and waits until at most N groups are in flight.
-template <int N>
-__device__ __forceinline__ void commit_and_wait() {
+/// Commits the wgmmas issued since the last commit as one group (possibly empty).
+__device__ __forceinline__ void commit() {
 #if DFLASH_WGMMA_ON
-  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+/// Waits until at most N committed groups are in flight (groups complete in commit order).
+template <int N>
+__device__ __forceinline__ void wait() {
+#if DFLASH_WGMMA_ON
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 #else
   __trap();
 #endif
