@@ -48,10 +48,10 @@ if command -v compute-sanitizer >/dev/null; then
   mc_rc=$?
   memcheck="exit $mc_rc ($(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$out/memcheck.log" | tr '\n' ' '))"
   [ $mc_rc -ne 0 ] && tests_rc=1
-  # Shared-memory races, barrier misuse and uninitialized reads in the GatedDeltaNet kernels (tools
+  # Shared-memory races, barrier misuse and uninitialized reads in the GatedDeltaNet and attention kernels (tools
   # memcheck does not cover).
   for tool in racecheck synccheck initcheck; do
-    compute-sanitizer --tool "$tool" --error-exitcode 9 "$build/dflash_tests" --gtest_filter='CudaGdn*' --gtest_brief=1 \
+    compute-sanitizer --tool "$tool" --error-exitcode 9 "$build/dflash_tests" --gtest_filter='CudaGdn*:CudaMaskedAttention*' --gtest_brief=1 \
       >"$out/$tool.log" 2>&1
     rc=$?
     memcheck+="; $tool exit $rc ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$out/$tool.log" | tr '\n' ' '))"

@@ -131,10 +131,11 @@ DrafterGpu::DrafterGpu(const DrafterConfig& cfg, int64_t V, uint64_t seed, cudaS
 DrafterGpu::~DrafterGpu() = default;
 
 int64_t DrafterGpu::num_params() const { return impl_->n; }
-float* DrafterGpu::grad_data() { return impl_->grad.data(); }
+float* DrafterGpu::grad_data() { return impl_->grad_buffer(); }
 cudaStream_t DrafterGpu::stream() const { return impl_->s; }
 
-void DrafterGpu::zero_grads() { impl_->grad.fill_bytes(0, impl_->s); }
+// (No memset here: the next backward overwrites every gradient, see Impl::grad_zero_pending.)
+void DrafterGpu::zero_grads() { impl_->grad_zero_pending = true; }
 
 namespace {
 template <typename T>
@@ -151,7 +152,9 @@ DrafterWeights<float> download(const DrafterConfig& cfg, const DeviceArray<T>& f
 }  // namespace
 
 DrafterWeights<float> DrafterGpu::weights() const { return download(cfg_, impl_->master, impl_->s); }
-DrafterWeights<float> DrafterGpu::grads() const { return download(cfg_, impl_->grad, impl_->s); }
+DrafterWeights<float> DrafterGpu::grads() const {
+  return impl_->grad_zero_pending ? drafter_zeros<float>(cfg_) : download(cfg_, impl_->grad, impl_->s);
+}
 
 namespace {
 std::vector<std::vector<float>> split(const std::vector<float>& flat, const DrafterConfig& cfg) {
@@ -192,11 +195,12 @@ void DrafterGpu::set_state(const DrafterWeights<float>& w, const std::vector<std
   DFLASH_CUDA_CHECK(cudaStreamSynchronize(I.s));
 }
 
-void DrafterGpu::scale_grads(float f) { cuda::scale_inplace(impl_->grad.data(), f, impl_->n, impl_->s); }
+void DrafterGpu::scale_grads(float f) { cuda::scale_inplace(impl_->grad_buffer(), f, impl_->n, impl_->s); }
 
 ClipResult DrafterGpu::optimizer_step(const AdamWOptions& o, double lr, double max_norm, int64_t t) {
   Impl& I = *impl_;
-  cuda::grad_sumsq(I.grad.data(), I.n, I.sumsq.data(), I.sumsq_ws.data(), I.s);
+  float* grad = I.grad_buffer();
+  cuda::grad_sumsq(grad, I.n, I.sumsq.data(), I.sumsq_ws.data(), I.s);
   cuda::clip_coefficient(I.sumsq.data(), max_norm, I.norm.data(), I.coef.data(), I.s);
   ClipResult r;
   r.norm = I.norm.to_host(I.s)[0];
@@ -205,7 +209,7 @@ ClipResult DrafterGpu::optimizer_step(const AdamWOptions& o, double lr, double m
     return r;
   }
   r.coef = double(I.coef.to_host(I.s)[0]);
-  cuda::adamw_update(I.master.data(), I.grad.data(), I.m.data(), I.v.data(), I.wb.data(), I.n,
+  cuda::adamw_update(I.master.data(), grad, I.m.data(), I.v.data(), I.wb.data(), I.n,
                      cuda::adamw_scalars(lr, o.beta1, o.beta2, o.eps, o.weight_decay, t), I.coef.data(), I.s);
   return r;
 }
@@ -392,15 +396,24 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
 
   // ---- backward ----
   timer.begin("backward");
+  // After zero_grads(), each weight matrix's gradient GEMM (one per matrix) overwrites instead of
+  // adding, and the norm weights' gradients, which are summed over several calls, start at zero.
+  const float grad_beta = I.grad_zero_pending ? 0.f : 1.f;
+  if (I.grad_zero_pending)
+    for (const auto& [name, shape] : I.shapes)
+      if (shape.size() == 1) DFLASH_CUDA_CHECK(cudaMemsetAsync(I.G(name), 0, size_t(shape[0]) * sizeof(float), s));
+  I.grad_zero_pending = false;
   StreamBuffer<bf16> dx(size_t(Q * d), s), tmp(size_t(Q * d), s);
   StreamBuffer<float> nws(size_t(cuda::rms_norm_workspace_floats(SQ * std::max(H, Hkv), std::max(d, hd))), s);
   cuda::rms_norm_backward(x.data(), I.F("norm.weight"), inv_final.data(), dhf.data(), dx.data(), I.G("norm.weight"),
                           nws.data(), Q, d, false, s);
   StreamBuffer<float> dctx(size_t(S * d), s);
   DFLASH_CUDA_CHECK(cudaMemsetAsync(dctx.data(), 0, size_t(S * d) * 4, s));
-  // dW += dy^T x over `rows` rows: dy [rows, out], x [rows, in] -> [out, in]
+  // dW += dy^T x (= after zero_grads) over `rows` rows: dy [rows, out], x [rows, in] -> [out, in]
+  std::map<std::string, int> wgrads;  // calls per weight: each must be written exactly once
   auto wgrad = [&](const bf16* dy, const bf16* xin, int64_t rows, int64_t out, int64_t in, const std::string& w) {
-    I.gemm.gemm({out, in, rows, true, false}, dy, xin, I.G(w), 1.f, 1.f);
+    ++wgrads[w];
+    I.gemm.gemm({out, in, rows, true, false}, dy, xin, I.G(w), 1.f, grad_beta);
   };
   // dx (=|+=) dy W: dy [rows, out], W [out, in]
   auto dgrad = [&](const bf16* dy, int64_t rows, int64_t out, int64_t in, const std::string& w, auto* dxp, float beta) {
@@ -459,6 +472,10 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   cuda::rms_norm_backward(fc_out.data(), I.F("hidden_norm.weight"), inv_ctx.data(), dctx_b.data(), dfc.data(),
                           I.G("hidden_norm.weight"), nws.data(), S, d, false, s);
   wgrad(dfc.data(), seq.taps, S, d, K * d, "fc.weight");
+  for (const auto& [name, shape] : I.shapes)
+    if (shape.size() == 2 && wgrads[name] != 1)
+      throw std::logic_error("DrafterGpu::step: the gradient of " + name + " was written " +
+                             std::to_string(wgrads[name]) + " times, not once");
   timer.end("backward");
   if (opt.time_stages) {
     DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));

@@ -63,6 +63,8 @@ class DrafterGpu {
   /// Synchronizes the stream once (the loss is read back). Throws std::invalid_argument on bad input.
   DrafterGpuStepResult step(const DrafterGpuSequence& seq, const DrafterGpuStepOptions& opt = {});
 
+  /// Starts a gradient sum: the next step's backward overwrites every gradient (no memset of the
+  /// buffer; anything that reads it first sees zeros).
   void zero_grads();
   /// Multiplies every gradient by `s` (averaging over micro-batches).
   void scale_grads(float s);

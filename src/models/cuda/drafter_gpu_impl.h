@@ -17,6 +17,10 @@ struct DrafterGpu::Impl {
   cuda::GemmContext gemm;
   int64_t n = 0;                                  // parameters
   cuda::DeviceArray<float> master, grad, m, v;    // flat fp32 [n]
+  // zero_grads() was called and no gradient has been written since: `grad` holds stale values that
+  // count as zero. The next backward overwrites every gradient (beta 0 GEMMs; the norm weights'
+  // gradients zeroed first); whatever reads `grad` before that zeroes it (grad_buffer()).
+  bool grad_zero_pending = false;
   cuda::DeviceArray<cuda::bf16> wb;               // flat bf16 copy [n]
   std::map<std::string, int64_t> offset;          // parameter name -> flat offset
   std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
@@ -31,6 +35,12 @@ struct DrafterGpu::Impl {
   const cuda::bf16* W(const std::string& name) const { return wb.data() + offset.at(name); }
   const float* F(const std::string& name) const { return master.data() + offset.at(name); }
   float* G(const std::string& name) { return grad.data() + offset.at(name); }
+  /// The gradient buffer, zeroed first if a zero_grads() is pending.
+  float* grad_buffer() {
+    if (grad_zero_pending) grad.fill_bytes(0, s);
+    grad_zero_pending = false;
+    return grad.data();
+  }
 };
 
 /// "layers.<i>.<w>": the name of draft layer i's parameter w.
