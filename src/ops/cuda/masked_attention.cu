@@ -425,6 +425,26 @@ __device__ __forceinline__ void ss_abt(float (&d)[8][4], const bf16* a, const bf
                         wgmma::desc_sw128(b + (ks / 4) * 64 * 64 + (ks % 4) * 16, 16, 1024), ks > 0);
 }
 
+/// The A fragment (mma.sync m16n8k16 layout) of rows r0 .. r0 + 15, columns c0 .. c0 + 15 of a
+/// 128-byte-swizzled tile of `rows` rows (copy_rows_sw128), one ldmatrix.x4.
+__device__ __forceinline__ void load_a_sw128(uint32_t a[4], const bf16* tile, int rows, int r0, int c0, int lane) {
+  const int row = r0 + (lane & 7) + 8 * ((lane >> 3) & 1), chunk = c0 / 8 + ((lane >> 4) & 1);
+  const bf16* p = tile + (chunk / 8) * rows * 64 + row * 64 + ((chunk % 8) ^ (row % 8)) * 8;
+  const unsigned addr = unsigned(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+               : "r"(addr));
+}
+
+/// d [64 x 64] = A B^T over k = D (wgmma): A [64 x D] from registers (a[k step]: the warp's
+/// fragments, load_a_sw128), B = a whole swizzled tile of 64 rows, K-major. Issued, not committed.
+template <int D>
+__device__ __forceinline__ void rs_abt(float (&d)[8][4], const uint32_t (*a)[4], const bf16* b) {
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks)
+    wgmma::m64n64k16_rs(d, a[ks], wgmma::desc_sw128(b + (ks / 4) * 64 * 64 + (ks % 4) * 16, 16, 1024), ks > 0);
+}
+
 /// d [64 x 128] += A B (wgmma): A [64 x K] = the accumulator tiles c rounded to bf16 (all fragments
 /// built before the fence), B = a swizzled tile of K rows x 128, MN-major (K down its rows). Issued,
 /// not committed. O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q.
@@ -468,10 +488,10 @@ __global__ void __launch_bounds__(128 * WG, 1)
     }
     cp_async_commit();
   };
-  const bf16* Qw = Qs + (warp / 4) * 64 * 64;  // this warpgroup's rows in column block 0
+  uint32_t qa[D / 16][4];  // the warp's Q fragments (loaded once Q has landed)
   auto issue_s = [&](float (&s)[N / 8][4], int j) {  // S = Q K_j^T, committed, not waited for
     wgmma::fence();
-    ss_abt<D, QR>(s, Qw, Kb + (j % 3) * N * D);
+    rs_abt<D>(s, qa, Kb + (j % 3) * N * D);
     wgmma::commit();
   };
   const int ra = row0 + warp * 16 + g, rb = ra + 8;
@@ -498,6 +518,8 @@ __global__ void __launch_bounds__(128 * WG, 1)
   cp_async_wait<1>();  // Q and tile 0
   wgmma::fence_proxy_async();
   __syncthreads();
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) load_a_sw128(qa[ks], Qs, QR, warp * 16, ks * 16, lane);
   issue_s(s0, 0);  // (with no tile, of a buffer never written, and never read)
   wgmma::wait<0>();  // (no wgmma in flight across a branch: the compiler would serialize them all)
   for (int j = 0; j < tiles.n; ++j) {
@@ -905,8 +927,7 @@ __global__ void __launch_bounds__(128 * WG, 1)
     }
     cp_async_commit();
   };
-  const bf16* Qw = Qs + (warp / 4) * 64 * 64;  // this warpgroup's rows in column block 0
-  const bf16* Ow = Os + (warp / 4) * 64 * 64;
+  uint32_t qa[D / 16][4], oa[D / 16][4];  // the warp's Q and dO fragments (loaded once they landed)
   float acc[D / 8][4];
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
@@ -916,12 +937,18 @@ __global__ void __launch_bounds__(128 * WG, 1)
     cp_async_wait<1>();  // tile j (and Q, dO) landed
     wgmma::fence_proxy_async();
     __syncthreads();
+    if (j == 0)
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        load_a_sw128(qa[ks], Qs, QR, warp * 16, ks * 16, lane);
+        load_a_sw128(oa[ks], Os, QR, warp * 16, ks * 16, lane);
+      }
     const bf16* Kj = Kb + (j & 1) * N * D;
     float s[N / 8][4], dp[N / 8][4];
     wgmma::fence();
-    ss_abt<D, QR>(s, Qw, Kj);  // S = Q K^T
+    rs_abt<D>(s, qa, Kj);  // S = Q K^T
     wgmma::commit();
-    ss_abt<D, QR>(dp, Ow, Vb + (j & 1) * N * D);  // dP = dO V^T
+    rs_abt<D>(dp, oa, Vb + (j & 1) * N * D);  // dP = dO V^T
     wgmma::commit();
     wgmma::wait<1>();  // S (dP in flight)
     const int seg = tiles.seg(j), k0 = tiles.start(j);

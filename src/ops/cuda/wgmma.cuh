@@ -96,6 +96,22 @@ __device__ __forceinline__ void m64n64k16_ss(float (&d)[8][4], uint64_t da, uint
 #endif
 }
 
+/// d [64 x 64] (+)= A B^T over one k step of 16: A [64 x 16] from registers (a: the warp's mma.sync A
+/// fragment), B [64 x 16] K-major in shared memory (descriptor db).
+__device__ __forceinline__ void m64n64k16_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db, bool accumulate) {
+#if DFLASH_WGMMA_ON
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+      "%23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : DFLASH_ACC8(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(int(accumulate)));
+#else
+  __trap();
+#endif
+}
+
 /// d [64 x 128] (+)= A B over one k step of 16: A [64 x 16] from registers (a: the warp's mma.sync A
 /// fragment), B [16 x 128] MN-major in shared memory (descriptor db).
 __device__ __forceinline__ void m64n128k16_rs_mn(float (&d)[16][4], const uint32_t (&a)[4], uint64_t db, bool accumulate) {
