@@ -137,7 +137,11 @@ TEST(CudaRmsNorm, ForwardBackwardPlainAndZeroCentered) {
   REQUIRE_GPU();
   Stream st;
   std::mt19937_64 rng(2);
-  for (auto [rows, n] : {std::pair<int64_t, int64_t>{37, 128}, {300, 4096}, {5, 1000}}) {
+  // Row lengths for every kernel (norm.cu): vectorized block rows with 2, 3 (a partial last chunk)
+  // and 2 chunks per thread, vectorized warp rows of 1 and 2 chunks per lane (64: half the lanes), and
+  // the scalar kernels (n not a multiple of 8 or 4, or 256 < n <= 1024).
+  for (auto [rows, n] : {std::pair<int64_t, int64_t>{37, 128}, {300, 4096}, {5, 1000}, {64, 5120}, {9, 2056},
+                         {11, 64}, {13, 256}, {3, 1030}, {7, 300}, {6, 90}}) {
     for (bool zc : {false, true}) {
       const auto x = rand_bf16_values(size_t(rows * n), rng, 2.f), dy = rand_bf16_values(size_t(rows * n), rng);
       const auto w = rand_bf16_values(size_t(n), rng, 0.3f);
@@ -168,6 +172,17 @@ TEST(CudaRmsNorm, ForwardBackwardPlainAndZeroCentered) {
       EXPECT_LE(test::rel_l2(inv.to_host(st.s), inv_ref.data), kTolF32Out);
       EXPECT_LE(test::rel_l2(dx, dx_ref.data), kTolBf16Out) << rows << "x" << n << " zc " << zc;
       EXPECT_LE(test::rel_l2(dw, dw_ref.data), kTolF32Out * 10) << rows << "x" << n << " zc " << zc;
+      // The fp32-input forward (a residual stream kept in fp32), and a bf16 input 8 bytes off 16-byte
+      // alignment (the scalar kernels take over).
+      DeviceArray<float> dXf(x, st.s);
+      Y.fill_bytes(0xFF, st.s);
+      cuda::rms_norm_forward(dXf.data(), dW.data(), Y.data(), nullptr, rows, n, 1e-6, zc, st.s);
+      EXPECT_LE(test::rel_l2(to_host_f32(Y, st.s), y_ref.data), kTolBf16Out) << rows << "x" << n << " fp32 in";
+      DeviceArray<bf16> Xo{size_t(rows * n + 4)};
+      DFLASH_CUDA_CHECK(cudaMemcpyAsync(Xo.data() + 4, dX.data(), size_t(rows * n) * 2, cudaMemcpyDeviceToDevice, st.s));
+      Y.fill_bytes(0xFF, st.s);
+      cuda::rms_norm_forward(Xo.data() + 4, dW.data(), Y.data(), nullptr, rows, n, 1e-6, zc, st.s);
+      EXPECT_LE(test::rel_l2(to_host_f32(Y, st.s), y_ref.data), kTolBf16Out) << rows << "x" << n << " misaligned";
     }
   }
 }
