@@ -191,8 +191,9 @@ TEST(CudaRope, FullAndPartialForwardAndInverse) {
   REQUIRE_GPU();
   Stream st;
   std::mt19937_64 rng(3);
+  // (rot / 2 % 4 == 0: the kernel of 4 pairs per thread; 12: the pair-by-pair one)
   for (auto [n, H, D, rot] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{37, 3, 64, 64}, {100, 4, 256, 64},
-                              {17, 2, 128, 128}}) {
+                              {17, 2, 128, 128}, {9, 2, 64, 12}}) {
     RopeSpec spec;
     spec.theta = 1e6;
     const std::vector<float> inv_f = cpu::rope_inv_freq(spec, rot);
@@ -247,39 +248,44 @@ TEST(CudaElementwise, SwigluGatherAdd) {
     EXPECT_LE(test::rel_l2(tailf(du), tail(du_ref.data)), kTolBf16Out) << off;
   }
 
-  const int64_t V = 97, d = 72;
-  const auto table = rand_bf16_values(size_t(V * d), rng);
-  std::vector<int32_t> ids = {0, 96, 5, 5, 40};
-  auto dT = to_device_bf16(table, st.s);
-  DeviceArray<int32_t> dids(ids, st.s);
-  DeviceArray<bf16> out(ids.size() * size_t(d));
-  DeviceArray<int> bad(std::vector<int>{0}, st.s);
-  cuda::embedding_gather(dT.data(), V, d, dids.data(), int64_t(ids.size()), out.data(), bad.data(), st.s);
-  const auto o = to_host_f32(out, st.s);
-  for (size_t r = 0; r < ids.size(); ++r)
-    for (int64_t c = 0; c < d; ++c) ASSERT_EQ(o[r * size_t(d) + size_t(c)], table[size_t(ids[r] * d + c)]);
-  EXPECT_EQ(bad.to_host(st.s)[0], 0);
-  ids[2] = 97;  // out of range: flagged, no crash
-  DeviceArray<int32_t> dbad(ids, st.s);
-  cuda::embedding_gather(dT.data(), V, d, dbad.data(), int64_t(ids.size()), out.data(), bad.data(), st.s);
-  EXPECT_EQ(bad.to_host(st.s)[0], 1);
+  // Rows of 72 (16-byte words) and of 9 elements (one by one).
+  for (int64_t d : {72, 9}) {
+    const int64_t V = 97;
+    const auto table = rand_bf16_values(size_t(V * d), rng);
+    std::vector<int32_t> ids = {0, 96, 5, 5, 40};
+    auto dT = to_device_bf16(table, st.s);
+    DeviceArray<int32_t> dids(ids, st.s);
+    DeviceArray<bf16> out(ids.size() * size_t(d));
+    DeviceArray<int> bad(std::vector<int>{0}, st.s);
+    cuda::embedding_gather(dT.data(), V, d, dids.data(), int64_t(ids.size()), out.data(), bad.data(), st.s);
+    const auto o = to_host_f32(out, st.s);
+    for (size_t r = 0; r < ids.size(); ++r)
+      for (int64_t c = 0; c < d; ++c) ASSERT_EQ(o[r * size_t(d) + size_t(c)], table[size_t(ids[r] * d + c)]);
+    EXPECT_EQ(bad.to_host(st.s)[0], 0);
+    ids[2] = 97;  // out of range: flagged, no crash
+    DeviceArray<int32_t> dbad(ids, st.s);
+    cuda::embedding_gather(dT.data(), V, d, dbad.data(), int64_t(ids.size()), out.data(), bad.data(), st.s);
+    EXPECT_EQ(bad.to_host(st.s)[0], 1);
+    for (int64_t c = 0; c < d; ++c) ASSERT_TRUE(std::isnan(to_host_f32(out, st.s)[size_t(2 * d + c)])) << c;
 
-  // scatter_rows puts gathered rows back where they came from; the other rows stay 0.
-  const std::vector<int32_t> dst = {96, 5, 0};
-  DeviceArray<int32_t> ddst(dst, st.s);
-  DeviceArray<bf16> back{size_t(V * d)};
-  back.fill_bytes(0, st.s);
-  const std::vector<int32_t> src_rows = {1, 3, 0};  // out rows holding table rows 96, 5, 0
-  DeviceArray<bf16> picked{size_t(3 * d)};
-  DeviceArray<int32_t> dsrc(src_rows, st.s);
-  cuda::embedding_gather(out.data(), int64_t(ids.size()), d, dsrc.data(), 3, picked.data(), nullptr, st.s);
-  cuda::scatter_rows(picked.data(), 3, d, ddst.data(), back.data(), st.s);
-  const auto b = to_host_f32(back, st.s);
-  for (int64_t r = 0; r < V; ++r)
-    for (int64_t c = 0; c < d; ++c) {
-      const double want = (r == 96 || r == 5 || r == 0) ? table[size_t(r * d + c)] : 0.0;
-      ASSERT_EQ(b[size_t(r * d + c)], want) << r << " " << c;
-    }
+    // scatter_rows puts gathered rows back where they came from; the other rows stay 0.
+    const std::vector<int32_t> dst = {96, 5, 0};
+    DeviceArray<int32_t> ddst(dst, st.s);
+    DeviceArray<bf16> back{size_t(V * d)};
+    back.fill_bytes(0, st.s);
+    const std::vector<int32_t> src_rows = {1, 3, 0};  // out rows holding table rows 96, 5, 0
+    DeviceArray<bf16> picked{size_t(3 * d)};
+    DeviceArray<int32_t> dsrc(src_rows, st.s);
+    cuda::embedding_gather(out.data(), int64_t(ids.size()), d, dsrc.data(), 3, picked.data(), nullptr, st.s);
+    cuda::scatter_rows(picked.data(), 3, d, ddst.data(), back.data(), st.s);
+    const auto b = to_host_f32(back, st.s);
+    for (int64_t r = 0; r < V; ++r)
+      for (int64_t c = 0; c < d; ++c) {
+        const double want = (r == 96 || r == 5 || r == 0) ? table[size_t(r * d + c)] : 0.0;
+        ASSERT_EQ(b[size_t(r * d + c)], want) << r << " " << c;
+      }
+
+  }
 
   auto y = to_device_bf16(g, st.s);
   cuda::add_inplace(y.data(), dU.data(), n, st.s);

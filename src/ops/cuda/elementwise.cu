@@ -3,6 +3,7 @@
 #include <stdexcept>
 
 #include "ops/cuda/elementwise.h"
+#include "ops/cuda/vec.cuh"
 
 namespace dflash::cuda {
 
@@ -11,7 +12,7 @@ namespace {
 /// Packs of 8 when every pointer is 16-byte aligned, else 0 (all elements take the scalar tail).
 template <typename... P>
 int64_t packs_of(int64_t n, const P*... p) {
-  return ((reinterpret_cast<uintptr_t>(p) % 16 == 0) && ...) ? n / 8 : 0;
+  return aligned_to(16, p...) ? n / 8 : 0;
 }
 
 #define DFLASH_GRID_STRIDE(i, n) \
@@ -19,22 +20,6 @@ int64_t packs_of(int64_t n, const P*... p) {
 
 // The bf16 maps below read and write 8 elements (16 bytes) per thread and step when every pointer is
 // 16-byte aligned ("packs" of 8), then finish the tail (or everything, when unaligned) one by one.
-__device__ __forceinline__ void load8(const bf16* p, float (&f)[8]) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const float2 t = __bfloat1622float2(h[k]);
-    f[2 * k] = t.x, f[2 * k + 1] = t.y;
-  }
-}
-__device__ __forceinline__ void store8(bf16* p, const float (&f)[8]) {
-  uint4 u;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
-#pragma unroll
-  for (int k = 0; k < 4; ++k) h[k] = __floats2bfloat162_rn(f[2 * k], f[2 * k + 1]);
-  *reinterpret_cast<uint4*>(p) = u;
-}
 #define DFLASH_TAIL_STRIDE(i, from, n)                                                                  \
   for (int64_t i = (from) + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < (n); \
        i += int64_t(gridDim.x) * blockDim.x)
@@ -74,16 +59,25 @@ __global__ void swiglu_bwd_kernel(const bf16* g, const bf16* u, const bf16* da, 
   }
 }
 
+// Row copies move W words: uint4 (8 bf16) when the row length and every pointer allow, else bf16.
+template <typename W>
+__device__ __forceinline__ W nan_word() {
+  if constexpr (sizeof(W) == 16) return make_uint4(0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u);  // bf16 NaNs
+  else return __float2bfloat16_rn(__int_as_float(0x7fc00000));
+}
+
+template <typename W>
 __global__ void gather_kernel(const bf16* table, int64_t V, int64_t d, const int32_t* ids, int64_t rows, bf16* out,
                               int* bad) {
-  DFLASH_GRID_STRIDE(i, rows * d) {
-    const int64_t r = i / d, c = i % d;
+  const int64_t dw = d * int64_t(sizeof(bf16)) / int64_t(sizeof(W));  // words per row
+  DFLASH_GRID_STRIDE(i, rows * dw) {
+    const int64_t r = i / dw;
     const int32_t id = ids[r];
     if (id < 0 || id >= V) {
-      out[i] = __float2bfloat16_rn(__int_as_float(0x7fc00000));
+      reinterpret_cast<W*>(out)[i] = nan_word<W>();
       if (bad) *bad = 1;
     } else {
-      out[i] = table[int64_t(id) * d + c];
+      reinterpret_cast<W*>(out)[i] = reinterpret_cast<const W*>(table)[int64_t(id) * dw + (i - r * dw)];
     }
   }
 }
@@ -99,8 +93,13 @@ __global__ void add_kernel(bf16* y, const bf16* x, int64_t n, int64_t packs) {
   DFLASH_TAIL_STRIDE(i, 8 * packs, n) y[i] = __float2bfloat16_rn(__bfloat162float(y[i]) + __bfloat162float(x[i]));
 }
 
+template <typename W>
 __global__ void scatter_kernel(const bf16* rows, int64_t n, int64_t d, const int32_t* ids, bf16* out) {
-  DFLASH_GRID_STRIDE(i, n * d) out[int64_t(ids[i / d]) * d + i % d] = rows[i];
+  const int64_t dw = d * int64_t(sizeof(bf16)) / int64_t(sizeof(W));
+  DFLASH_GRID_STRIDE(i, n * dw) {
+    const int64_t r = i / dw;
+    reinterpret_cast<W*>(out)[int64_t(ids[r]) * dw + (i - r * dw)] = reinterpret_cast<const W*>(rows)[i];
+  }
 }
 
 __device__ __forceinline__ uint64_t splitmix64(uint64_t z) {
@@ -167,14 +166,20 @@ void embedding_gather(const bf16* table, int64_t V, int64_t d, const int32_t* id
                       cudaStream_t stream) {
   if (V <= 0 || d <= 0 || rows < 0) throw std::invalid_argument("embedding_gather: bad sizes");
   if (rows == 0) return;
-  gather_kernel<<<grid_for(rows * d), 256, 0, stream>>>(table, V, d, ids, rows, out, bad_id);
+  if (d % 8 == 0 && aligned_to(16, table, out))
+    gather_kernel<uint4><<<grid_for(rows * d / 8), 256, 0, stream>>>(table, V, d, ids, rows, out, bad_id);
+  else
+    gather_kernel<bf16><<<grid_for(rows * d), 256, 0, stream>>>(table, V, d, ids, rows, out, bad_id);
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
 void scatter_rows(const bf16* rows, int64_t n, int64_t d, const int32_t* ids, bf16* out, cudaStream_t stream) {
   if (n < 0 || d <= 0) throw std::invalid_argument("scatter_rows: bad sizes");
   if (n == 0) return;
-  scatter_kernel<<<grid_for(n * d), 256, 0, stream>>>(rows, n, d, ids, out);
+  if (d % 8 == 0 && aligned_to(16, rows, out))
+    scatter_kernel<uint4><<<grid_for(n * d / 8), 256, 0, stream>>>(rows, n, d, ids, out);
+  else
+    scatter_kernel<bf16><<<grid_for(n * d), 256, 0, stream>>>(rows, n, d, ids, out);
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 

@@ -2,6 +2,7 @@
 #include <stdexcept>
 
 #include "ops/cuda/norm.h"
+#include "ops/cuda/vec.cuh"
 
 namespace dflash::cuda {
 
@@ -142,27 +143,6 @@ __global__ void rms_bwd_warp_kernel(const bf16* x, const float* w, const float* 
 // two passes over a row and reads / writes them 16 bytes (bf16) or 2 x 16 bytes (fp32) at a time; the
 // weight-gradient partial sums of its columns stay in registers too. Same math, same order per
 // element as the scalar kernels above; only the order of the row sums differs.
-__device__ __forceinline__ void load8(const bf16* p, float (&f)[8]) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const float2 t = __bfloat1622float2(h[k]);
-    f[2 * k] = t.x, f[2 * k + 1] = t.y;
-  }
-}
-__device__ __forceinline__ void load8(const float* p, float (&f)[8]) {
-  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
-  f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
-}
-__device__ __forceinline__ void store8(bf16* p, const float (&f)[8]) {
-  uint4 u;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
-#pragma unroll
-  for (int k = 0; k < 4; ++k) h[k] = __floats2bfloat162_rn(f[2 * k], f[2 * k + 1]);
-  *reinterpret_cast<uint4*>(p) = u;
-}
-
 template <typename X, int VPT>
 __global__ void __launch_bounds__(kThreads) rms_fwd_vec_kernel(const X* x, const float* w, bf16* y, float* inv,
                                                                int64_t rows, int n, float eps, bool zc) {
@@ -251,23 +231,6 @@ __global__ void __launch_bounds__(kThreads) rms_bwd_vec_kernel(const bf16* x, co
 
 // Short rows (n <= kWarpRowMax, n % 4 == 0, at most 32 * 4 * WPT): one warp per row, as the scalar
 // warp kernels, each lane holding WPT chunks of 4 consecutive elements (8 or 16 bytes a load).
-__device__ __forceinline__ void load4(const bf16* p, float (&f)[4]) {
-  const uint2 u = *reinterpret_cast<const uint2*>(p);
-  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
-  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
-  f[0] = a.x, f[1] = a.y, f[2] = b.x, f[3] = b.y;
-}
-__device__ __forceinline__ void load4(const float* p, float (&f)[4]) {
-  const float4 a = *reinterpret_cast<const float4*>(p);
-  f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w;
-}
-__device__ __forceinline__ void store4(bf16* p, const float (&f)[4]) {
-  uint2 u;
-  *reinterpret_cast<__nv_bfloat162*>(&u.x) = __floats2bfloat162_rn(f[0], f[1]);
-  *reinterpret_cast<__nv_bfloat162*>(&u.y) = __floats2bfloat162_rn(f[2], f[3]);
-  *reinterpret_cast<uint2*>(p) = u;
-}
-
 template <typename X, int WPT>
 __global__ void __launch_bounds__(kThreads) rms_fwd_warp_vec_kernel(const X* x, const float* w, bf16* y, float* inv,
                                                                     int64_t rows, int n, float eps, bool zc) {
@@ -388,8 +351,7 @@ namespace {
 /// n > kWarpRowMax, n % 8 == 0, n <= kThreads * 32; chunks per lane, -1 or -2: warp rows of
 /// n % 4 == 0, n <= 256), or 0 for the scalar kernels (other sizes, or a pointer not 16-byte aligned).
 int vec_chunks(int64_t n, const void* a, const void* b, const void* c, const void* d = nullptr) {
-  for (const void* p : {a, b, c, d})
-    if (reinterpret_cast<uintptr_t>(p) % 16) return 0;
+  if (!aligned_to(16, a, b, c, d)) return 0;
   if (n <= kWarpRowMax) return n % 4 == 0 && n <= 256 ? -int((n / 4 + 31) / 32) : 0;
   const int vpt = int((n / 8 + kThreads - 1) / kThreads);
   return n % 8 == 0 && vpt <= 4 ? vpt : 0;
