@@ -104,6 +104,14 @@ rm -rf "$sd"
 
 # Drafter training step benchmarks (random weights, published shapes); appended to $out/drafter-step.*
 bench=""
+clocks="not sampled (benchmarks off, or no nvidia-smi)"
+if [ "${GPU_CHECK_BENCH:-1}" != 0 ] && command -v nvidia-smi >/dev/null; then
+  # GPU 0's SM clock, power and clock-limit reasons every 200 ms while the benchmarks run: under a
+  # power cap the clocks, not the kernels, set the pace.
+  nvidia-smi -i 0 --query-gpu=clocks.sm,power.draw,power.limit,clocks_throttle_reasons.active --format=csv,noheader,nounits \
+    -lms 200 >"$out/clocks.csv" 2>/dev/null &
+  smi_pid=$!
+fi
 if [ "${GPU_CHECK_BENCH:-1}" != 0 ]; then
   for p in qwen3-8b qwen3.6-27b; do
     DFLASH_COMMIT="$commit" "$build/dflash" bench drafter-step --preset "$p" --results "$out" >>"$log" 2>&1 || tests_rc=1
@@ -138,6 +146,14 @@ if [ "${GPU_CHECK_BENCH:-1}" != 0 ]; then
       pipeline+=$'\n'"--- qwen3-8b, train path, --gpus $g"$'\n'"$(echo "$pg" | grep samples_per_s)"
     done
   fi
+fi
+if [ -n "${smi_pid:-}" ]; then
+  kill "$smi_pid" 2>/dev/null
+  # Samples drawing more than 300 W (the benchmarks at work, not the gaps between them).
+  clocks=$(awk -F', ' '$2 + 0 > 300 { n++; c += $1; p += $2; lim = $3; if (min == "" || $1 + 0 < min) min = $1 + 0;
+      if ($4 != "0x0000000000000000") capped++ }
+    END { if (n) printf "%d samples over 300 W: SM clock mean %.0f MHz (min %d), power mean %.0f W of a %.0f W limit, clocks limited in %d%% of them (nvidia-smi clocks_event_reasons)", n, c / n, min, p / n, lim, 100 * capped / n;
+          else print "no sample over 300 W" }' "$out/clocks.csv")
 fi
 smol="not run (DFLASH_SMOLLM2_GGUF unset)"
 if [ -n "${DFLASH_SMOLLM2_GGUF:-}" ]; then
@@ -190,6 +206,8 @@ fi
   echo '```'
   echo "$bench"
   echo '```'
+  echo "GPU clocks during the benchmarks: $clocks"
+  echo
   echo '## dflash bench pipeline (one sample = target forward_taps + drafter training step, one GPU)'
   echo '```'
   echo "$pipeline"

@@ -149,7 +149,8 @@ TEST(CudaMaskedAttention, DflashMasksFullSlidingAndPadding) {
   Case d256 = dflash_case("dflash sliding S300 W40 D256", 300, anchors, 40, 16, 40, 4, 2, 256);
   d256.backward = false;
   run_case(d256, 32);
-  // 70 blocks of 16 = 18 query tiles: the dK / dV launch splits into parts (fp32 partials + reduce).
+  // 70 blocks of 16 = 18 query tiles: the mma.sync dK / dV launch splits into parts (fp32 partials +
+  // reduce); the wgmma one does not.
   anchors.clear();
   for (int64_t a = 3; a < 600 && anchors.size() < 70; a += 1 + int64_t(rng() % 14)) anchors.push_back(a);
   for (int D : {64, 128}) run_case(dflash_case("dflash full S600 split dkv", 600, anchors, 70, 16, 0, 4, 2, D), 40 + D);
