@@ -93,7 +93,8 @@ void run_case(const Case& c, uint64_t seed) {
   if (c.backward) {
     BasicTensor<double> dq_ref, dk_ref, dv_ref;
     cpu::masked_attention_backward(Q, K, V, o_ref, lse_ref, DO, c.ranges, scale, &dq_ref, &dk_ref, &dv_ref);
-    DeviceArray<char> ws{size_t(cuda::masked_attention_backward_workspace_bytes(c.Nq, c.Nk, c.H, c.Hkv, c.D))};
+    DeviceArray<char> ws{size_t(  // (mma.sync's size serves both kernel families)
+        cuda::masked_attention_backward_workspace_bytes(c.Nq, c.Nk, c.H, c.Hkv, c.D, cuda::AttentionKernel::kMmaSync))};
     auto backward = [&](cuda::AttentionKernel kernel, const char* what) {
       DeviceArray<bf16> gq(q.size()), gk(k.size()), gv(v.size());
       gq.fill_bytes(0xFF, s);
@@ -154,6 +155,11 @@ TEST(CudaMaskedAttention, DflashMasksFullSlidingAndPadding) {
   anchors.clear();
   for (int64_t a = 3; a < 600 && anchors.size() < 70; a += 1 + int64_t(rng() % 14)) anchors.push_back(a);
   for (int D : {64, 128}) run_case(dflash_case("dflash full S600 split dkv", 600, anchors, 70, 16, 0, 4, 2, D), 40 + D);
+  // 136 blocks = 34 query tiles: the keys of the last blocks are first reached past query tile 32
+  // (the dK / dV work list's search goes on to its second group of 32 tiles).
+  anchors.clear();
+  for (int64_t a = 3; anchors.size() < 136; a += 7) anchors.push_back(a);
+  run_case(dflash_case("dflash S1000 34 query tiles", 1000, anchors, 136, 16, 0, 2, 1, 128), 50);
 }
 
 TEST(CudaMaskedAttention, CausalVarlenAndOverlappingRows) {

@@ -110,6 +110,40 @@ TEST(CudaDrafter, StepMatchesTheCpuReference) {
       for (size_t i = 0; i < gn.size(); ++i) EXPECT_EQ(rgn[i].second->data, gn[i].second->data) << rgn[i].first;
     }
 
+    // zero_grads() only marks the buffer: reads see zeros (grads(), grad_data()), a step without a
+    // backward keeps it so, and the next backward overwrites every gradient (beta 0 GEMMs, norm
+    // gradients zeroed): one step's gradients again, whatever the buffer held.
+    {
+      DrafterGpu lazy(t.cfg, t.w, t.embed, t.lm_head, s);
+      auto expect_one_step = [&](const char* what) {
+        const auto lg = lazy.grads();
+        const auto lgn = lg.named();
+        for (size_t i = 0; i < gn.size(); ++i)
+          EXPECT_LE(test::rel_l2(lgn[i].second->data, gn[i].second->data), 1e-6) << what << ": " << lgn[i].first;
+      };
+      auto expect_zero = [&](const DrafterWeights<float>& w, const char* what) {
+        for (const auto& [name, x] : w.named())
+          for (float v : x->data) ASSERT_EQ(v, 0.f) << what << ": " << name;
+      };
+      lazy.step(gs, opt);
+      lazy.step(gs, opt);  // the buffer holds two steps' sum
+      lazy.zero_grads();
+      expect_zero(lazy.grads(), "grads() after zero_grads()");
+      lazy.step(gs, opt);
+      expect_one_step("the backward after zero_grads()");
+      lazy.zero_grads();
+      DrafterGpuStepOptions no_bwd = opt;
+      no_bwd.backward = false;
+      lazy.step(gs, no_bwd);
+      std::vector<float> flat(static_cast<size_t>(lazy.num_params()));
+      const float* dg = lazy.grad_data();
+      DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));
+      DFLASH_CUDA_CHECK(cudaMemcpy(flat.data(), dg, flat.size() * sizeof(float), cudaMemcpyDeviceToHost));
+      for (size_t i = 0; i < flat.size(); ++i) ASSERT_EQ(flat[i], 0.f) << "grad_data() after zero_grads(), element " << i;
+      lazy.step(gs, opt);  // adds to the zeros grad_data() wrote
+      expect_one_step("a backward after grad_data()");
+    }
+
     // Accumulation: a second identical micro-batch doubles the gradient; scaling by 1/2 restores it.
     gpu.step(gs, opt);
     gpu.scale_grads(0.5f);

@@ -137,11 +137,11 @@ TEST(CudaRmsNorm, ForwardBackwardPlainAndZeroCentered) {
   REQUIRE_GPU();
   Stream st;
   std::mt19937_64 rng(2);
-  // Row lengths for every kernel (norm.cu): vectorized block rows with 2, 3 (a partial last chunk)
-  // and 2 chunks per thread, vectorized warp rows of 1 and 2 chunks per lane (64: half the lanes), and
-  // the scalar kernels (n not a multiple of 8 or 4, or 256 < n <= 1024).
+  // Row lengths for every kernel (norm.cu): vectorized block rows with 1, 2, 3 (a partial last
+  // chunk) and 4 chunks per thread, vectorized warp rows of 1 and 2 chunks per lane (64: half the
+  // lanes), and the scalar kernels (n not a multiple of 8 or 4, or 256 < n <= 1024).
   for (auto [rows, n] : {std::pair<int64_t, int64_t>{37, 128}, {300, 4096}, {5, 1000}, {64, 5120}, {9, 2056},
-                         {11, 64}, {13, 256}, {3, 1030}, {7, 300}, {6, 90}}) {
+                         {4, 2048}, {3, 8192}, {11, 64}, {13, 256}, {3, 1030}, {7, 300}, {6, 90}}) {
     for (bool zc : {false, true}) {
       const auto x = rand_bf16_values(size_t(rows * n), rng, 2.f), dy = rand_bf16_values(size_t(rows * n), rng);
       const auto w = rand_bf16_values(size_t(n), rng, 0.3f);
@@ -183,6 +183,11 @@ TEST(CudaRmsNorm, ForwardBackwardPlainAndZeroCentered) {
       Y.fill_bytes(0xFF, st.s);
       cuda::rms_norm_forward(Xo.data() + 4, dW.data(), Y.data(), nullptr, rows, n, 1e-6, zc, st.s);
       EXPECT_LE(test::rel_l2(to_host_f32(Y, st.s), y_ref.data), kTolBf16Out) << rows << "x" << n << " misaligned";
+      // The backward in place (dx = dy, as the drafter's q / k norms), without dw.
+      auto DYc = to_device_bf16(dy, st.s);
+      cuda::rms_norm_backward(dX.data(), dW.data(), inv.data(), DYc.data(), DYc.data(), nullptr, ws.data(), rows, n, zc,
+                              st.s);
+      EXPECT_LE(test::rel_l2(to_host_f32(DYc, st.s), dx_ref.data), kTolBf16Out) << rows << "x" << n << " in place";
     }
   }
 }

@@ -402,7 +402,8 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   if (I.grad_zero_pending)
     for (const auto& [name, shape] : I.shapes)
       if (shape.size() == 1) DFLASH_CUDA_CHECK(cudaMemsetAsync(I.G(name), 0, size_t(shape[0]) * sizeof(float), s));
-  I.grad_zero_pending = false;
+  // (The flag is cleared once every gradient is written: a backward that throws half-way leaves the
+  // buffer counted as zero.)
   StreamBuffer<bf16> dx(size_t(Q * d), s), tmp(size_t(Q * d), s);
   StreamBuffer<float> nws(size_t(cuda::rms_norm_workspace_floats(SQ * std::max(H, Hkv), std::max(d, hd))), s);
   cuda::rms_norm_backward(x.data(), I.F("norm.weight"), inv_final.data(), dhf.data(), dx.data(), I.G("norm.weight"),
@@ -476,6 +477,7 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
     if (shape.size() == 2 && wgrads[name] != 1)
       throw std::logic_error("DrafterGpu::step: the gradient of " + name + " was written " +
                              std::to_string(wgrads[name]) + " times, not once");
+  I.grad_zero_pending = false;
   timer.end("backward");
   if (opt.time_stages) {
     DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));

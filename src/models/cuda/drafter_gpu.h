@@ -99,7 +99,9 @@ class DrafterGpu {
 
   int64_t num_params() const;
   /// The flat fp32 gradient [num_params()] on the device (for a data-parallel all-reduce) and the
-  /// stream every method of this object runs on.
+  /// stream every method of this object runs on. After zero_grads() with no backward since,
+  /// grad_data() zeroes the buffer first (on the stream); the pointer's contents are valid until the
+  /// next zero_grads().
   float* grad_data();
   cudaStream_t stream() const;
   const DrafterConfig& config() const { return cfg_; }

@@ -419,10 +419,12 @@ __device__ __forceinline__ bf16* align_sw128(unsigned char* smem) {
 /// of 64 rows. Issued, not committed. S = Q K^T, dP = dO V^T, S^T = K Q^T, dP^T = V dO^T.
 template <int D, int kArows>
 __device__ __forceinline__ void ss_abt(float (&d)[8][4], const bf16* a, const bf16* b) {
+  // k step ks: column block ks / 4, 32 bytes per k step inside it
+  auto da = [&](int ks) { return wgmma::desc_sw128(a + (ks / 4) * kArows * 64 + (ks % 4) * 16, 16, 1024); };
+  auto db = [&](int ks) { return wgmma::desc_sw128(b + (ks / 4) * 64 * 64 + (ks % 4) * 16, 16, 1024); };
+  wgmma::m64n64k16_ss<false>(d, da(0), db(0));
 #pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks)  // column block ks / 4, 32 bytes per k step inside it
-    wgmma::m64n64k16_ss(d, wgmma::desc_sw128(a + (ks / 4) * kArows * 64 + (ks % 4) * 16, 16, 1024),
-                        wgmma::desc_sw128(b + (ks / 4) * 64 * 64 + (ks % 4) * 16, 16, 1024), ks > 0);
+  for (int ks = 1; ks < D / 16; ++ks) wgmma::m64n64k16_ss<true>(d, da(ks), db(ks));
 }
 
 /// The A fragment (mma.sync m16n8k16 layout) of rows r0 .. r0 + 15, columns c0 .. c0 + 15 of a
@@ -440,9 +442,10 @@ __device__ __forceinline__ void load_a_sw128(uint32_t a[4], const bf16* tile, in
 /// fragments, load_a_sw128), B = a whole swizzled tile of 64 rows, K-major. Issued, not committed.
 template <int D>
 __device__ __forceinline__ void rs_abt(float (&d)[8][4], const uint32_t (*a)[4], const bf16* b) {
+  auto db = [&](int ks) { return wgmma::desc_sw128(b + (ks / 4) * 64 * 64 + (ks % 4) * 16, 16, 1024); };
+  wgmma::m64n64k16_rs<false>(d, a[0], db(0));
 #pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks)
-    wgmma::m64n64k16_rs(d, a[ks], wgmma::desc_sw128(b + (ks / 4) * 64 * 64 + (ks % 4) * 16, 16, 1024), ks > 0);
+  for (int ks = 1; ks < D / 16; ++ks) wgmma::m64n64k16_rs<true>(d, a[ks], db(ks));
 }
 
 /// d [64 x 128] += A B (wgmma): A [64 x K] = the accumulator tiles c rounded to bf16 (all fragments
@@ -799,6 +802,32 @@ __device__ __forceinline__ void write_dkv_rows(const float (*dka)[4], const floa
   }
 }
 
+/// The dK / dV kernels' loop over their work items, two buffers: the copies of the item after the
+/// current one (issue(qt, hi, buffer), one cp.async group) are queued before the current one is
+/// waited for; compute(qt, buffer, full) runs between two barriers (the second: every warp is done
+/// with the buffer before it is refilled). kAsyncProxy: the tiles are read by wgmma, which needs a
+/// proxy fence after the copies land.
+template <bool kAsyncProxy, typename Issue, typename Compute>
+__device__ __forceinline__ void for_each_item(DkvItems& items, int Nk, Issue& issue, Compute&& compute) {
+  int buf = 0;
+  if (items.qt >= 0) issue(items.qt, 0, 0);
+  cp_async_commit();
+  while (items.qt >= 0) {
+    int nqt, nhi;
+    items.peek_next(nqt, nhi);
+    if (nqt >= 0) issue(nqt, nhi, buf ^ 1);
+    cp_async_commit();
+    const bool full = items.full(Nk);
+    cp_async_wait_prev();
+    if constexpr (kAsyncProxy) wgmma::fence_proxy_async();
+    __syncthreads();
+    compute(items.qt, buf, full);
+    __syncthreads();
+    items.qt = nqt, items.hi = nhi;
+    buf ^= 1;
+  }
+}
+
 template <int D, int W>
 __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                        const bf16* __restrict__ v, const bf16* __restrict__ dout,
@@ -837,50 +866,35 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
     copy_rows_async<D, 32 * W, BM>(Ob + buf * BM * LD, LD, dout, Nq, H, h, row0);
     copy_row_stats(s_lse_b[buf], s_delta_b[buf], s_rg_b[buf], lse2_t, delta_t, ranges, h, row0, Nq, Nqp);
   };
-  int buf = 0;
-  if (items.qt >= 0) issue(items.qt, 0, 0);
-  cp_async_commit();
-  while (items.qt >= 0) {
-    int nqt, nhi;
-    items.peek_next(nqt, nhi);
-    if (nqt >= 0) issue(nqt, nhi, buf ^ 1);
-    cp_async_commit();
-    const bool full = items.full(Nk);
-    cp_async_wait_prev();
-    __syncthreads();
-    {
-      const bf16* Qs = Qb + buf * BM * LD;
-      const bf16* Os = Ob + buf * BM * LD;
-      float st[BM / 8][4], dpt[BM / 8][4];  // [keys of the warp] x [queries]
+  for_each_item<false>(items, Nk, issue, [&](int qt, int buf, bool full) {
+    const bf16* Qs = Qb + buf * BM * LD;
+    const bf16* Os = Ob + buf * BM * LD;
+    float st[BM / 8][4], dpt[BM / 8][4];  // [keys of the warp] x [queries]
 #pragma unroll
-      for (int nt = 0; nt < BM / 8; ++nt)
+    for (int nt = 0; nt < BM / 8; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) st[nt][e] = dpt[nt][e] = 0.f;
+      for (int e = 0; e < 4; ++e) st[nt][e] = dpt[nt][e] = 0.f;
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t ka[4], va[4];
-        load_a_x4(ka, Ks, LD, warp * 16, kk * 16, lane);
-        load_a_x4(va, Vs, LD, warp * 16, kk * 16, lane);
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t ka[4], va[4];
+      load_a_x4(ka, Ks, LD, warp * 16, kk * 16, lane);
+      load_a_x4(va, Vs, LD, warp * 16, kk * 16, lane);
 #pragma unroll
-        for (int nt = 0; nt < BM / 8; nt += 2) {
-          uint32_t b[4];
-          load_b_x4(b, Qs, LD, nt * 8, kk * 16, lane);
-          mma16816(st[nt], ka, b[0], b[1]);
-          mma16816(st[nt + 1], ka, b[2], b[3]);
-          load_b_x4(b, Os, LD, nt * 8, kk * 16, lane);
-          mma16816(dpt[nt], va, b[0], b[1]);
-          mma16816(dpt[nt + 1], va, b[2], b[3]);
-        }
+      for (int nt = 0; nt < BM / 8; nt += 2) {
+        uint32_t b[4];
+        load_b_x4(b, Qs, LD, nt * 8, kk * 16, lane);
+        mma16816(st[nt], ka, b[0], b[1]);
+        mma16816(st[nt + 1], ka, b[2], b[3]);
+        load_b_x4(b, Os, LD, nt * 8, kk * 16, lane);
+        mma16816(dpt[nt], va, b[0], b[1]);
+        mma16816(dpt[nt + 1], va, b[2], b[3]);
       }
-      dkv_probs<BM / 8>(st, full, s_lse_b[buf], s_rg_b[buf], items.qt * BM, Nq, Nk, key_a, key_b, t, scale_log2);
-      dkv_dscores<BM / 8>(dpt, st, s_delta_b[buf], t);
-      acc_times_smem<D, BM>(dva, st, Os, LD, lane);   // dV += P^T dO
-      acc_times_smem<D, BM>(dka, dpt, Qs, LD, lane);  // dK += dS^T Q (scaled at the end)
     }
-    __syncthreads();
-    items.qt = nqt, items.hi = nhi;
-    buf ^= 1;
-  }
+    dkv_probs<BM / 8>(st, full, s_lse_b[buf], s_rg_b[buf], qt * BM, Nq, Nk, key_a, key_b, t, scale_log2);
+    dkv_dscores<BM / 8>(dpt, st, s_delta_b[buf], t);
+    acc_times_smem<D, BM>(dva, st, Os, LD, lane);   // dV += P^T dO
+    acc_times_smem<D, BM>(dka, dpt, Qs, LD, lane);  // dK += dS^T Q (scaled at the end)
+  });
   cp_async_wait<0>();  // (a key tile that no query sees never waited for its copy)
   write_dkv_rows<D>(dka, dva, scale, key_a, key_b, Nk, Hkv, kvh, blockIdx.y, t, dk, dv, part_dk, part_dv);
 }
@@ -965,7 +979,8 @@ __global__ void __launch_bounds__(128 * WG, 1)
 }
 
 /// dK, dV: one CTA of two warpgroups per (128 keys, kv head, part), warpgroup w keys 64 w ..
-/// 64 w + 63 (warp 4 w + i keys 16 i ..); items, splitting and epilogue as dkv_kernel. S^T = K Q^T
+/// 64 w + 63 (warp 4 w + i keys 16 i ..); items and epilogue as dkv_kernel (never split in parts).
+/// S^T = K Q^T
 /// and dP^T = V dO^T read K, V, Q and dO K-major; P^T dO and dS^T Q read dO and Q MN-major.
 template <int D, int WG>
 __global__ void __launch_bounds__(128 * WG, 1)
@@ -1003,18 +1018,7 @@ __global__ void __launch_bounds__(128 * WG, 1)
     copy_rows_sw128<D, kThreads, BM>(Ob + buf * BM * D, dout, Nq, H, h, row0);
     copy_row_stats(s_lse_b[buf], s_delta_b[buf], s_rg_b[buf], lse2_t, delta_t, ranges, h, row0, Nq, Nqp);
   };
-  int buf = 0;
-  if (items.qt >= 0) issue(items.qt, 0, 0);
-  cp_async_commit();
-  while (items.qt >= 0) {
-    int nqt, nhi;
-    items.peek_next(nqt, nhi);
-    if (nqt >= 0) issue(nqt, nhi, buf ^ 1);
-    cp_async_commit();
-    const bool full = items.full(Nk);
-    cp_async_wait_prev();
-    wgmma::fence_proxy_async();
-    __syncthreads();
+  for_each_item<true>(items, Nk, issue, [&](int qt, int buf, bool full) {
     const bf16* Qt = Qb + buf * BM * D;
     const bf16* Ot = Ob + buf * BM * D;
     float st[BM / 8][4], dpt[BM / 8][4];  // [keys of the warpgroup] x [queries]
@@ -1023,16 +1027,13 @@ __global__ void __launch_bounds__(128 * WG, 1)
     ss_abt<D, KR>(dpt, Vw, Ot);  // dP^T = V dO^T
     wgmma::commit();
     wgmma::wait<0>();
-    dkv_probs<BM / 8>(st, full, s_lse_b[buf], s_rg_b[buf], items.qt * BM, Nq, Nk, key_a, key_b, t, scale_log2);
+    dkv_probs<BM / 8>(st, full, s_lse_b[buf], s_rg_b[buf], qt * BM, Nq, Nk, key_a, key_b, t, scale_log2);
     dkv_dscores<BM / 8>(dpt, st, s_delta_b[buf], t);
     rs_ab<BM>(dva, st, Ot);   // dV += P^T dO
     rs_ab<BM>(dka, dpt, Qt);  // dK += dS^T Q (scaled at the end)
     wgmma::commit();
     wgmma::wait<0>();
-    __syncthreads();  // every warp is done with this item's buffers before they are refilled
-    items.qt = nqt, items.hi = nhi;
-    buf ^= 1;
-  }
+  });
   cp_async_wait<0>();  // (a key tile that no query sees never waited for its copy)
   write_dkv_rows<D>(dka, dva, scale, key_a, key_b, Nk, Hkv, kvh, blockIdx.y, t, dk, dv, part_dk, part_dv);
 }
@@ -1050,9 +1051,11 @@ __global__ void dkv_reduce_kernel(const float* part_dk, const float* part_dv, in
 /// Rows of the head-major row statistics: Nq rounded up to whole query tiles (BM).
 int padded_rows(int64_t Nq) { return int((Nq + BM - 1) / BM * BM); }
 
-/// Parts of the mma.sync dK / dV launch: 2 once there are kSplitQueryTiles query tiles or more, else 1.
+/// Parts of the dK / dV launch: the mma.sync kernel splits in 2 once there are kSplitQueryTiles query
+/// tiles or more. The wgmma kernel runs unsplit: its 128-key CTAs, one per SM, measured 1.36 ms per 8B
+/// drafter layer against 1.52 + 0.07 ms split in two parts with the reduction.
 constexpr int kSplitQueryTiles = 16;
-int dkv_parts(int64_t Nq) { return (Nq + BM - 1) / BM >= kSplitQueryTiles ? 2 : 1; }
+int dkv_parts(int64_t Nq, bool wgmma) { return !wgmma && (Nq + BM - 1) / BM >= kSplitQueryTiles ? 2 : 1; }
 
 void check_args(int64_t Nq, int64_t Nk, int H, int Hkv, float scale, const char* what) {
   if (Nq < 0 || Nk < 0 || Nq > INT_MAX / 2 || Nk > INT_MAX / 2 || H <= 0 || Hkv <= 0 || H % Hkv)
@@ -1122,9 +1125,7 @@ void launch_bwd(const bf16* q, const bf16* k, const bf16* v, const bf16* o, cons
   DFLASH_CUDA_CHECK_LAUNCH();
   tile_union_kernel<<<(Nq + BM - 1) / BM, 128, 0, s>>>(r, Nq, tiles);
   DFLASH_CUDA_CHECK_LAUNCH();
-  // (The wgmma kernel runs unsplit: its 128-key CTAs, one per SM, measured 1.36 ms per 8B drafter
-  // layer against 1.52 + 0.07 ms split in two parts with the reduction.)
-  const int parts = wgmma ? 1 : dkv_parts(Nq), qtiles = (Nq + BM - 1) / BM, qpp = (qtiles + parts - 1) / parts;
+  const int parts = dkv_parts(Nq, wgmma), qtiles = (Nq + BM - 1) / BM, qpp = (qtiles + parts - 1) / parts;
   float* pdk = parts > 1 ? partials : nullptr;
   float* pdv = parts > 1 ? partials + int64_t(parts) * Nk * Hkv * D : nullptr;
   if (wgmma) {
@@ -1165,6 +1166,12 @@ bool masked_attention_uses_wgmma(int D) {
   return major == 9 && minor == 0;
 }
 
+namespace {
+bool backward_uses_wgmma(int D, AttentionKernel kernel) {
+  return D == 128 && kernel == AttentionKernel::kAuto && masked_attention_uses_wgmma(D);
+}
+}  // namespace
+
 void masked_attention_forward(const bf16* q, const bf16* k, const bf16* v, const KvRange32* ranges, int64_t Nq,
                               int64_t Nk, int H, int Hkv, int D, float scale, bf16* o, float* lse,
                               cudaStream_t stream, AttentionKernel kernel) {
@@ -1187,8 +1194,9 @@ int64_t align16(int64_t b) { return (b + 15) / 16 * 16; }
 int64_t row_stats_bytes(int64_t Nq, int H) { return 2 * int64_t(H) * padded_rows(Nq) * int64_t(sizeof(float)); }
 }  // namespace
 
-int64_t masked_attention_backward_workspace_bytes(int64_t Nq, int64_t Nk, int H, int Hkv, int D) {
-  const int parts = dkv_parts(Nq);
+int64_t masked_attention_backward_workspace_bytes(int64_t Nq, int64_t Nk, int H, int Hkv, int D,
+                                                  AttentionKernel kernel) {
+  const int parts = dkv_parts(Nq, backward_uses_wgmma(D, kernel));
   return row_stats_bytes(Nq, H) + align16(2 * ((Nq + BM - 1) / BM) * int64_t(sizeof(int4))) +
          (parts > 1 ? 2 * int64_t(parts) * Nk * Hkv * D * int64_t(sizeof(float)) : 0);
 }
@@ -1212,7 +1220,7 @@ void masked_attention_backward(const bf16* q, const bf16* k, const bf16* v, cons
   int4* tiles = reinterpret_cast<int4*>(ws + row_stats_bytes(Nq, H));
   float* partials = reinterpret_cast<float*>(reinterpret_cast<char*>(tiles) + align16(2 * ((Nq + BM - 1) / BM) * int64_t(sizeof(int4))));
   const auto launch = D == 64 ? launch_bwd<64> : launch_bwd<128>;
-  const bool wgmma = D == 128 && kernel == AttentionKernel::kAuto && masked_attention_uses_wgmma(D);
+  const bool wgmma = backward_uses_wgmma(D, kernel);
   launch(q, k, v, o, lse, dout, ranges, int(Nq), int(Nk), H, Hkv, scale, dq, dk, dv, delta_t, lse2_t, tiles, partials,
          wgmma, stream);
 }

@@ -49,11 +49,13 @@ void masked_attention_forward(const bf16* q, const bf16* k, const bf16* v, const
                               int64_t Nk, int H, int Hkv, int D, float scale, bf16* o, float* lse,
                               cudaStream_t stream, AttentionKernel kernel = AttentionKernel::kAuto);
 
-/// Bytes of workspace masked_attention_backward needs: each row's delta and lse, head-major (2 x H x
-/// Nq rounded up to 64 floats), a table of the query tiles' key ranges and, for long query sets,
-/// the fp32 partial dK / dV sums of a split launch (2 parts x 2 x Nk x Hkv x D floats). The
-/// workspace must be 16-byte aligned.
-int64_t masked_attention_backward_workspace_bytes(int64_t Nq, int64_t Nk, int H, int Hkv, int D);
+/// Bytes of workspace masked_attention_backward with the same `kernel` needs: each row's delta and
+/// lse, head-major (2 x H x Nq rounded up to 64 floats), a table of the query tiles' key ranges and,
+/// for long query sets on the mma.sync kernels, the fp32 partial dK / dV sums of a split launch
+/// (2 parts x 2 x Nk x Hkv x D floats). kMmaSync's size serves both families. The workspace must be
+/// 16-byte aligned.
+int64_t masked_attention_backward_workspace_bytes(int64_t Nq, int64_t Nk, int H, int Hkv, int D,
+                                                  AttentionKernel kernel = AttentionKernel::kAuto);
 
 /// Backward: given the forward's inputs, o, lse and dout [Nq, H, D], writes dq [Nq, H, D] and
 /// dk, dv [Nk, Hkv, D] (bf16, overwritten; fp32 accumulation inside). Deterministic (no atomics):

@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <initializer_list>
 #include <stdexcept>
 
 #include "ops/cuda/norm.h"
@@ -138,184 +139,159 @@ __global__ void rms_bwd_warp_kernel(const bf16* x, const float* w, const float* 
   }
 }
 
-// Vectorized kernels (rows of n % 8 == 0 elements, 16-byte aligned, at most kThreads * 8 * VPT per
-// block row): each thread keeps its VPT chunks of 8 consecutive elements in registers between the
-// two passes over a row and reads / writes them 16 bytes (bf16) or 2 x 16 bytes (fp32) at a time; the
-// weight-gradient partial sums of its columns stay in registers too. Same math, same order per
-// element as the scalar kernels above; only the order of the row sums differs.
-template <typename X, int VPT>
+// Vectorized kernels: a row's chunks of E consecutive elements stay in registers between the two
+// passes over it and move 4 * E bytes (bf16) or 8 * E bytes (fp32) per access; the weight-gradient
+// partial sums of a thread's columns stay in registers too. Same math, same order per element as the
+// scalar kernels above; only the order of the row sums differs. RowGroup<false>: a block per row,
+// chunks of 8 (rows of n % 8 == 0, at most kThreads * 8 * CPT); RowGroup<true>: a warp per row,
+// chunks of 4 (short rows, n % 4 == 0, at most 32 * 4 * CPT). Pointers 16-byte aligned.
+template <bool kWarp>
+struct RowGroup {
+  static constexpr int E = kWarp ? 4 : 8;  // elements per chunk
+  static constexpr int kLanes = kWarp ? 32 : kThreads;
+  __device__ static int lane() { return kWarp ? int(threadIdx.x % 32) : int(threadIdx.x); }
+  __device__ static int64_t first_row() {
+    return kWarp ? int64_t(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32 : int64_t(blockIdx.x);
+  }
+  __device__ static int64_t row_step() { return int64_t(gridDim.x) * (kWarp ? kThreads / 32 : 1); }
+  __device__ static float sum(float v, float* red) {
+    if constexpr (kWarp) return warp_sum(v);
+    else return block_sum(v, red);
+  }
+};
+
+template <int E, typename T>
+__device__ __forceinline__ void loadv(const T* p, float (&f)[E]) {
+  if constexpr (E == 8) load8(p, f);
+  else load4(p, f);
+}
+template <int E>
+__device__ __forceinline__ void storev(bf16* p, const float (&f)[E]) {
+  if constexpr (E == 8) store8(p, f);
+  else store4(p, f);
+}
+
+template <typename X, bool kWarp, int CPT>
 __global__ void __launch_bounds__(kThreads) rms_fwd_vec_kernel(const X* x, const float* w, bf16* y, float* inv,
                                                                int64_t rows, int n, float eps, bool zc) {
+  using G = RowGroup<kWarp>;
+  constexpr int E = G::E;
   __shared__ float red[kThreads / 32];
-  const int nv = n / 8;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    float v[VPT][8];
+  const int nv = n / E, lane = G::lane();
+  for (int64_t r = G::first_row(); r < rows; r += G::row_step()) {
+    float v[CPT][E];
     float ss = 0;
 #pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      const int c = int(threadIdx.x) + i * kThreads;
+    for (int i = 0; i < CPT; ++i) {
+      const int c = lane + i * G::kLanes;
       if (c >= nv) continue;
-      load8(x + r * n + 8 * c, v[i]);
+      loadv<E>(x + r * n + E * c, v[i]);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) ss += v[i][k] * v[i][k];
+      for (int k = 0; k < E; ++k) ss += v[i][k] * v[i][k];
     }
-    const float iv = rsqrtf(block_sum(ss, red) / float(n) + eps);
-    if (inv && threadIdx.x == 0) inv[r] = iv;
+    const float iv = rsqrtf(G::sum(ss, red) / float(n) + eps);
+    if (inv && lane == 0) inv[r] = iv;
 #pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      const int c = int(threadIdx.x) + i * kThreads;
+    for (int i = 0; i < CPT; ++i) {
+      const int c = lane + i * G::kLanes;
       if (c >= nv) continue;
-      float g[8];
-      load8(w + 8 * c, g);
+      float g[E];
+      loadv<E>(w + E * c, g);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) g[k] = (zc ? 1.f + g[k] : g[k]) * (v[i][k] * iv);
-      store8(y + r * n + 8 * c, g);
+      for (int k = 0; k < E; ++k) g[k] = (zc ? 1.f + g[k] : g[k]) * (v[i][k] * iv);
+      storev<E>(y + r * n + E * c, g);
     }
   }
 }
 
-// Block b handles rows b, b + G, ...; partial[b, c] = its sum of dy * xh for column c.
-template <int VPT>
+// partial[b, c] = block b's sum of dy * xh for column c (a warp per row: summed over the block's
+// warps through shared memory acc_s [warps][n]).
+template <bool kWarp, int CPT>
 __global__ void __launch_bounds__(kThreads) rms_bwd_vec_kernel(const bf16* x, const float* w, const float* inv,
                                                                const bf16* dy, bf16* dx, float* partial, int64_t rows,
                                                                int n, bool zc) {
+  using G = RowGroup<kWarp>;
+  constexpr int E = G::E;
   __shared__ float red[kThreads / 32];
-  const int nv = n / 8;
-  float acc[VPT][8];
+  extern __shared__ float acc_s[];
+  const int nv = n / E, lane = G::lane();
+  float acc[CPT][E];
 #pragma unroll
-  for (int i = 0; i < VPT; ++i)
+  for (int i = 0; i < CPT; ++i)
 #pragma unroll
-    for (int k = 0; k < 8; ++k) acc[i][k] = 0.f;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    for (int k = 0; k < E; ++k) acc[i][k] = 0.f;
+  for (int64_t r = G::first_row(); r < rows; r += G::row_step()) {
     const float iv = inv[r];
-    float xh[VPT][8], d[VPT][8];
+    float xh[CPT][E], d[CPT][E];
     float dot = 0;
 #pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      const int c = int(threadIdx.x) + i * kThreads;
+    for (int i = 0; i < CPT; ++i) {
+      const int c = lane + i * G::kLanes;
       if (c >= nv) continue;
-      float g[8];
-      load8(x + r * n + 8 * c, xh[i]);
-      load8(dy + r * n + 8 * c, d[i]);
-      load8(w + 8 * c, g);
+      float g[E];
+      loadv<E>(x + r * n + E * c, xh[i]);
+      loadv<E>(dy + r * n + E * c, d[i]);
+      loadv<E>(w + E * c, g);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) {
+      for (int k = 0; k < E; ++k) {
         xh[i][k] *= iv;
         dot += (zc ? 1.f + g[k] : g[k]) * d[i][k] * xh[i][k];
         acc[i][k] += d[i][k] * xh[i][k];
       }
     }
     if (!dx) continue;
-    const float mean = block_sum(dot, red) / float(n);
+    const float mean = G::sum(dot, red) / float(n);
 #pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      const int c = int(threadIdx.x) + i * kThreads;
+    for (int i = 0; i < CPT; ++i) {
+      const int c = lane + i * G::kLanes;
       if (c >= nv) continue;
-      float g[8];
-      load8(w + 8 * c, g);
+      float g[E];
+      loadv<E>(w + E * c, g);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) g[k] = iv * ((zc ? 1.f + g[k] : g[k]) * d[i][k] - xh[i][k] * mean);
-      store8(dx + r * n + 8 * c, g);
+      for (int k = 0; k < E; ++k) g[k] = iv * ((zc ? 1.f + g[k] : g[k]) * d[i][k] - xh[i][k] * mean);
+      storev<E>(dx + r * n + E * c, g);
     }
   }
   if (!partial) return;
+  float* out = kWarp ? acc_s + (threadIdx.x / 32) * n : partial + int64_t(blockIdx.x) * n;
 #pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-    const int c = int(threadIdx.x) + i * kThreads;
-    if (c >= nv) continue;
-    float4* p = reinterpret_cast<float4*>(partial + int64_t(blockIdx.x) * n + 8 * c);
-    p[0] = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
-    p[1] = make_float4(acc[i][4], acc[i][5], acc[i][6], acc[i][7]);
-  }
-}
-
-// Short rows (n <= kWarpRowMax, n % 4 == 0, at most 32 * 4 * WPT): one warp per row, as the scalar
-// warp kernels, each lane holding WPT chunks of 4 consecutive elements (8 or 16 bytes a load).
-template <typename X, int WPT>
-__global__ void __launch_bounds__(kThreads) rms_fwd_warp_vec_kernel(const X* x, const float* w, bf16* y, float* inv,
-                                                                    int64_t rows, int n, float eps, bool zc) {
-  const int lane = threadIdx.x % 32, wid = threadIdx.x / 32, wpb = blockDim.x / 32, nv = n / 4;
-  for (int64_t r = int64_t(blockIdx.x) * wpb + wid; r < rows; r += int64_t(gridDim.x) * wpb) {
-    float v[WPT][4];
-    float ss = 0;
-#pragma unroll
-    for (int i = 0; i < WPT; ++i) {
-      const int c = lane + 32 * i;
-      if (c >= nv) continue;
-      load4(x + r * n + 4 * c, v[i]);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) ss += v[i][k] * v[i][k];
-    }
-    const float iv = rsqrtf(warp_sum(ss) / float(n) + eps);
-    if (inv && lane == 0) inv[r] = iv;
-#pragma unroll
-    for (int i = 0; i < WPT; ++i) {
-      const int c = lane + 32 * i;
-      if (c >= nv) continue;
-      float g[4];
-      load4(w + 4 * c, g);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) g[k] = (zc ? 1.f + g[k] : g[k]) * (v[i][k] * iv);
-      store4(y + r * n + 4 * c, g);
-    }
-  }
-}
-
-// partial[b, c] = block b's sum of dy * xh (per-lane sums in registers, then over the warps in smem).
-template <int WPT>
-__global__ void __launch_bounds__(kThreads) rms_bwd_warp_vec_kernel(const bf16* x, const float* w, const float* inv,
-                                                                    const bf16* dy, bf16* dx, float* partial,
-                                                                    int64_t rows, int n, bool zc) {
-  extern __shared__ float acc_s[];  // [warps][n] when partial != nullptr
-  const int lane = threadIdx.x % 32, wid = threadIdx.x / 32, wpb = blockDim.x / 32, nv = n / 4;
-  float acc[WPT][4];
-#pragma unroll
-  for (int i = 0; i < WPT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  for (int64_t r = int64_t(blockIdx.x) * wpb + wid; r < rows; r += int64_t(gridDim.x) * wpb) {
-    const float iv = inv[r];
-    float xh[WPT][4], d[WPT][4];
-    float dot = 0;
-#pragma unroll
-    for (int i = 0; i < WPT; ++i) {
-      const int c = lane + 32 * i;
-      if (c >= nv) continue;
-      float g[4];
-      load4(x + r * n + 4 * c, xh[i]);
-      load4(dy + r * n + 4 * c, d[i]);
-      load4(w + 4 * c, g);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        xh[i][k] *= iv;
-        dot += (zc ? 1.f + g[k] : g[k]) * d[i][k] * xh[i][k];
-        acc[i][k] += d[i][k] * xh[i][k];
-      }
-    }
-    if (!dx) continue;
-    const float mean = warp_sum(dot) / float(n);
-#pragma unroll
-    for (int i = 0; i < WPT; ++i) {
-      const int c = lane + 32 * i;
-      if (c >= nv) continue;
-      float g[4];
-      load4(w + 4 * c, g);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) g[k] = iv * ((zc ? 1.f + g[k] : g[k]) * d[i][k] - xh[i][k] * mean);
-      store4(dx + r * n + 4 * c, g);
-    }
-  }
-  if (!partial) return;
-#pragma unroll
-  for (int i = 0; i < WPT; ++i) {
-    const int c = lane + 32 * i;
+  for (int i = 0; i < CPT; ++i) {
+    const int c = lane + i * G::kLanes;
     if (c < nv)
 #pragma unroll
-      for (int k = 0; k < 4; ++k) acc_s[wid * n + 4 * c + k] = acc[i][k];
+      for (int k = 0; k < E; k += 4)
+        *reinterpret_cast<float4*>(out + E * c + k) = make_float4(acc[i][k], acc[i][k + 1], acc[i][k + 2], acc[i][k + 3]);
   }
-  __syncthreads();
-  for (int c = threadIdx.x; c < n; c += blockDim.x) {
-    float t = 0;
-    for (int k = 0; k < wpb; ++k) t += acc_s[k * n + c];
-    partial[int64_t(blockIdx.x) * n + c] = t;
+  if constexpr (kWarp) {
+    __syncthreads();
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+      float t = 0;
+      for (int k = 0; k < kThreads / 32; ++k) t += acc_s[k * n + c];
+      partial[int64_t(blockIdx.x) * n + c] = t;
+    }
+  }
+}
+
+/// The vectorized kernel for `chunks` (vec_chunks: 1..4 a block per row, -1 / -2 a warp per row).
+template <typename X>
+auto rms_fwd_vec(int chunks) {
+  switch (chunks) {
+    case 1: return rms_fwd_vec_kernel<X, false, 1>;
+    case 2: return rms_fwd_vec_kernel<X, false, 2>;
+    case 3: return rms_fwd_vec_kernel<X, false, 3>;
+    case 4: return rms_fwd_vec_kernel<X, false, 4>;
+    case -1: return rms_fwd_vec_kernel<X, true, 1>;
+    default: return rms_fwd_vec_kernel<X, true, 2>;
+  }
+}
+inline auto rms_bwd_vec(int chunks) {
+  switch (chunks) {
+    case 1: return rms_bwd_vec_kernel<false, 1>;
+    case 2: return rms_bwd_vec_kernel<false, 2>;
+    case 3: return rms_bwd_vec_kernel<false, 3>;
+    case 4: return rms_bwd_vec_kernel<false, 4>;
+    case -1: return rms_bwd_vec_kernel<true, 1>;
+    default: return rms_bwd_vec_kernel<true, 2>;
   }
 }
 
@@ -350,8 +326,9 @@ namespace {
 /// Which kernel handles rows of n elements: the vectorized ones (chunks per thread, 1..4: rows of
 /// n > kWarpRowMax, n % 8 == 0, n <= kThreads * 32; chunks per lane, -1 or -2: warp rows of
 /// n % 4 == 0, n <= 256), or 0 for the scalar kernels (other sizes, or a pointer not 16-byte aligned).
-int vec_chunks(int64_t n, const void* a, const void* b, const void* c, const void* d = nullptr) {
-  if (!aligned_to(16, a, b, c, d)) return 0;
+int vec_chunks(int64_t n, std::initializer_list<const void*> pointers) {
+  for (const void* p : pointers)
+    if (!aligned_to(16, p)) return 0;
   if (n <= kWarpRowMax) return n % 4 == 0 && n <= 256 ? -int((n / 4 + 31) / 32) : 0;
   const int vpt = int((n / 8 + kThreads - 1) / kThreads);
   return n % 8 == 0 && vpt <= 4 ? vpt : 0;
@@ -362,18 +339,10 @@ void rms_forward_impl(const X* x, const float* w, bf16* y, float* inv, int64_t r
                       cudaStream_t stream) {
   check_sizes(rows, n, "rms_norm_forward");
   if (rows == 0) return;
-  const int vpt = vec_chunks(n, x, w, y);
-  if (vpt > 0) {
-    const int grid = int(std::min<int64_t>(rows, 65535));
-    const auto kernel = vpt == 1   ? rms_fwd_vec_kernel<X, 1>
-                        : vpt == 2 ? rms_fwd_vec_kernel<X, 2>
-                        : vpt == 3 ? rms_fwd_vec_kernel<X, 3>
-                                   : rms_fwd_vec_kernel<X, 4>;
-    kernel<<<grid, kThreads, 0, stream>>>(x, w, y, inv, rows, int(n), float(eps), zc);
-  } else if (vpt < 0) {
-    const int grid = int(std::min<int64_t>((rows + 7) / 8, 65535));
-    const auto kernel = vpt == -1 ? rms_fwd_warp_vec_kernel<X, 1> : rms_fwd_warp_vec_kernel<X, 2>;
-    kernel<<<grid, kThreads, 0, stream>>>(x, w, y, inv, rows, int(n), float(eps), zc);
+  const int vpt = vec_chunks(n, {x, w, y});
+  if (vpt != 0) {
+    const int grid = int(std::min<int64_t>(vpt > 0 ? rows : (rows + 7) / 8, 65535));
+    rms_fwd_vec<X>(vpt)<<<grid, kThreads, 0, stream>>>(x, w, y, inv, rows, int(n), float(eps), zc);
   } else if (n <= kWarpRowMax) {
     const int grid = int(std::min<int64_t>((rows + 7) / 8, 65535));
     rms_fwd_warp_kernel<X><<<grid, kThreads, 0, stream>>>(x, w, y, inv, rows, n, float(eps), zc);
@@ -400,17 +369,10 @@ void rms_norm_backward(const bf16* x, const float* w, const float* inv, const bf
   if (rows == 0) return;
   const int grid = dw ? partial_blocks(rows) : int(std::min<int64_t>(rows, 65535));
   float* partial = dw ? workspace : nullptr;
-  const int vpt = vec_chunks(n, x, w, dy, dx);
-  if (vpt > 0) {
-    const auto kernel = vpt == 1   ? rms_bwd_vec_kernel<1>
-                        : vpt == 2 ? rms_bwd_vec_kernel<2>
-                        : vpt == 3 ? rms_bwd_vec_kernel<3>
-                                   : rms_bwd_vec_kernel<4>;
-    kernel<<<grid, kThreads, 0, stream>>>(x, w, inv, dy, dx, partial, rows, int(n), zero_centered);
-  } else if (vpt < 0) {
-    const size_t smem = dw ? size_t(n) * sizeof(float) * (kThreads / 32) : 0;  // <= 8 KB
-    const auto kernel = vpt == -1 ? rms_bwd_warp_vec_kernel<1> : rms_bwd_warp_vec_kernel<2>;
-    kernel<<<grid, kThreads, smem, stream>>>(x, w, inv, dy, dx, partial, rows, int(n), zero_centered);
+  const int vpt = vec_chunks(n, {x, w, dy, dx, partial});
+  if (vpt != 0) {
+    const size_t smem = dw && vpt < 0 ? size_t(n) * sizeof(float) * (kThreads / 32) : 0;  // <= 8 KB
+    rms_bwd_vec(vpt)<<<grid, kThreads, smem, stream>>>(x, w, inv, dy, dx, partial, rows, int(n), zero_centered);
   } else {
     const bool warp_rows = n <= kWarpRowMax;
     const size_t smem = dw ? size_t(n) * sizeof(float) * (warp_rows ? kThreads / 32 : 1) : 0;

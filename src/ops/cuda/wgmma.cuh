@@ -80,33 +80,45 @@ __device__ __forceinline__ void fence_proxy_async() {
       "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),   \
       "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),   \
       "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+#define DFLASH_OUT8(d)                                                                                               \
+  "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3]), "=f"(d[1][0]), "=f"(d[1][1]), "=f"(d[1][2]),       \
+      "=f"(d[1][3]), "=f"(d[2][0]), "=f"(d[2][1]), "=f"(d[2][2]), "=f"(d[2][3]), "=f"(d[3][0]), "=f"(d[3][1]),   \
+      "=f"(d[3][2]), "=f"(d[3][3]), "=f"(d[4][0]), "=f"(d[4][1]), "=f"(d[4][2]), "=f"(d[4][3]), "=f"(d[5][0]),   \
+      "=f"(d[5][1]), "=f"(d[5][2]), "=f"(d[5][3]), "=f"(d[6][0]), "=f"(d[6][1]), "=f"(d[6][2]), "=f"(d[6][3]),   \
+      "=f"(d[7][0]), "=f"(d[7][1]), "=f"(d[7][2]), "=f"(d[7][3])
+#define DFLASH_M64N64_D "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+                        "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+
 /// d [64 x 64] (+)= A B^T over one k step of 16: A [64 x 16] and B [64 x 16] K-major in shared
-/// memory (descriptors da, db); accumulate = false overwrites d.
-__device__ __forceinline__ void m64n64k16_ss(float (&d)[8][4], uint64_t da, uint64_t db, bool accumulate) {
+/// memory (descriptors da, db). kAccumulate = false overwrites d through write-only operands (the
+/// compiler then neither reads nor keeps d's earlier values).
+template <bool kAccumulate>
+__device__ __forceinline__ void m64n64k16_ss(float (&d)[8][4], uint64_t da, uint64_t db) {
 #if DFLASH_WGMMA_ON
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
-      "%23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : DFLASH_ACC8(d)
-      : "l"(da), "l"(db), "r"(int(accumulate)));
+#define DFLASH_ASM                                                                                           \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " DFLASH_M64N64_D \
+  ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+  if constexpr (kAccumulate) asm volatile(DFLASH_ASM : DFLASH_ACC8(d) : "l"(da), "l"(db), "n"(1));
+  else asm volatile(DFLASH_ASM : DFLASH_OUT8(d) : "l"(da), "l"(db), "n"(0));
+#undef DFLASH_ASM
 #else
   __trap();
 #endif
 }
 
 /// d [64 x 64] (+)= A B^T over one k step of 16: A [64 x 16] from registers (a: the warp's mma.sync A
-/// fragment), B [64 x 16] K-major in shared memory (descriptor db).
-__device__ __forceinline__ void m64n64k16_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db, bool accumulate) {
+/// fragment), B [64 x 16] K-major in shared memory (descriptor db). kAccumulate as m64n64k16_ss.
+template <bool kAccumulate>
+__device__ __forceinline__ void m64n64k16_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db) {
 #if DFLASH_WGMMA_ON
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
-      "%23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-      : DFLASH_ACC8(d)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(int(accumulate)));
+#define DFLASH_ASM                                                                                           \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " DFLASH_M64N64_D \
+  ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+  if constexpr (kAccumulate)
+    asm volatile(DFLASH_ASM : DFLASH_ACC8(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1));
+  else
+    asm volatile(DFLASH_ASM : DFLASH_OUT8(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(0));
+#undef DFLASH_ASM
 #else
   __trap();
 #endif
@@ -133,5 +145,7 @@ __device__ __forceinline__ void m64n128k16_rs_mn(float (&d)[16][4], const uint32
 }
 
 #undef DFLASH_ACC8
+#undef DFLASH_OUT8
+#undef DFLASH_M64N64_D
 
 }  // namespace dflash::cuda::wgmma
