@@ -385,9 +385,10 @@ __global__ void __launch_bounds__(32 * W, MT == 2 ? 2 : (D <= 128 ? 3 : 2))
 // Forward on Hopper (sm_90a, head_dim 128): the same algorithm with warpgroup MMAs. One CTA of two
 // warpgroups per (128 query rows, head); warpgroup w owns rows 64 w .. 64 w + 63 (warp 4 w + i rows
 // 16 i .. of them, as in the mma.sync kernel, so the softmax and epilogue are shared). Q, K and V
-// tiles sit in shared memory with the 128-byte swizzle (wgmma.cuh); S = Q K^T reads both from shared
-// memory, O += P V takes P from registers and V (MN-major) from shared memory. The next key tile's S
-// is issued before this tile's softmax, so the tensor cores work while the warps exponentiate.
+// tiles sit in shared memory with the 128-byte swizzle (wgmma.cuh); S = Q K^T takes Q's fragments
+// from registers (loaded once) and K from shared memory, O += P V takes P from registers and V
+// (MN-major) from shared memory. The next key tile's S is issued before this tile's softmax, so the
+// tensor cores work while the warps exponentiate.
 
 /// copy_rows_async into wgmma's 128-byte-swizzled layout: the [kRows][D] tile as D / 64 column
 /// blocks of [kRows][64]; row r of a block at r 128 bytes, its 16-byte chunk c at ((c ^ r % 8) 16).
@@ -901,8 +902,9 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
 
 // ---------------------------------------------------------------------------------------------
 // Backward on Hopper (sm_90a, head_dim 128): the two kernels above with warpgroup MMAs on the
-// forward's swizzled tiles (ss_abt, rs_ab). In dQ the two score products are committed as two
-// groups, so P's exponentials run while the tensor cores compute dP. (The same in dK / dV, with P^T dO
+// forward's swizzled tiles (rs_abt / ss_abt for the scores, rs_ab for the products with the
+// probabilities). In dQ the two score products are committed as two groups, so P's exponentials run
+// while the tensor cores compute dP. (The same in dK / dV, with P^T dO
 // in flight while dS^T is formed, measured 1.64 against 1.62 ms for the plain order below, and
 // spilled registers.)
 
