@@ -48,10 +48,13 @@ shared="$root/../shared/data"
 fetch() {
   [ -s "$2" ] && return 0
   say "downloading $1"
-  python3 - "$1" "$2" <<'PY' || { say "could not download $1 (no network?); pass the file with --data"; exit 1; }
+  python3 - "$1" "$2" <<'PY' || { say "could not download $1; place that file at $2 (or put the shared data directory at $shared) and run again"; exit 1; }
 import sys, urllib.request, os
 tmp = sys.argv[2] + ".tmp"
-urllib.request.urlretrieve(sys.argv[1], tmp)
+try:
+    urllib.request.urlretrieve(sys.argv[1], tmp)
+except OSError as e:
+    sys.exit(f"demo: {e}")
 os.replace(tmp, sys.argv[2])
 PY
 }

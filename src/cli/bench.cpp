@@ -144,7 +144,7 @@ void add_bench(CLI::App& app, Runner& run) {
   tf->add_option("--layers", layers, "--device cuda: only the preset's first N layers")->check(CLI::Range(int64_t(1), int64_t(1024)));
   tf->add_option("--device", device, "Device")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   tf->add_option("--results", results, "Directory of the JSONL records")->capture_default_str();
-  tf->add_flag("--no-record", no_record, "--device cuda: print only; append nothing to the results");
+  tf->add_flag("--no-record", no_record, "Print only; append nothing to the results");
   tf->callback([&run] {
     run = [] {
       if (device == "cuda") {
@@ -180,7 +180,7 @@ void add_bench(CLI::App& app, Runner& run) {
       rec.unit = "tokens/s";
       rec.extra = {{"tokens", tokens}, {"repeat", repeat}, {"median_s", med}, {"min_s", secs.front()},
                    {"max_s", secs.back()}, {"device_kind", device}, {"path", "CPU reference (fp32, OpenBLAS)"}};
-      rec = append_bench_record(results, rec);
+      if (!no_record) rec = append_bench_record(results, rec);
       fmt::print("{}\n", to_json(rec).dump());
       return 0;
     };

@@ -52,6 +52,7 @@ void add_bench_tokenize(CLI::App& bench, Runner& run) {
   static std::string tok_path, data, preset, results = "bench/results";
   static int repeat = 5;
   static int64_t limit = 0;
+  static bool no_record = false;
   cmd->add_option("--tokenizer", tok_path, "tokenizer.json, a directory holding one, or a .gguf")->required();
   cmd->add_option("--data", data, "JSONL: {question, answer} (joined with a newline) or {text} per line")->required();
   cmd->add_option("--repeat", repeat, "Timed passes after one warm-up pass (the median is recorded)")
@@ -60,6 +61,7 @@ void add_bench_tokenize(CLI::App& bench, Runner& run) {
   cmd->add_option("--limit", limit, "Use the first N records only (0: all)")->check(CLI::NonNegativeNumber);
   cmd->add_option("--preset", preset, "Preset name in the record (default: <tokenizer>-<data dir>-<data file>-dflash)");
   cmd->add_option("--results", results, "Directory of the JSONL records")->capture_default_str();
+  cmd->add_flag("--no-record", no_record, "Print only; append nothing to the results");
   cmd->callback([&run] {
     run = [] {
       namespace fs = std::filesystem;
@@ -113,7 +115,7 @@ void add_bench_tokenize(CLI::App& bench, Runner& run) {
                    {"data", dp.filename().string()},
                    {"text", "question + \\n + answer"},
                    {"add_special_tokens", false}};
-      rec = append_bench_record(results, rec);
+      if (!no_record) rec = append_bench_record(results, rec);
       fmt::print("{}\n", to_json(rec).dump());
       return 0;
     };

@@ -1,5 +1,5 @@
-// `dflash bench pipeline` from the command line: the tiny preset runs where a GPU is visible and says
-// plainly why not elsewhere.
+// `dflash bench` from the command line: the tiny pipeline preset runs where a GPU is visible and says
+// plainly why not elsewhere; the CPU benches honour --no-record.
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
@@ -45,4 +45,22 @@ TEST(BenchCli, PipelineTinyRunsOnAGpuOrSaysWhyNot) {
   EXPECT_EQ(rc, 2) << out;
   EXPECT_NE(out.find("this build has no CUDA backend"), std::string::npos) << out;
 #endif
+}
+
+// The CPU benches print their record and, with --no-record, append nothing: the results directory
+// is not even created; without the flag the record is appended there.
+TEST(BenchCli, CpuBenchesHonourNoRecord) {
+  test::TempDir tmp;
+  const std::string results = (tmp / "results").string();
+  const std::string model = (test::fixtures_dir() / "qwen3").string();
+  int rc;
+  std::string out = run_dflash("bench target-forward --model " + model + " --tokens 8 --repeat 1 --no-record --results " +
+                                   results,
+                               &rc);
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("\"bench\":\"target-forward\""), std::string::npos) << out;
+  EXPECT_FALSE(std::filesystem::exists(tmp / "results")) << out;
+  out = run_dflash("bench target-forward --model " + model + " --tokens 8 --repeat 1 --results " + results, &rc);
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_TRUE(std::filesystem::exists(tmp / "results" / "target-forward.jsonl")) << out;
 }

@@ -73,10 +73,13 @@ std::string bytes(const fs::path& p) {
   return std::string(std::istreambuf_iterator<char>(f), {});
 }
 
+/// The complete lines of OUT/metrics.jsonl. (The kill test reads it while the run appends to it: a
+/// line still being written, without its newline yet, is not counted.)
 std::vector<nlohmann::json> metrics(const fs::path& out) {
   std::vector<nlohmann::json> r;
-  std::ifstream f(out / "metrics.jsonl");
-  for (std::string line; std::getline(f, line);) r.push_back(nlohmann::json::parse(line));
+  const std::string text = bytes(out / "metrics.jsonl");
+  for (size_t at = 0, nl; (nl = text.find('\n', at)) != std::string::npos; at = nl + 1)
+    r.push_back(nlohmann::json::parse(text.substr(at, nl - at)));
   return r;
 }
 
