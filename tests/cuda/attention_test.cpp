@@ -174,25 +174,38 @@ TEST(CudaMaskedAttention, CausalVarlenAndOverlappingRows) {
     c.backward = D != 256;
     run_case(c, 40 + D);
   }
+  // head_dim 256 as the Qwen3.5 / 3.6 targets run it (forward only): query heads sharing a kv head
+  // 6 to 1, sequences longer than a query tile (128 rows) and ending inside one.
+  {
+    Case c;
+    c.name = "causal varlen 300/257 GQA6";
+    c.Nq = c.Nk = 557;
+    c.H = 6, c.Hkv = 1, c.D = 256;
+    for (const auto& r : cuda::causal_ranges({0, 300, 557})) c.ranges.push_back({r.ctx_begin, r.ctx_end, r.blk_begin, r.blk_end});
+    c.backward = false;
+    run_case(c, 45);
+  }
   // Row 0 sees [0, 100); row 1 sees [0, 10) and [50, 60): the ctx and blk unions overlap, and no key
   // may count twice for row 0. Rows 2.. see nothing.
-  for (int D : {64, 128}) {
+  for (int D : {64, 128, 256}) {
     Case c;
     c.name = "overlapping unions";
     c.Nq = 5, c.Nk = 120, c.H = 2, c.Hkv = 2, c.D = D;
     c.ranges.resize(5);
     c.ranges[0] = {0, 100, 0, 0};
     c.ranges[1] = {0, 10, 50, 60};
+    c.backward = D != 256;
     run_case(c, 50 + D);
   }
   // Query tiles in which no row sees a key (rows 64.. of 200: every kernel's tile sizes), and keys
   // that no query sees (the dK / dV of keys 150..: zero).
-  for (int D : {64, 128}) {
+  for (int D : {64, 128, 256}) {
     Case c;
     c.name = "rows and keys unseen";
     c.Nq = 200, c.Nk = 260, c.H = 4, c.Hkv = 2, c.D = D;
     c.ranges.resize(200);
     for (int i = 0; i < 64; ++i) c.ranges[size_t(i)] = {0, 40 + i, 140, 150};
+    c.backward = D != 256;
     run_case(c, 60 + D);
   }
 }

@@ -42,8 +42,9 @@ DeviceArray<bf16> upload_bf16(const std::vector<float>& v, cudaStream_t s) {
 using cuda::StageTimer;
 
 /// Saved activations of one draft layer (what the backward needs, as the CPU LayerSaved).
+/// In the last layer with compacted rows, x_mid .. act and o_rows hold only the rows with a loss weight.
 struct Saved {
-  StreamBuffer<bf16> x_in, kv_in, q_pre, q_rot, k_pre, k_rot, v, o, x_mid, hp, g, u, act;
+  StreamBuffer<bf16> x_in, kv_in, q_pre, q_rot, k_pre, k_rot, v, o, o_rows, x_mid, hp, g, u, act;
   StreamBuffer<float> inv_in, q_inv, k_inv, lse, inv_post;
 };
 
@@ -235,6 +236,21 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   const std::vector<int32_t>& labels = lay.labels;
   const std::vector<double>& wts = lay.weights;
   const double wsum = lay.weight_sum;
+  // The rows with a loss weight (block position 0, padding and prompt labels have none): the cross
+  // entropy runs over these only, and so does the last layer after its attention (o_proj, MLP, the
+  // final norm), whose other rows reach no loss.
+  std::vector<int32_t> used, used_labels;
+  std::vector<float> coef;
+  for (int64_t r = 0; r < Q; ++r)
+    if (wts[size_t(r)] > 0) {
+      used.push_back(int32_t(r));
+      used_labels.push_back(labels[size_t(r)]);
+      coef.push_back(wsum > 0 ? float(wts[size_t(r)] / wsum) : 0.f);
+    }
+  const int64_t Qc = int64_t(used.size());
+  const bool compact = Qc > 0 && Qc < Q;  // the last layer's post-attention rows are the Qc used ones
+  const int64_t Qf = compact ? Qc : Q;    // rows of the last layer's output and of the final norm
+  auto d_used = upload(used, s);
   const auto full = cuda::to_kv_range32(cpu::dflash_kv_ranges(seq.anchors, N, B, S, 0));
   const auto slide = cuda::to_kv_range32(cpu::dflash_kv_ranges(seq.anchors, N, B, S, c.sliding_window));
 
@@ -297,22 +313,31 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
     cuda::masked_attention_forward(a.q_rot.data(), a.k_rot.data(), a.v.data(), layer_ranges(i), Q, SQ, int(H),
                                    int(Hkv), int(hd), scale, a.o.data(), a.lse.data(), s);
     timer.end("attention_fwd");
-    a.x_mid = StreamBuffer<bf16>(size_t(Q * d), s);  // x_in + o_proj(o)
-    DFLASH_CUDA_CHECK(cudaMemcpyAsync(a.x_mid.data(), a.x_in.data(), size_t(Q * d) * 2, cudaMemcpyDeviceToDevice, s));
-    linear(a.o.data(), Q, H * hd, d, layer_param(i, "self_attn.o_proj.weight"), a.x_mid.data(), 1.f);
-    a.hp = StreamBuffer<bf16>(size_t(Q * d), s);
-    a.inv_post = StreamBuffer<float>(size_t(Q), s);
+    // Rows on from here: all Q, or in the last layer the Qp = Qc rows with a loss weight.
+    const bool rows = compact && i == L - 1;
+    const int64_t Qp = rows ? Qc : Q;
+    a.x_mid = StreamBuffer<bf16>(size_t(Qp * d), s);  // x_in + o_proj(o)
+    if (rows) {
+      a.o_rows = StreamBuffer<bf16>(size_t(Qc * H * hd), s);
+      cuda::embedding_gather(a.o.data(), Q, H * hd, d_used.data(), Qc, a.o_rows.data(), nullptr, s);
+      cuda::embedding_gather(a.x_in.data(), Q, d, d_used.data(), Qc, a.x_mid.data(), nullptr, s);
+    } else {
+      DFLASH_CUDA_CHECK(cudaMemcpyAsync(a.x_mid.data(), a.x_in.data(), size_t(Q * d) * 2, cudaMemcpyDeviceToDevice, s));
+    }
+    linear(rows ? a.o_rows.data() : a.o.data(), Qp, H * hd, d, layer_param(i, "self_attn.o_proj.weight"), a.x_mid.data(), 1.f);
+    a.hp = StreamBuffer<bf16>(size_t(Qp * d), s);
+    a.inv_post = StreamBuffer<float>(size_t(Qp), s);
     cuda::rms_norm_forward(a.x_mid.data(), I.F(layer_param(i, "post_attention_layernorm.weight")), a.hp.data(),
-                           a.inv_post.data(), Q, d, c.rms_norm_eps, false, s);
-    a.g = StreamBuffer<bf16>(size_t(Q * Im), s);
-    a.u = StreamBuffer<bf16>(size_t(Q * Im), s);
-    a.act = StreamBuffer<bf16>(size_t(Q * Im), s);
-    linear(a.hp.data(), Q, d, Im, layer_param(i, "mlp.gate_proj.weight"), a.g.data(), 0.f);
-    linear(a.hp.data(), Q, d, Im, layer_param(i, "mlp.up_proj.weight"), a.u.data(), 0.f);
-    cuda::swiglu_forward(a.g.data(), a.u.data(), a.act.data(), Q * Im, s);
-    StreamBuffer<bf16> out(size_t(Q * d), s);  // x_mid + down_proj(act)
-    DFLASH_CUDA_CHECK(cudaMemcpyAsync(out.data(), a.x_mid.data(), size_t(Q * d) * 2, cudaMemcpyDeviceToDevice, s));
-    linear(a.act.data(), Q, Im, d, layer_param(i, "mlp.down_proj.weight"), out.data(), 1.f);
+                           a.inv_post.data(), Qp, d, c.rms_norm_eps, false, s);
+    a.g = StreamBuffer<bf16>(size_t(Qp * Im), s);
+    a.u = StreamBuffer<bf16>(size_t(Qp * Im), s);
+    a.act = StreamBuffer<bf16>(size_t(Qp * Im), s);
+    linear(a.hp.data(), Qp, d, Im, layer_param(i, "mlp.gate_proj.weight"), a.g.data(), 0.f);
+    linear(a.hp.data(), Qp, d, Im, layer_param(i, "mlp.up_proj.weight"), a.u.data(), 0.f);
+    cuda::swiglu_forward(a.g.data(), a.u.data(), a.act.data(), Qp * Im, s);
+    StreamBuffer<bf16> out(size_t(Qp * d), s);  // x_mid + down_proj(act)
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(out.data(), a.x_mid.data(), size_t(Qp * d) * 2, cudaMemcpyDeviceToDevice, s));
+    linear(a.act.data(), Qp, Im, d, layer_param(i, "mlp.down_proj.weight"), out.data(), 1.f);
     return out;
   };
   std::vector<Saved> sv(static_cast<size_t>(L));
@@ -326,43 +351,36 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
       a.x_in = std::move(keep);
     }
   }
-  StreamBuffer<bf16> hf(size_t(Q * d), s);
-  StreamBuffer<float> inv_final(size_t(Q), s);
-  cuda::rms_norm_forward(x.data(), I.F("norm.weight"), hf.data(), inv_final.data(), Q, d, c.rms_norm_eps, false, s);
+  StreamBuffer<bf16> hf(size_t(Qf * d), s);  // [Qf, d]: with compact rows, those with a loss weight
+  StreamBuffer<float> inv_final(size_t(Qf), s);
+  cuda::rms_norm_forward(x.data(), I.F("norm.weight"), hf.data(), inv_final.data(), Qf, d, c.rms_norm_eps, false, s);
 
-  // Cross entropy, fused with its backward when one is wanted (coef = w / sum(w) is known up front),
-  // over the rows with a loss weight only (block position 0, padding and prompt labels have none):
-  // those rows are gathered, and their gradient scattered back into a zeroed dhf.
-  std::vector<int32_t> used, used_labels;
-  std::vector<float> coef;
-  for (int64_t r = 0; r < Q; ++r)
-    if (wts[size_t(r)] > 0) {
-      used.push_back(int32_t(r));
-      used_labels.push_back(labels[size_t(r)]);
-      coef.push_back(wsum > 0 ? float(wts[size_t(r)] / wsum) : 0.f);
-    }
-  const int64_t Qc = int64_t(used.size());
+  // Cross entropy over the rows with a loss weight, fused with its backward when one is wanted
+  // (coef = w / sum(w) is known up front). Without compact rows they are gathered from hf, and their
+  // gradient scattered back into a zeroed dhf.
   const bool backward = opt.backward && Qc > 0;
   timer.end("forward");
   timer.begin("cross_entropy");
-  StreamBuffer<bf16> dhf(backward ? size_t(Q * d) : 0, s);
+  StreamBuffer<bf16> dhf(backward ? size_t(Qf * d) : 0, s);
   std::vector<float> h_lse(static_cast<size_t>(Qc)), h_tl(static_cast<size_t>(Qc));
   std::vector<int32_t> h_amax(static_cast<size_t>(Qc));
   if (Qc > 0) {
-    auto d_used = upload(used, s), d_ul = upload(used_labels, s);
+    auto d_ul = upload(used_labels, s);
     auto d_coef = upload(coef, s);
-    StreamBuffer<bf16> hc(size_t(Qc * d), s);  // hf rows with a loss weight [Qc, d]
-    cuda::embedding_gather(hf.data(), Q, d, d_used.data(), Qc, hc.data(), nullptr, s);
+    StreamBuffer<bf16> hc(compact ? 0 : size_t(Qc * d), s);  // hf rows with a loss weight [Qc, d]
+    if (!compact) cuda::embedding_gather(hf.data(), Q, d, d_used.data(), Qc, hc.data(), nullptr, s);
+    const bf16* h_rows = compact ? hf.data() : hc.data();
     // Equal chunks (the last one is not a small remainder that runs the GEMMs below their speed).
     const int64_t rmax = std::min(Qc, cuda::cross_entropy_row_chunk(I.V, opt.ce_chunk_bytes));
     const int64_t chunks = (Qc + rmax - 1) / rmax, rc = std::min(rmax, ((Qc + chunks - 1) / chunks + 15) / 16 * 16);
     StreamBuffer<char> ce_ws(size_t(cuda::cross_entropy_workspace_bytes(rc, I.V)), s);
     StreamBuffer<float> lse(size_t(Qc), s), tl(size_t(Qc), s);
     StreamBuffer<int32_t> amax(size_t(Qc), s);
-    StreamBuffer<bf16> dhc(backward ? size_t(Qc * d) : 0, s);
-    cuda::cross_entropy(I.gemm, hc.data(), I.lm_head.data(), Qc, d, I.V, d_ul.data(), d_coef.data(), rc,
-                        ce_ws.data(), {lse.data(), tl.data(), amax.data()}, backward ? dhc.data() : nullptr);
-    if (backward) {
+    StreamBuffer<bf16> dhc(backward && !compact ? size_t(Qc * d) : 0, s);
+    bf16* dh_rows = compact ? dhf.data() : dhc.data();
+    cuda::cross_entropy(I.gemm, h_rows, I.lm_head.data(), Qc, d, I.V, d_ul.data(), d_coef.data(), rc,
+                        ce_ws.data(), {lse.data(), tl.data(), amax.data()}, backward ? dh_rows : nullptr);
+    if (backward && !compact) {
       DFLASH_CUDA_CHECK(cudaMemsetAsync(dhf.data(), 0, size_t(Q * d) * 2, s));
       cuda::scatter_rows(dhc.data(), Qc, d, d_used.data(), dhf.data(), s);
     }
@@ -407,7 +425,7 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   StreamBuffer<bf16> dx(size_t(Q * d), s), tmp(size_t(Q * d), s);
   StreamBuffer<float> nws(size_t(cuda::rms_norm_workspace_floats(SQ * std::max(H, Hkv), std::max(d, hd))), s);
   cuda::rms_norm_backward(x.data(), I.F("norm.weight"), inv_final.data(), dhf.data(), dx.data(), I.G("norm.weight"),
-                          nws.data(), Q, d, false, s);
+                          nws.data(), Qf, d, false, s);  // (compact: dx's first Qc rows)
   StreamBuffer<float> dctx(size_t(S * d), s);
   DFLASH_CUDA_CHECK(cudaMemsetAsync(dctx.data(), 0, size_t(S * d) * 4, s));
   // dW += dy^T x (= after zero_grads) over `rows` rows: dy [rows, out], x [rows, in] -> [out, in]
@@ -427,21 +445,33 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
     Saved& a = sv[size_t(i)];
     if (opt.recompute) forward_layer(i, a);  // the same kernels on the same input: bitwise the same activations
     const bf16* hn = a.kv_in.data() + S * d;
+    const bool rows = compact && i == L - 1;  // the post-attention part on the Qc rows with a loss weight
+    const int64_t Qp = rows ? Qc : Q;
     // MLP: x_out = x_mid + down(silu(gate(hp)) * up(hp))
-    dgrad(dx.data(), Q, d, Im, layer_param(i, "mlp.down_proj.weight"), dact.data(), 0.f);
-    wgrad(dx.data(), a.act.data(), Q, d, Im, layer_param(i, "mlp.down_proj.weight"));
-    cuda::swiglu_backward(a.g.data(), a.u.data(), dact.data(), a.g.data(), a.u.data(), Q * Im, s);  // in place: dg, du
-    dgrad(a.g.data(), Q, Im, d, layer_param(i, "mlp.gate_proj.weight"), dhp.data(), 0.f);
-    dgrad(a.u.data(), Q, Im, d, layer_param(i, "mlp.up_proj.weight"), dhp.data(), 1.f);
-    wgrad(a.g.data(), a.hp.data(), Q, Im, d, layer_param(i, "mlp.gate_proj.weight"));
-    wgrad(a.u.data(), a.hp.data(), Q, Im, d, layer_param(i, "mlp.up_proj.weight"));
+    dgrad(dx.data(), Qp, d, Im, layer_param(i, "mlp.down_proj.weight"), dact.data(), 0.f);
+    wgrad(dx.data(), a.act.data(), Qp, d, Im, layer_param(i, "mlp.down_proj.weight"));
+    cuda::swiglu_backward(a.g.data(), a.u.data(), dact.data(), a.g.data(), a.u.data(), Qp * Im, s);  // in place: dg, du
+    dgrad(a.g.data(), Qp, Im, d, layer_param(i, "mlp.gate_proj.weight"), dhp.data(), 0.f);
+    dgrad(a.u.data(), Qp, Im, d, layer_param(i, "mlp.up_proj.weight"), dhp.data(), 1.f);
+    wgrad(a.g.data(), a.hp.data(), Qp, Im, d, layer_param(i, "mlp.gate_proj.weight"));
+    wgrad(a.u.data(), a.hp.data(), Qp, Im, d, layer_param(i, "mlp.up_proj.weight"));
     cuda::rms_norm_backward(a.x_mid.data(), I.F(layer_param(i, "post_attention_layernorm.weight")), a.inv_post.data(),
-                            dhp.data(), tmp.data(), I.G(layer_param(i, "post_attention_layernorm.weight")), nws.data(), Q, d,
+                            dhp.data(), tmp.data(), I.G(layer_param(i, "post_attention_layernorm.weight")), nws.data(), Qp, d,
                             false, s);
-    cuda::add_inplace(dx.data(), tmp.data(), Q * d, s);  // d loss / d x_mid
+    cuda::add_inplace(dx.data(), tmp.data(), Qp * d, s);  // d loss / d x_mid
     // attention: x_mid = x_in + o_proj(attn(q, k, v))
-    dgrad(dx.data(), Q, d, H * hd, layer_param(i, "self_attn.o_proj.weight"), dof.data(), 0.f);
-    wgrad(dx.data(), a.o.data(), Q, d, H * hd, layer_param(i, "self_attn.o_proj.weight"));
+    if (rows) {  // back to all Q rows: the others' gradients are zero
+      dgrad(dx.data(), Qc, d, H * hd, layer_param(i, "self_attn.o_proj.weight"), dq.data(), 0.f);  // [Qc, H*hd]
+      wgrad(dx.data(), a.o_rows.data(), Qc, d, H * hd, layer_param(i, "self_attn.o_proj.weight"));
+      DFLASH_CUDA_CHECK(cudaMemsetAsync(dof.data(), 0, size_t(Q * H * hd) * 2, s));
+      cuda::scatter_rows(dq.data(), Qc, H * hd, d_used.data(), dof.data(), s);
+      DFLASH_CUDA_CHECK(cudaMemcpyAsync(tmp.data(), dx.data(), size_t(Qc * d) * 2, cudaMemcpyDeviceToDevice, s));
+      DFLASH_CUDA_CHECK(cudaMemsetAsync(dx.data(), 0, size_t(Q * d) * 2, s));
+      cuda::scatter_rows(tmp.data(), Qc, d, d_used.data(), dx.data(), s);
+    } else {
+      dgrad(dx.data(), Q, d, H * hd, layer_param(i, "self_attn.o_proj.weight"), dof.data(), 0.f);
+      wgrad(dx.data(), a.o.data(), Q, d, H * hd, layer_param(i, "self_attn.o_proj.weight"));
+    }
     timer.begin("attention_bwd");
     cuda::masked_attention_backward(a.q_rot.data(), a.k_rot.data(), a.v.data(), a.o.data(), a.lse.data(), dof.data(),
                                     layer_ranges(i), Q, SQ, int(H), int(Hkv), int(hd), scale, dq.data(), dk.data(),

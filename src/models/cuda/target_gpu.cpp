@@ -49,9 +49,19 @@ DeviceArray<bf16> to_bf16(const std::vector<const Tensor*>& ts, cudaStream_t s) 
 }
 DeviceArray<bf16> to_bf16(const Tensor& t, cudaStream_t s) { return to_bf16(std::vector<const Tensor*>{&t}, s); }
 
+/// Rows [first, first + block) of every `period` rows of a 2-D tensor, as one bf16 device array: the
+/// query (first 0) or the output gate (first Dh) rows of a gated q_proj [H * 2 Dh, D] (period 2 Dh).
+DeviceArray<bf16> rows_to_bf16(const Tensor& t, int64_t period, int64_t first, int64_t block, cudaStream_t s) {
+  const int64_t cols = t.dim(1);
+  Tensor r({t.dim(0) / period * block, cols});
+  for (int64_t i = 0; i < t.dim(0) / period; ++i)
+    std::copy_n(t.data.begin() + (i * period + first) * cols, block * cols, r.data.begin() + i * block * cols);
+  return to_bf16(r, s);
+}
+
 struct LayerGpu {
   LayerKind kind = LayerKind::Attention;
-  DeviceArray<bf16> q, k, v, o, gate, up, down;  // attention (q: [H*Dh*(gated ? 2 : 1), D]) and MLP
+  DeviceArray<bf16> q, q_gate, k, v, o, gate, up, down;  // attention (q, q_gate: [H*Dh, D]) and MLP
   DeviceArray<float> q_norm, k_norm, in_ln, post_ln;
   // GatedDeltaNet: in_proj_qkv [C, D], in_proj_z [Hv*dv, D], in_proj_b / in_proj_a [Hv, D],
   // out_proj [D, Hv*dv] bf16; conv1d [C, K], A_log / dt_bias [Hv], norm [dv] fp32.
@@ -123,7 +133,14 @@ TargetGpu::TargetGpu(const TargetModel& m, cudaStream_t stream) : impl_(new Impl
       g.conv = DeviceArray<float>(w.conv1d.data, stream), g.A_log = DeviceArray<float>(w.A_log.data, stream);
       g.dt_bias = DeviceArray<float>(w.dt_bias.data, stream), g.gnorm = DeviceArray<float>(w.norm.data, stream);
     } else {
-      g.q = to_bf16(l.attn.q_proj, stream), g.k = to_bf16(l.attn.k_proj, stream), g.v = to_bf16(l.attn.v_proj, stream);
+      if (spec_.attn_output_gate()) {  // q_proj holds per head the query, then the output gate: two matrices
+        const int64_t Dh = spec_.head_dim;
+        g.q = rows_to_bf16(l.attn.q_proj, 2 * Dh, 0, Dh, stream);
+        g.q_gate = rows_to_bf16(l.attn.q_proj, 2 * Dh, Dh, Dh, stream);
+      } else {
+        g.q = to_bf16(l.attn.q_proj, stream);
+      }
+      g.k = to_bf16(l.attn.k_proj, stream), g.v = to_bf16(l.attn.v_proj, stream);
       g.o = to_bf16(l.attn.o_proj, stream);
       if (spec_.has_qk_norm()) {
         g.q_norm = DeviceArray<float>(l.attn.q_norm.data, stream);
@@ -190,7 +207,8 @@ TargetGpu::TargetGpu(const ModelSpec& spec, uint64_t seed, cudaStream_t stream) 
       g.conv = normal(C * spec_.linear_conv_kernel_dim, 0.f, 0.3f), g.A_log = normal(Hv, 0.f, 0.5f);
       g.dt_bias = normal(Hv, 0.f, 0.f), g.gnorm = ones(dv);
     } else {
-      g.q = matrix(H * Dh * (spec_.attn_output_gate() ? 2 : 1), D), g.k = matrix(Hkv * Dh, D), g.v = matrix(Hkv * Dh, D);
+      g.q = matrix(H * Dh, D), g.k = matrix(Hkv * Dh, D), g.v = matrix(Hkv * Dh, D);
+      if (spec_.attn_output_gate()) g.q_gate = matrix(H * Dh, D);
       g.o = matrix(D, H * Dh);
       if (spec_.has_qk_norm()) g.q_norm = ones(Dh), g.k_norm = ones(Dh);
     }
@@ -344,7 +362,7 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
                       ga = gbuf(T * Hv), gg = gbuf(T * Hv), gbeta = gbuf(T * Hv);
   StreamBuffer<bf16> gnormed(hybrid ? size_t(T * Hv * dv) : 0, s);  // out_proj's input
   const bool gated = sp.attn_output_gate();
-  StreamBuffer<bf16> qg(gated ? size_t(T * H * 2 * Dh) : 0, s), og(gated ? size_t(T * H * Dh) : 0, s);
+  StreamBuffer<bf16> og(gated ? size_t(T * H * Dh) : 0, s);  // the output gate's logits
   const cuda::MoeShape moe_shape{T, D, int(sp.num_experts), int(sp.num_experts_per_tok), sp.moe_intermediate_size,
                                  sp.shared_expert_intermediate_size, sp.norm_topk_prob};
   for (int64_t i = 0; i <= last; ++i) {
@@ -398,16 +416,8 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
       cuda::gated_rms_norm(go.data(), gz.data(), l.gnorm.data(), gnormed.data(), T * Hv, dv, sp.rms_norm_eps, s);
       linear(gnormed.data(), D, Hv * dv, l.out, x.data(), 1.f);  // x += out_proj(o)
     } else {
-      if (gated) {  // q_proj output [T, H, 2*Dh]: per head the query, then the output gate
-        linear(h.data(), H * 2 * Dh, D, l.q, qg.data(), 0.f);
-        I.stage("attention");
-        DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(q.data(), size_t(Dh) * 2, qg.data(), size_t(2 * Dh) * 2, size_t(Dh) * 2,
-                                            size_t(T * H), cudaMemcpyDeviceToDevice, s));
-        DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(og.data(), size_t(Dh) * 2, qg.data() + Dh, size_t(2 * Dh) * 2,
-                                            size_t(Dh) * 2, size_t(T * H), cudaMemcpyDeviceToDevice, s));
-      } else {
-        linear(h.data(), H * Dh, D, l.q, q.data(), 0.f);
-      }
+      linear(h.data(), H * Dh, D, l.q, q.data(), 0.f);
+      if (gated) linear(h.data(), H * Dh, D, l.q_gate, og.data(), 0.f);
       linear(h.data(), Hkv * Dh, D, l.k, k.data(), 0.f);
       linear(h.data(), Hkv * Dh, D, l.v, v.data(), 0.f);
       I.stage("attention");

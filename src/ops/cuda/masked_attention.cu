@@ -251,7 +251,7 @@ __device__ __forceinline__ void online_softmax(float (*s)[4], RowTile<D>& r, boo
   r.l_b = r.l_b * al_b + ps_b;
   r.m_a = mn_a, r.m_b = mn_b;
 #pragma unroll
-  for (int i = 0; i < D / 8; ++i) r.oacc[i][0] *= al_a, r.oacc[i][1] *= al_a, r.oacc[i][2] *= al_b, r.oacc[i][3] *= al_b;
+    for (int i = 0; i < D / 8; ++i) r.oacc[i][0] *= al_a, r.oacc[i][1] *= al_a, r.oacc[i][2] *= al_b, r.oacc[i][3] *= al_b;
 }
 
 /// The forward's epilogue for one m-tile: rows ra and rb of head h get O / l (bf16; 0 for a row
@@ -382,13 +382,13 @@ __global__ void __launch_bounds__(32 * W, MT == 2 ? 2 : (D <= 128 ? 3 : 2))
 }
 
 // ---------------------------------------------------------------------------------------------
-// Forward on Hopper (sm_90a, head_dim 128): the same algorithm with warpgroup MMAs. One CTA of two
-// warpgroups per (128 query rows, head); warpgroup w owns rows 64 w .. 64 w + 63 (warp 4 w + i rows
-// 16 i .. of them, as in the mma.sync kernel, so the softmax and epilogue are shared). Q, K and V
-// tiles sit in shared memory with the 128-byte swizzle (wgmma.cuh); S = Q K^T takes Q's fragments
-// from registers (loaded once) and K from shared memory, O += P V takes P from registers and V
-// (MN-major) from shared memory. The next key tile's S is issued before this tile's softmax, so the
-// tensor cores work while the warps exponentiate.
+// Forward on Hopper (sm_90a, head_dim 128 and 256): the same algorithm with warpgroup MMAs. One CTA
+// of two warpgroups per (128 query rows, head); warpgroup w owns rows 64 w .. 64 w + 63 (warp 4 w + i
+// rows 16 i .. of them, as in the mma.sync kernel, so the softmax and epilogue are shared). Q, K and
+// V tiles sit in shared memory with the 128-byte swizzle (wgmma.cuh); S = Q K^T takes K from shared
+// memory and Q's fragments from registers (loaded once; head_dim 128) or from shared memory (256),
+// O += P V takes P from registers and V (MN-major) from shared memory. The next key tile's S is
+// issued before this tile's softmax, so the tensor cores work while the warps exponentiate.
 
 /// copy_rows_async into wgmma's 128-byte-swizzled layout: the [kRows][D] tile as D / 64 column
 /// blocks of [kRows][64]; row r of a block at r 128 bytes, its 16-byte chunk c at ((c ^ r % 8) 16).
@@ -415,17 +415,24 @@ __device__ __forceinline__ bf16* align_sw128(unsigned char* smem) {
   return reinterpret_cast<bf16*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~uintptr_t(1023));
 }
 
-/// d [64 x 64] = A B^T over k = D (wgmma, both operands K-major in shared memory): A = 64 rows of a
+/// d [64 x N] = A B^T over k = D (wgmma, both operands K-major in shared memory): A = 64 rows of a
 /// swizzled tile of kArows rows (a: the first of them, in column block 0), B = a whole swizzled tile
-/// of 64 rows. Issued, not committed. S = Q K^T, dP = dO V^T, S^T = K Q^T, dP^T = V dO^T.
-template <int D, int kArows>
-__device__ __forceinline__ void ss_abt(float (&d)[8][4], const bf16* a, const bf16* b) {
+/// of N (64 or 32) rows. Issued, not committed. S = Q K^T, dP = dO V^T, S^T = K Q^T, dP^T = V dO^T.
+template <int D, int kArows, int N = 64>
+__device__ __forceinline__ void ss_abt(float (&d)[N / 8][4], const bf16* a, const bf16* b) {
+  static_assert(N == 64 || N == 32, "m64n64k16 or m64n32k16");
   // k step ks: column block ks / 4, 32 bytes per k step inside it
   auto da = [&](int ks) { return wgmma::desc_sw128(a + (ks / 4) * kArows * 64 + (ks % 4) * 16, 16, 1024); };
-  auto db = [&](int ks) { return wgmma::desc_sw128(b + (ks / 4) * 64 * 64 + (ks % 4) * 16, 16, 1024); };
-  wgmma::m64n64k16_ss<false>(d, da(0), db(0));
+  auto db = [&](int ks) { return wgmma::desc_sw128(b + (ks / 4) * N * 64 + (ks % 4) * 16, 16, 1024); };
+  if constexpr (N == 64) {
+    wgmma::m64n64k16_ss<false>(d, da(0), db(0));
 #pragma unroll
-  for (int ks = 1; ks < D / 16; ++ks) wgmma::m64n64k16_ss<true>(d, da(ks), db(ks));
+    for (int ks = 1; ks < D / 16; ++ks) wgmma::m64n64k16_ss<true>(d, da(ks), db(ks));
+  } else {
+    wgmma::m64n32k16_ss<false>(d, da(0), db(0));
+#pragma unroll
+    for (int ks = 1; ks < D / 16; ++ks) wgmma::m64n32k16_ss<true>(d, da(ks), db(ks));
+  }
 }
 
 /// The A fragment (mma.sync m16n8k16 layout) of rows r0 .. r0 + 15, columns c0 .. c0 + 15 of a
@@ -449,32 +456,42 @@ __device__ __forceinline__ void rs_abt(float (&d)[8][4], const uint32_t (*a)[4],
   for (int ks = 1; ks < D / 16; ++ks) wgmma::m64n64k16_rs<true>(d, a[ks], db(ks));
 }
 
-/// d [64 x 128] += A B (wgmma): A [64 x K] = the accumulator tiles c rounded to bf16 (all fragments
-/// built before the fence), B = a swizzled tile of K rows x 128, MN-major (K down its rows). Issued,
-/// not committed. O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q.
-template <int K>
-__device__ __forceinline__ void rs_ab(float (&d)[16][4], const float (*c)[4], const bf16* b) {
+/// d [64 x D] += A B (wgmma, D / 128 products of n = 128): A [64 x K] = the accumulator tiles c
+/// rounded to bf16 (all fragments built before the fence), B = a swizzled tile of K rows x D,
+/// MN-major (K down its rows). Issued, not committed. O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q.
+template <int K, int D = 128>
+__device__ __forceinline__ void rs_ab(float (&d)[D / 8][4], const float (*c)[4], const bf16* b) {
   uint32_t a[K / 16][4];
 #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk) acc_to_a(a[kk], c, kk);
   wgmma::fence();
 #pragma unroll
-  for (int kk = 0; kk < K / 16; ++kk)  // LBO = the stride between the two 64-column blocks, SBO = 8 rows
-    wgmma::m64n128k16_rs_mn(d, a[kk], wgmma::desc_sw128(b + kk * 16 * 64, K * 128, 1024), true);
+  for (int h = 0; h < D / 128; ++h) {  // output columns 128 h ..: column blocks 2 h and 2 h + 1 of B
+    float(&dh)[16][4] = *reinterpret_cast<float(*)[16][4]>(&d[16 * h]);
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk)  // LBO = the stride between the two 64-column blocks, SBO = 8 rows
+      wgmma::m64n128k16_rs_mn(dh, a[kk], wgmma::desc_sw128(b + 2 * h * K * 64 + kk * 16 * 64, K * 128, 1024), true);
+  }
 }
 
-template <int D, int WG, int N>
+template <int D, int WG, int N, bool kPrefetchS>
 __global__ void __launch_bounds__(128 * WG, 1)
     fwd_wgmma_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                      const KvRange32* __restrict__ ranges, int Nq, int Nk, int H, int Hkv, float scale_log2, bf16* o,
                      float* lse) {
-  static_assert(D == 128 && N == 64, "one n = 128 wgmma covers the output row; S tiles of 64 keys (m64n64k16)");
-  constexpr int QR = 64 * WG, kThreads = 128 * WG;
+  // head_dim 128: Q's fragments in registers, the next tile's S in flight during this tile's softmax
+  // (kPrefetchS); 256: Q read from shared memory and one S tile at a time (the registers hold the
+  // 64 x 256 O accumulator instead).
+  static_assert(D == 128 || D == 256, "head_dim 128 or 256");
+  static_assert(N == 64 || N == 32, "S tiles of m64n64k16 or m64n32k16");
+  static_assert(kPrefetchS || D != 128, "the Q fragments are loaded on the prefetching path");
+  constexpr bool kQregs = D == 128;
+  constexpr int QR = 64 * WG, kThreads = 128 * WG, kBufs = kPrefetchS ? 3 : 2;
   extern __shared__ __align__(16) unsigned char smem[];
   // Each tile as D / 64 swizzled [rows][64] column blocks (copy_rows_sw128).
   bf16* Qs = align_sw128(smem);  // [QR x D]
-  bf16* Kb = Qs + QR * D;        // 3 x [N x D]: tile j in buffer j % 3
-  bf16* Vb = Kb + 3 * N * D;     // 3 x [N x D]
+  bf16* Kb = Qs + QR * D;        // kBufs x [N x D]: tile j in buffer j % kBufs
+  bf16* Vb = Kb + kBufs * N * D; // kBufs x [N x D]
   __shared__ int lohi[8];
   const int h = blockIdx.y, kvh = h / (H / Hkv), row0 = (gridDim.x - 1 - blockIdx.x) * QR;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -487,18 +504,44 @@ __global__ void __launch_bounds__(128 * WG, 1)
   const KeyTiles<N> tiles(lohi);
   auto fetch = [&](int j) {  // one cp.async group, empty past the last tile
     if (j < tiles.n) {
-      copy_rows_sw128<D, kThreads, N>(Kb + (j % 3) * N * D, k, Nk, Hkv, kvh, tiles.start(j));
-      copy_rows_sw128<D, kThreads, N>(Vb + (j % 3) * N * D, v, Nk, Hkv, kvh, tiles.start(j));
+      copy_rows_sw128<D, kThreads, N>(Kb + (j % kBufs) * N * D, k, Nk, Hkv, kvh, tiles.start(j));
+      copy_rows_sw128<D, kThreads, N>(Vb + (j % kBufs) * N * D, v, Nk, Hkv, kvh, tiles.start(j));
     }
     cp_async_commit();
   };
-  uint32_t qa[D / 16][4];  // the warp's Q fragments (loaded once Q has landed)
+  uint32_t qa[kQregs ? D / 16 : 1][4];  // the warp's Q fragments (loaded once Q has landed)
+  const bf16* Qw = Qs + (warp / 4) * 64 * 64;  // the warpgroup's 64 rows (column block 0)
   auto issue_s = [&](float (&s)[N / 8][4], int j) {  // S = Q K_j^T, committed, not waited for
     wgmma::fence();
-    rs_abt<D>(s, qa, Kb + (j % 3) * N * D);
+    if constexpr (kQregs) rs_abt<D>(s, qa, Kb + (j % kBufs) * N * D);
+    else ss_abt<D, QR, N>(s, Qw, Kb + (j % kBufs) * N * D);
     wgmma::commit();
   };
   const int ra = row0 + warp * 16 + g, rb = ra + 8;
+  auto softmax_pv = [&](int j, float (&sc)[N / 8][4]) {  // O += softmax(S_j) V_j, waited for
+    const int seg = tiles.seg(j), k0 = tiles.start(j);
+    online_softmax<D, N>(sc, rt, tile_full(lohi, seg, k0, N, Nk), ranges, ra, rb, Nq, k0, seg, Nk, t, scale_log2);
+    rs_ab<N, D>(rt.oacc, sc, Vb + (j % kBufs) * N * D);
+    wgmma::commit();
+    wgmma::wait<0>();
+    __syncthreads();  // every warp is done with tile j's buffer before it is refilled
+  };
+  if constexpr (!kPrefetchS) {  // two buffers: tile j, tile j + 1 in flight
+    fetch(0);  // Q and tile 0: one group
+    for (int j = 0; j < tiles.n; ++j) {
+      fetch(j + 1);  // into tile j - 1's buffer, freed by the barrier that ended step j - 1
+      cp_async_wait<1>();
+      wgmma::fence_proxy_async();
+      __syncthreads();
+      float sc[N / 8][4];
+      issue_s(sc, j);
+      wgmma::wait<0>();
+      softmax_pv(j, sc);
+    }
+    cp_async_wait<0>();  // (a query tile that sees no key never waited for its copy)
+    write_rows(rt, o, lse, ra, rb, Nq, H, h, t);
+    return;
+  }
   // Tile j: S_j was issued one step earlier, so the tensor cores compute S_{j+1} while this
   // warpgroup runs tile j's softmax. Buffers: three (tile j, tile j + 1 landed, tile j + 2 in flight).
   auto step = [&](int j, float (&sc)[N / 8][4], float (&sn)[N / 8][4]) {
@@ -509,12 +552,7 @@ __global__ void __launch_bounds__(128 * WG, 1)
     // S_{j+1}; after the last tile, tile j again, never read (no branch around a wgmma: the
     // compiler would serialize them all).
     issue_s(sn, min(j + 1, tiles.n - 1));  // in flight during this tile's softmax
-    const int seg = tiles.seg(j), k0 = tiles.start(j);
-    online_softmax<D, N>(sc, rt, tile_full(lohi, seg, k0, N, Nk), ranges, ra, rb, Nq, k0, seg, Nk, t, scale_log2);
-    rs_ab<N>(rt.oacc, sc, Vb + (j % 3) * N * D);
-    wgmma::commit();
-    wgmma::wait<0>();
-    __syncthreads();  // every warp is done with tile j's buffer before it is refilled
+    softmax_pv(j, sc);
   };
   float s0[N / 8][4], s1[N / 8][4];
   fetch(0);
@@ -522,8 +560,9 @@ __global__ void __launch_bounds__(128 * WG, 1)
   cp_async_wait<1>();  // Q and tile 0
   wgmma::fence_proxy_async();
   __syncthreads();
+  if constexpr (kQregs)
 #pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks) load_a_sw128(qa[ks], Qs, QR, warp * 16, ks * 16, lane);
+    for (int ks = 0; ks < D / 16; ++ks) load_a_sw128(qa[ks], Qs, QR, warp * 16, ks * 16, lane);
   issue_s(s0, 0);  // (with no tile, of a buffer never written, and never read)
   wgmma::wait<0>();  // (no wgmma in flight across a branch: the compiler would serialize them all)
   for (int j = 0; j < tiles.n; ++j) {
@@ -1089,13 +1128,19 @@ void launch_fwd(const bf16* q, const bf16* k, const bf16* v, const KvRange32* r,
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
+/// The Hopper forward: head_dim 128 with 64-key tiles, three buffers (129 KB of shared memory), 256
+/// with 64-key tiles, two buffers (193 KB); one CTA per SM.
+template <int D>
 void launch_fwd_wgmma(const bf16* q, const bf16* k, const bf16* v, const KvRange32* r, int Nq, int Nk, int H,
                       int Hkv, float scale, bf16* o, float* lse, cudaStream_t s) {
-  constexpr int D = 128, WG = 2, N = 64, QR = 64 * WG;  // (3 warpgroups leave no registers for two S tiles)
-  const size_t smem = size_t(QR + 6 * N) * D * sizeof(bf16) + 1024;  // + alignment of the swizzle atoms
-  set_smem(fwd_wgmma_kernel<D, WG, N>, smem);
-  fwd_wgmma_kernel<D, WG, N><<<dim3((Nq + QR - 1) / QR, H), 128 * WG, smem, s>>>(q, k, v, r, Nq, Nk, H, Hkv,
-                                                                                 scale * kLog2e, o, lse);
+  // (3 warpgroups leave no registers for two S tiles; at head_dim 256, 32-key tiles with the next S
+  // prefetched measured 18.5 ms against 15.7 for this in the 27B target forward's attention stage)
+  constexpr bool kPrefetchS = D == 128;
+  constexpr int WG = 2, N = 64, QR = 64 * WG;
+  const size_t smem = size_t(QR + 2 * (kPrefetchS ? 3 : 2) * N) * D * sizeof(bf16) + 1024;  // + the swizzle atoms' alignment
+  set_smem(fwd_wgmma_kernel<D, WG, N, kPrefetchS>, smem);
+  fwd_wgmma_kernel<D, WG, N, kPrefetchS><<<dim3((Nq + QR - 1) / QR, H), 128 * WG, smem, s>>>(
+      q, k, v, r, Nq, Nk, H, Hkv, scale * kLog2e, o, lse);
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
@@ -1158,7 +1203,7 @@ bool masked_attention_uses_wgmma(int D) {
   // The binary carries sm_90a code only when built for "90a" (CMakeLists.txt); a compute capability
   // 9.0 device then surely runs it only when there is no plain sm_90 code to choose instead.
   static const bool built = sm90a_without_sm90(DFLASH_CUDA_ARCHS);
-  if (!built || D != 128) return false;
+  if (!built || (D != 128 && D != 256)) return false;
   int dev = 0, major = 0, minor = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
@@ -1183,9 +1228,12 @@ void masked_attention_forward(const bf16* q, const bf16* k, const bf16* v, const
     case 64: return launch_fwd<64, kWarps>(q, k, v, ranges, int(Nq), int(Nk), H, Hkv, scale, o, lse, stream);
     case 128:
       if (kernel == AttentionKernel::kAuto && masked_attention_uses_wgmma(D))
-        return launch_fwd_wgmma(q, k, v, ranges, int(Nq), int(Nk), H, Hkv, scale, o, lse, stream);
+        return launch_fwd_wgmma<128>(q, k, v, ranges, int(Nq), int(Nk), H, Hkv, scale, o, lse, stream);
       return launch_fwd<128, kWarps>(q, k, v, ranges, int(Nq), int(Nk), H, Hkv, scale, o, lse, stream);
-    case 256: return launch_fwd<256, 4>(q, k, v, ranges, int(Nq), int(Nk), H, Hkv, scale, o, lse, stream);
+    case 256:
+      if (kernel == AttentionKernel::kAuto && masked_attention_uses_wgmma(D))
+        return launch_fwd_wgmma<256>(q, k, v, ranges, int(Nq), int(Nk), H, Hkv, scale, o, lse, stream);
+      return launch_fwd<256, 4>(q, k, v, ranges, int(Nq), int(Nk), H, Hkv, scale, o, lse, stream);
     default: throw std::invalid_argument("masked_attention_forward: head_dim " + std::to_string(D) + " not in {64, 128, 256}");
   }
 }

@@ -30,14 +30,14 @@ std::vector<KvRange32> to_kv_range32(const std::vector<cpu::KvRanges>& r);
 /// [s0, t] (ctx range), no second range. What the target's attention needs.
 std::vector<KvRange32> causal_ranges(const std::vector<int64_t>& cu_seqlens);
 
-/// Kernel family of the forward and backward. kAuto: warpgroup MMAs (wgmma: fwd_wgmma_kernel,
-/// dq_wgmma_kernel, dkv_wgmma_kernel) at head_dim 128 on a compute capability 9.0 GPU (H100 / H200)
-/// when the build carries sm_90a code, else mma.sync; kMmaSync: mma.sync everywhere (what A100 and
+/// Kernel family of the forward and backward. kAuto: warpgroup MMAs (wgmma: fwd_wgmma_kernel at
+/// head_dim 128 and 256, dq_wgmma_kernel and dkv_wgmma_kernel at 128) on a compute capability 9.0 GPU
+/// (H100 / H200) when the build carries sm_90a code, else mma.sync; kMmaSync: mma.sync everywhere (what A100 and
 /// Blackwell run; the tests compare the two).
 enum class AttentionKernel { kAuto, kMmaSync };
 
-/// Whether masked_attention_forward / _backward with kAuto run wgmma at head_dim D on the current device (false
-/// without a usable device; never throws).
+/// Whether masked_attention_forward (and at head_dim 128 _backward) with kAuto run wgmma at head_dim D
+/// on the current device (false without a usable device; never throws).
 bool masked_attention_uses_wgmma(int D);
 
 /// Forward. q [Nq, H, D], k and v [Nk, Hkv, D] bf16 (H % Hkv == 0, query head h uses kv head

@@ -199,14 +199,16 @@ class GpuBackend final : public DrafterBackend {
   DrafterReplica drafter_;
 };
 
-/// The taps of one packed target forward [tokens, K*d], on the target replica's GPU; freed there
-/// by whichever thread drops the last reference.
+/// The taps of one packed target forward [tokens, K*d], on the target replica's GPU, stream-ordered
+/// on its stream (no device-wide synchronization, which would stall a drafter sharing the GPU);
+/// freed by whichever thread drops the last reference, after that reader synchronized its stream.
 struct PackedTaps {
-  cuda::DeviceArray<bf16> buf;
   int device = 0;
-  PackedTaps(size_t n, int dev) : device(dev) {
+  cudaStream_t stream{};
+  bf16* data = nullptr;
+  PackedTaps(size_t n, int dev, cudaStream_t s) : device(dev), stream(s) {
     DFLASH_CUDA_CHECK(cudaSetDevice(dev));
-    buf = cuda::DeviceArray<bf16>(n);
+    DFLASH_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&data), n * sizeof(bf16), s));
   }
   PackedTaps(const PackedTaps&) = delete;
   PackedTaps& operator=(const PackedTaps&) = delete;
@@ -214,7 +216,7 @@ struct PackedTaps {
     int prev = 0;
     cudaGetDevice(&prev);
     cudaSetDevice(device);
-    buf = cuda::DeviceArray<bf16>();
+    cudaFreeAsync(data, stream);
     cudaSetDevice(prev);
   }
 };
@@ -319,8 +321,8 @@ class MultiGpuBackend final : public DrafterBackend {
             }
             j = run.front();  // a failing packed forward is reported for the run's first sample
             const auto t0 = std::chrono::steady_clock::now();
-            auto pack = std::make_shared<PackedTaps>(size_t(tokens * tap_width(cfg_)), tr.device);
-            tr.taps(ss, cfg_.target_layer_ids, pack->buf.data());
+            auto pack = std::make_shared<PackedTaps>(size_t(tokens * tap_width(cfg_)), tr.device, tr.stream.s);
+            tr.taps(ss, cfg_.target_layer_ids, pack->data);
             const double ms = ms_since(t0);
             int64_t row = 0;
             for (size_t k = 0; k < run.size(); ++k) {
@@ -342,7 +344,7 @@ class MultiGpuBackend final : public DrafterBackend {
             TapsMsg m = hand.pop(tj[j], d);
             const double wait_ms = ms_since(t0);
             cuda::DeviceArray<bf16> local;
-            const bf16* taps = m.pack->buf.data() + m.offset;
+            const bf16* taps = m.pack->data + m.offset;
             if (m.pack->device != dr.device) {  // peer-to-peer copy to the drafter's GPU
               DFLASH_CUDA_CHECK(cudaSetDevice(dr.device));
               local = cuda::DeviceArray<bf16>(size_t(m.elems));
