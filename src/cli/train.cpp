@@ -29,7 +29,7 @@ void on_signal(int sig) {
 
 void add_train(CLI::App& app, Runner& run) {
   auto* cmd = app.add_subcommand("train", "Train a DFlash drafter for a target on chat data");
-  static TrainConfig c;  // flag defaults = the recipe
+  static TrainConfig c;  // flag defaults = the recipe (shown by --help)
   static std::string config_file;
   static bool dump = false;
   static int64_t mask_id = -1;
@@ -40,47 +40,47 @@ void add_train(CLI::App& app, Runner& run) {
   cmd->add_option("--out", c.out, "Output directory (checkpoints, metrics.jsonl, train_config.json, final/)");
   cmd->add_option("--tokenizer", c.tokenizer, "Tokenizer (default: the target's)");
   cmd->add_option("--chat-template", c.chat_template, "Chat template family for raw data (default: detected)");
-  cmd->add_option("--device", c.device, "cpu (reference) or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  cmd->add_option("--device", c.device, "cpu (reference) or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   cmd->add_option("--gpus,--gpu", c.gpus,
                   "CUDA device(s), e.g. 0 or 0,1: several = data parallel (a target and a drafter replica on each, "
                   "gradients all-reduced with NCCL)")
-      ->delimiter(',');
+      ->delimiter(',')->capture_default_str();
   cmd->add_option("--target-gpus", c.target_gpus,
                   "GPUs of the target replicas (with --drafter-gpus: disaggregated placement, taps copied peer to peer)")
       ->delimiter(',');
   cmd->add_option("--target-batch-tokens", c.target_batch_tokens,
-                  "GPU: the target's forward packs consecutive samples (varlen) up to this many tokens");
+                  "GPU: the target's forward packs consecutive samples (varlen) up to this many tokens")->capture_default_str();
   cmd->add_option("--drafter-gpus", c.drafter_gpus, "GPUs of the drafter replicas (data parallel when several)")
       ->delimiter(',');
   cmd->add_option("--init-from", c.init_from, "Start from this DFlash checkpoint (published or ours)");
-  cmd->add_option("--max-length", c.max_length, "Truncate samples to this many tokens (raw data)");
-  cmd->add_option("--seed", c.seed, "Seed of the initial weights, data order and anchors");
+  cmd->add_option("--max-length", c.max_length, "Truncate samples to this many tokens (raw data)")->capture_default_str();
+  cmd->add_option("--seed", c.seed, "Seed of the initial weights, data order and anchors")->capture_default_str();
   cmd->add_flag("--shuffle,!--no-shuffle", c.shuffle, "A fresh order of the samples every epoch");
-  cmd->add_option("--num-draft-layers", c.num_draft_layers, "Draft decoder layers");
-  cmd->add_option("--num-taps", c.num_taps, "Target layers tapped (default formula of dflash.md)");
+  cmd->add_option("--num-draft-layers", c.num_draft_layers, "Draft decoder layers")->capture_default_str();
+  cmd->add_option("--num-taps", c.num_taps, "Target layers tapped (default formula of dflash.md)")->capture_default_str();
   cmd->add_option("--target-layer-ids", c.target_layer_ids, "Explicit tapped target layers")->delimiter(',');
-  cmd->add_option("--block-size", c.block_size, "Tokens drafted per block");
+  cmd->add_option("--block-size", c.block_size, "Tokens drafted per block")->capture_default_str();
   cmd->add_option("--mask-token-id", mask_id, "Mask token id (default: <|MASK|>, a spare row or an unused special token)")
       ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--epochs", c.epochs, "Epochs over the data");
-  cmd->add_option("--max-steps", c.max_steps, "Optimizer steps (overrides --epochs)");
-  cmd->add_option("--grad-accum", c.grad_accum, "Sequences per optimizer step");
-  cmd->add_option("--num-anchors", c.num_anchors, "Anchors (blocks) per sequence");
+  cmd->add_option("--epochs", c.epochs, "Epochs over the data")->capture_default_str();
+  cmd->add_option("--max-steps", c.max_steps, "Optimizer steps (0: by --epochs; more overrides --epochs)")->capture_default_str();
+  cmd->add_option("--grad-accum", c.grad_accum, "Sequences per optimizer step")->capture_default_str();
+  cmd->add_option("--num-anchors", c.num_anchors, "Anchors (blocks) per sequence")->capture_default_str();
   cmd->add_flag("--recompute", c.recompute, "GPU: recompute drafter layers in the backward (less memory, ~1 more forward)");
-  cmd->add_option("--lr", c.lr, "Peak learning rate");
-  cmd->add_option("--warmup-ratio", c.warmup_ratio, "Fraction of the steps spent warming up");
-  cmd->add_option("--weight-decay", c.weight_decay, "AdamW weight decay");
-  cmd->add_option("--beta1", c.beta1, "AdamW beta1");
-  cmd->add_option("--beta2", c.beta2, "AdamW beta2");
-  cmd->add_option("--eps", c.eps, "AdamW epsilon");
-  cmd->add_option("--max-grad-norm", c.max_grad_norm, "Global gradient-norm clip");
-  cmd->add_option("--gamma", c.gamma, "Loss decay over block slots (0: by block size)");
-  cmd->add_option("--save-every", c.save_every, "Checkpoint every N steps");
-  cmd->add_option("--keep-last", c.keep_last, "Checkpoints kept");
-  cmd->add_option("--log-every", c.log_every, "Progress line every N steps");
-  cmd->add_option("--stages-every", c.stages_every, "Stage breakdown every N steps");
-  cmd->add_option("--nan-abort", c.nan_abort, "Stop after this many non-finite steps in a row");
-  cmd->add_option("--steps-this-run", c.steps_this_run, "Checkpoint and exit after N steps (time-sliced jobs)");
+  cmd->add_option("--lr", c.lr, "Peak learning rate")->capture_default_str();
+  cmd->add_option("--warmup-ratio", c.warmup_ratio, "Fraction of the steps spent warming up")->capture_default_str();
+  cmd->add_option("--weight-decay", c.weight_decay, "AdamW weight decay")->capture_default_str();
+  cmd->add_option("--beta1", c.beta1, "AdamW beta1")->capture_default_str();
+  cmd->add_option("--beta2", c.beta2, "AdamW beta2")->capture_default_str();
+  cmd->add_option("--eps", c.eps, "AdamW epsilon")->capture_default_str();
+  cmd->add_option("--max-grad-norm", c.max_grad_norm, "Global gradient-norm clip")->capture_default_str();
+  cmd->add_option("--gamma", c.gamma, "Loss decay over block slots (0: by block size)")->capture_default_str();
+  cmd->add_option("--save-every", c.save_every, "Checkpoint every N steps")->capture_default_str();
+  cmd->add_option("--keep-last", c.keep_last, "Checkpoints kept")->capture_default_str();
+  cmd->add_option("--log-every", c.log_every, "Progress line every N steps")->capture_default_str();
+  cmd->add_option("--stages-every", c.stages_every, "Stage breakdown every N steps")->capture_default_str();
+  cmd->add_option("--nan-abort", c.nan_abort, "Stop after this many non-finite steps in a row")->capture_default_str();
+  cmd->add_option("--steps-this-run", c.steps_this_run, "Checkpoint and exit after N steps (time-sliced jobs; 0: run to the end)")->capture_default_str();
   cmd->add_flag("--resume", c.resume, "Continue the run in --out from its last checkpoint");
   cmd->callback([&run, cmd] {
     run = [cmd] {

@@ -271,6 +271,11 @@ TEST(TrainCli, ConfigFileFlagsAndDump) {
                               &out),
             0);
   EXPECT_NE(out.find("unknown key 'learning_rate'"), std::string::npos) << out;
+  // --help lists the recipe's defaults beside the flags.
+  ASSERT_EQ(test::run_command(test::dflash_binary().string() + " train --help", &out), 0) << out;
+  for (const char* d : {"--lr FLOAT=0.0006", "--num-anchors INT=512", "--block-size INT=16", "--epochs INT=6",
+                        "--max-grad-norm FLOAT=1"})
+    EXPECT_NE(out.find(d), std::string::npos) << d << "\n" << out;
 }
 
 // Mistakes users make: none may lose data or silently change the run.
