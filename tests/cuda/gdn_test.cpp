@@ -114,6 +114,12 @@ TEST(CudaGdn, PrepareMatchesTheReference) {
     EXPECT_EQ(host_f32(v), wv);  // a copy
     EXPECT_LE(test::rel_l2(host_f32(g), wg), kTolF32);
     EXPECT_LE(test::rel_l2(host_f32(beta), wb), kTolF32);
+    // Without v (the chunked rule reads it in place): the same q, k, g, beta.
+    auto q2 = poisoned<float>(size_t(T * Hk * dk)), k2 = poisoned<float>(size_t(T * Hk * dk));
+    cuda::gdn_prepare(d_qkv.data(), d_b.data(), d_a.data(), d_A.data(), d_dt.data(), T, int(Hk), int(Hv), int(dk),
+                      int(dv), scale, q2.data(), k2.data(), nullptr, g.data(), beta.data(), nullptr);
+    EXPECT_EQ(host_f32(q2), host_f32(q));
+    EXPECT_EQ(host_f32(k2), host_f32(k));
   }  // Hk 16, dk 128: each warp normalizes several heads
 }
 
@@ -121,8 +127,10 @@ namespace {
 /// One chunked-vs-recurrent comparison: random normalized q / k, v, g = -20 u^4 (u uniform:
 /// mostly mild decays, some down to -20; with `mild`, g = -0.05 u, so that tokens a whole chunk apart
 /// still interact), beta uniform in [0, 1], an optional random initial state.
+/// With v_pad > 0 the values sit in rows of Hv dv + v_pad floats (v_row_stride; the rest NaN).
 void check_chunked(const std::vector<int64_t>& lens, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, bool init,
-                   uint64_t seed, bool recurrent = false, size_t shared_limit = 0, bool mild = false) {
+                   uint64_t seed, bool recurrent = false, size_t shared_limit = 0, bool mild = false,
+                   int64_t v_pad = 0) {
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<float> uni(0.f, 1.f);
   const std::vector<int64_t> cu = cu_of(lens);
@@ -146,16 +154,25 @@ void check_chunked(const std::vector<int64_t>& lens, int64_t Hk, int64_t Hv, int
   auto fs = poisoned<float>(s0.data.size());
   auto o = poisoned<float>(size_t(T * Hv * dv));
   auto tokens = recurrent ? poisoned<float>(size_t(T * Hv * dk * dv)) : cuda::DeviceArray<float>();
-  if (recurrent)  // the state in place: s0 (zeros without init) in, the final state out
+  if (recurrent) {  // the state in place: s0 (zeros without init) in, the final state out
     cuda::gated_delta_rule_recurrent(dq.data(), dk_.data(), dv_.data(), dg.data(), db.data(), cu, int(Hk), int(Hv),
                                      int(dk), int(dv), ds0.data(), tokens.data(), o.data(), nullptr);
-  else if (shared_limit)
+  } else if (v_pad) {
+    const int64_t stride = Hv * dv + v_pad;
+    std::vector<float> wide(size_t(T * stride), std::nanf(""));
+    for (int64_t t = 0; t < T; ++t) std::copy_n(v.data.begin() + t * Hv * dv, Hv * dv, wide.begin() + t * stride);
+    auto dw = device_f32(wide);
+    cuda::gated_delta_rule_chunked(dq.data(), dk_.data(), dw.data(), dg.data(), db.data(), cuda::GdnChunkPlan(cu, nullptr),
+                                   int(Hk), int(Hv), int(dk), int(dv), init ? ds0.data() : nullptr, fs.data(), o.data(),
+                                   nullptr, shared_limit, stride);
+  } else if (shared_limit) {
     cuda::gated_delta_rule_chunked(dq.data(), dk_.data(), dv_.data(), dg.data(), db.data(), cuda::GdnChunkPlan(cu, nullptr),
                                    int(Hk), int(Hv), int(dk), int(dv), init ? ds0.data() : nullptr, fs.data(), o.data(),
                                    nullptr, shared_limit);
-  else
+  } else {
     cuda::gated_delta_rule_chunked(dq.data(), dk_.data(), dv_.data(), dg.data(), db.data(), cu, int(Hk), int(Hv),
                                    int(dk), int(dv), init ? ds0.data() : nullptr, fs.data(), o.data(), nullptr);
+  }
   const std::vector<float> got = host_f32(o), state = host_f32(recurrent ? ds0 : fs);
   if (recurrent) {
     EXPECT_LE(test::rel_l2(host_f32(tokens), want_tokens.data), kTolChunked) << "every token's state";
@@ -200,6 +217,9 @@ TEST(CudaGdn, ChunkedMatchesTheRecurrence) {
   // Enough sequences x heads that chunk_state takes 64 value columns per block (more blocks than SMs
   // at 32), the second block of each head partial.
   check_chunked(std::vector<int64_t>(24, 70), 2, 8, 32, 96, true, ++seed);
+  // The values read in place from wider rows (the conv output: q | k | v), as the target does.
+  check_chunked({3, 64, 130}, 2, 4, 24, 40, true, ++seed, false, 0, false, 4 * 24 + 12);
+  check_chunked({300}, 16, 48, 128, 128, true, ++seed, false, 0, false, 2 * 16 * 128);
   EXPECT_THROW(cuda::gated_delta_rule_chunked(nullptr, nullptr, nullptr, nullptr, nullptr, {0, 1}, 2, 3, 32, 32, nullptr,
                                               nullptr, nullptr, nullptr),
                std::invalid_argument);  // Hv % Hk != 0

@@ -357,8 +357,11 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
   const int Kc = int(sp.linear_conv_kernel_dim);
   const int64_t state_elems = Hv * dk * dv;
   auto gbuf = [&](int64_t n) { return StreamBuffer<float>(hybrid ? size_t(n) : 0, s); };  // fp32 activations
+  // The chunked rule reads the values in place from the conv output (row stride Cg); the
+  // token-by-token path and the rollback copy take them copied into gv.
+  const bool v_copy = token_by_token || (cached && keep_rollback);
   StreamBuffer<float> gpre = gbuf(T * Cg), gconv = gbuf(T * Cg), gz = gbuf(T * Hv * dv), gq = gbuf(T * Hk * dk),
-                      gk = gbuf(T * Hk * dk), gv = gbuf(T * Hv * dv), go = gbuf(T * Hv * dv), gb = gbuf(T * Hv),
+                      gk = gbuf(T * Hk * dk), gv = gbuf(v_copy ? T * Hv * dv : 0), go = gbuf(T * Hv * dv), gb = gbuf(T * Hv),
                       ga = gbuf(T * Hv), gg = gbuf(T * Hv), gbeta = gbuf(T * Hv);
   StreamBuffer<bf16> gnormed(hybrid ? size_t(T * Hv * dv) : 0, s);  // out_proj's input
   const bool gated = sp.attn_output_gate();
@@ -391,8 +394,8 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
       linear(h.data(), Hv, D, l.a, ga.data(), 0.f);
       I.stage("gated_deltanet");
       cuda::gdn_prepare(gconv.data(), gb.data(), ga.data(), l.A_log.data(), l.dt_bias.data(), T, int(Hk), int(Hv),
-                        int(dk), int(dv), float(1.0 / std::sqrt(double(dk))), gq.data(), gk.data(), gv.data(), gg.data(),
-                        gbeta.data(), s);
+                        int(dk), int(dv), float(1.0 / std::sqrt(double(dk))), gq.data(), gk.data(),
+                        v_copy ? gv.data() : nullptr, gg.data(), gbeta.data(), s);
       if (gc && keep_rollback) {  // keep the state before and every token's inputs
         const size_t n_state = size_t(C.n * state_elems);
         if (gc->state_before.size() < n_state) gc->state_before = DeviceArray<float>(n_state);
@@ -409,9 +412,10 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
         cuda::gated_delta_rule_recurrent(gq.data(), gk.data(), gv.data(), gg.data(), gbeta.data(), cu, int(Hk), int(Hv),
                                          int(dk), int(dv), gc->state.data(), nullptr, go.data(), s);
       } else {  // the cached state in and out (in place: each block reads its slice before writing it)
-        cuda::gated_delta_rule_chunked(gq.data(), gk.data(), gv.data(), gg.data(), gbeta.data(), *gdn_chunks, int(Hk),
-                                       int(Hv), int(dk), int(dv), gc ? gc->state.data() : nullptr,
-                                       gc ? gc->state.data() : nullptr, go.data(), s);
+        cuda::gated_delta_rule_chunked(gq.data(), gk.data(), v_copy ? gv.data() : gconv.data() + 2 * Hk * dk,
+                                       gg.data(), gbeta.data(), *gdn_chunks, int(Hk), int(Hv), int(dk), int(dv),
+                                       gc ? gc->state.data() : nullptr, gc ? gc->state.data() : nullptr, go.data(), s,
+                                       0, v_copy ? 0 : Cg);
       }
       cuda::gated_rms_norm(go.data(), gz.data(), l.gnorm.data(), gnormed.data(), T * Hv, dv, sp.rms_norm_eps, s);
       linear(gnormed.data(), D, Hv * dv, l.out, x.data(), 1.f);  // x += out_proj(o)

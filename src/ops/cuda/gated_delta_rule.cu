@@ -102,7 +102,8 @@ __global__ void gdn_prepare_kernel(const float* qkv, const float* b, const float
     }
   }
   const float* vs = row + 2 * int64_t(Hk) * dk;
-  for (int i = threadIdx.x; i < Hv * dv; i += blockDim.x) v[t * Hv * dv + i] = vs[i];
+  if (v)
+    for (int i = threadIdx.x; i < Hv * dv; i += blockDim.x) v[t * Hv * dv + i] = vs[i];
   for (int h = threadIdx.x; h < Hv; h += blockDim.x) {
     const int64_t i = t * Hv + h;
     beta[i] = 1.f / (1.f + expf(-b[i]));
@@ -127,15 +128,18 @@ __device__ __forceinline__ void store_split(Split s, int64_t i, float x0, float 
 }
 
 /// Rows [0, rows) of a [T, H, n] fp32 tensor (head h, columns c0 .. c0 + ncols - 1, ncols % 4 == 0,
-/// rows from `start`) into dst [rows][ld] with cp.async: rows >= L and columns >= ncols are zero-filled
-/// (columns up to `width`, a multiple of 4). Completes at the next cp.async wait.
+/// rows from `start`; token rows row_stride floats apart, 0: H n) into dst [rows][ld] with cp.async:
+/// rows >= L and columns >= ncols are zero-filled (columns up to `width`, a multiple of 4). Completes
+/// at the next cp.async wait.
 __device__ __forceinline__ void load_rows_async(float* dst, int ld, int width, const float* src, int start, int L, int H,
-                                                int h, int n, int c0, int ncols, int rows = kChunk) {
+                                                int h, int n, int c0, int ncols, int rows = kChunk,
+                                                int64_t row_stride = 0) {
   const int n4 = width / 4;
+  const int64_t rs = row_stride ? row_stride : int64_t(H) * n;
   for (int e = threadIdx.x; e < rows * n4; e += kThreads) {
     const int r = e / n4, c = (e - r * n4) * 4;
     const bool ok = r < L && c < ncols;
-    mma::cp_async16(dst + r * ld + c, ok ? src + (int64_t(start + r) * H + h) * n + c0 + c : src, ok);
+    mma::cp_async16(dst + r * ld + c, ok ? src + int64_t(start + r) * rs + int64_t(h) * n + c0 + c : src, ok);
   }
 }
 
@@ -333,7 +337,8 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
                                                                     const float* g, const float* beta,
                                                                     const Chunk* chunks, int Hk, int Hv, int dk, int dv,
                                                                     int dkp, float* w_out, Split w_s, Split k_s,
-                                                                    Split q_s, float* u_out, Split P_s, float* G_out) {
+                                                                    Split q_s, float* u_out, Split P_s, float* G_out,
+                                                                    int64_t v_stride) {
   extern __shared__ float4 sm4[];
   float* sm = reinterpret_cast<float*>(sm4);
   const int ld = prepare_ld(dk, dv);  // row stride (floats)
@@ -414,7 +419,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
         store_split(P_s, P0 + i * kChunk + j, p[0], p[1]);
       }
     // The values load while T and w are computed (the queries were last read by the Gram products).
-    load_rows_async(Xs, ld, dv16, v, ch.start, L, Hv, h, dv, 0, dv);
+    load_rows_async(Xs, ld, dv16, v, ch.start, L, Hv, h, dv, 0, dv, kChunk, v_stride);
     mma::cp_async_commit();
     __syncthreads();
     invert_unit_lower(M, ldm, Tm, ldt, Y);  // T = (I + A)^-1 (synchronizes)
@@ -918,11 +923,17 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
 
 void gated_delta_rule_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta,
                               const GdnChunkPlan& plan, int Hk, int Hv, int dk, int dv, const float* init,
-                              float* final_state, float* o, cudaStream_t stream, size_t shared_limit) {
+                              float* final_state, float* o, cudaStream_t stream, size_t shared_limit,
+                              int64_t v_row_stride) {
   if (Hk <= 0 || Hv <= 0 || Hv % Hk != 0 || dk <= 0 || dk > 128 || dv <= 0 || dv > 128 || dk % 4 || dv % 4)
     throw std::invalid_argument("gated_delta_rule_chunked: Hk " + std::to_string(Hk) + ", Hv " + std::to_string(Hv) +
                                 ", dk " + std::to_string(dk) + ", dv " + std::to_string(dv) +
                                 " (head dims multiples of 4, <= 128)");
+  if (v_row_stride != 0 && (v_row_stride < int64_t(Hv) * dv || v_row_stride % 4 != 0 ||
+                            reinterpret_cast<uintptr_t>(v) % 16 != 0))
+    throw std::invalid_argument("gated_delta_rule_chunked: v row stride " + std::to_string(v_row_stride) +
+                                " (>= Hv dv = " + std::to_string(int64_t(Hv) * dv) +
+                                ", a multiple of 4, v 16-byte aligned)");
   const int nseq = plan.nseq;
   const int64_t T = plan.T, nch = plan.count;
   const Chunk* d_chunks = plan.chunks.data();
@@ -962,7 +973,7 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
     allow_shared_memory(chunk_prepare_kernel, smem, "chunk_prepare");
     chunk_prepare_kernel<<<dim3(unsigned(nch), unsigned(Hk)), kThreads, smem, stream>>>(
         q, k, v, g, beta, d_chunks, Hk, Hv, dk, dv, dkp, w.data(), w_s.get(), k_s.get(), q_s.get(), u.data(), P_s.get(),
-        G.data());
+        G.data(), v_row_stride);
     DFLASH_CUDA_CHECK_LAUNCH();
   }
   // The sequential part: states before each chunk and the chunks' U.

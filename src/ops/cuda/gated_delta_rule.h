@@ -30,7 +30,8 @@ void causal_conv1d_silu(const float* x, const float* w, const int32_t* row_start
 ///   v = qkv[t, v part]                                               [T, Hv, dv] fp32
 ///   beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)       [T, Hv] fp32
 /// qkv [T, 2*Hk*dk + Hv*dv] fp32 (q | k | v, the conv1d output), b and a [T, Hv] fp32, A_log and
-/// dt_bias [Hv] fp32. l2norm(x) = x / sqrt(sum x^2 + 1e-6) in fp32. dk <= 256.
+/// dt_bias [Hv] fp32. l2norm(x) = x / sqrt(sum x^2 + 1e-6) in fp32. dk <= 256. v may be null (not
+/// written): gated_delta_rule_chunked reads the values in place from qkv with v_row_stride.
 void gdn_prepare(const float* qkv, const float* b, const float* a, const float* A_log, const float* dt_bias, int64_t T,
                  int Hk, int Hv, int dk, int dv, float scale, float* q, float* k, float* v, float* g, float* beta,
                  cudaStream_t stream);
@@ -68,10 +69,13 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
 /// device's opt-in limit) caps the shared memory per block the kernels may use: below what the
 /// tensor-core chunk_state needs (at dk 128 ~209 KB with 64 state columns per block, ~177 KB with
 /// 32; A100 offers 163 KB) its SIMT form runs. Throws
-/// std::runtime_error when even that does not fit.
+/// std::runtime_error when even that does not fit. v_row_stride (floats, 0: Hv dv): token t's values
+/// at v + t v_row_stride, e.g. the v part of the conv1d output read in place (a multiple of 4, v
+/// 16-byte aligned; std::invalid_argument otherwise).
 void gated_delta_rule_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta,
                               const GdnChunkPlan& plan, int Hk, int Hv, int dk, int dv, const float* initial_state,
-                              float* final_state, float* o, cudaStream_t stream, size_t shared_limit = 0);
+                              float* final_state, float* o, cudaStream_t stream, size_t shared_limit = 0,
+                              int64_t v_row_stride = 0);
 
 // ---- Decoding and speculative verification (src/ops/cuda/gated_delta_decode.cu) ----
 // Per sequence s of a cached batch: window [n_seq, K-1, C] holds the last K-1 conv inputs before the
