@@ -139,11 +139,13 @@ if [ "${GPU_CHECK_BENCH:-1}" != 0 ]; then
   # The dflash train path (trainer + GPU backend) on 1 and 2 GPUs, colocated (2 samples per replica
   # per step): the speedup of the second GPU.
   if [ "$ngpu" -ge 2 ]; then
-    for g in 0 0,1; do
-      pg=$(DFLASH_COMMIT="$commit" "$build/dflash" bench pipeline --preset qwen3-8b --gpus "$g" --steps 6 --warmup 2 \
-        --results "$out" 2>&1) || tests_rc=1
-      echo "$pg" >>"$log"
-      pipeline+=$'\n'"--- qwen3-8b, train path, --gpus $g"$'\n'"$(echo "$pg" | grep samples_per_s)"
+    for p in qwen3-8b qwen3.6-27b; do
+      for g in 0 0,1; do
+        pg=$(DFLASH_COMMIT="$commit" "$build/dflash" bench pipeline --preset "$p" --gpus "$g" --steps 6 --warmup 2 \
+          --results "$out" 2>&1) || tests_rc=1
+        echo "$pg" >>"$log"
+        pipeline+=$'\n'"--- $p, train path, --gpus $g"$'\n'"$(echo "$pg" | grep samples_per_s)"
+      done
     done
   fi
 fi
