@@ -18,7 +18,8 @@ Tensor causal_conv1d_silu(const Tensor& x, const Tensor& w, const std::vector<in
 /// Gated delta rule, token by token (the reference every chunked kernel is tested against).
 /// q, k [T, Hk, dk]; v [T, Hv, dv]; g, beta [T, Hv] (g = log decay <= 0); Hv % Hk == 0 and value
 /// head j reads key head j / (Hv / Hk). If use_qk_l2norm, q and k are l2-normalized (eps 1e-6)
-/// first; q is then scaled by `scale`. Per sequence and value head, with state S [dk, dv] (fp32):
+/// first; q is then scaled by `scale`. Per sequence and value head, with state S [dk, dv] (fp32;
+/// the dot products S^T k and S^T q summed in double):
 ///   S <- exp(g_t) S;  u = beta_t (v_t - S^T k_t);  S <- S + k_t u^T;  o_t = S^T q_t.
 /// initial_state (optional) and final_state (optional out) are [n_seq, Hv, dk, dv]; a null
 /// initial state means zeros. token_states (optional out, decoding rollback) [T, Hv, dk, dv] gets
