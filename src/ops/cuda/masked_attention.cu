@@ -415,24 +415,17 @@ __device__ __forceinline__ bf16* align_sw128(unsigned char* smem) {
   return reinterpret_cast<bf16*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~uintptr_t(1023));
 }
 
-/// d [64 x N] = A B^T over k = D (wgmma, both operands K-major in shared memory): A = 64 rows of a
+/// d [64 x 64] = A B^T over k = D (wgmma, both operands K-major in shared memory): A = 64 rows of a
 /// swizzled tile of kArows rows (a: the first of them, in column block 0), B = a whole swizzled tile
-/// of N (64 or 32) rows. Issued, not committed. S = Q K^T, dP = dO V^T, S^T = K Q^T, dP^T = V dO^T.
-template <int D, int kArows, int N = 64>
-__device__ __forceinline__ void ss_abt(float (&d)[N / 8][4], const bf16* a, const bf16* b) {
-  static_assert(N == 64 || N == 32, "m64n64k16 or m64n32k16");
+/// of 64 rows. Issued, not committed. S = Q K^T, dP = dO V^T, S^T = K Q^T, dP^T = V dO^T.
+template <int D, int kArows>
+__device__ __forceinline__ void ss_abt(float (&d)[8][4], const bf16* a, const bf16* b) {
   // k step ks: column block ks / 4, 32 bytes per k step inside it
   auto da = [&](int ks) { return wgmma::desc_sw128(a + (ks / 4) * kArows * 64 + (ks % 4) * 16, 16, 1024); };
-  auto db = [&](int ks) { return wgmma::desc_sw128(b + (ks / 4) * N * 64 + (ks % 4) * 16, 16, 1024); };
-  if constexpr (N == 64) {
-    wgmma::m64n64k16_ss<false>(d, da(0), db(0));
+  auto db = [&](int ks) { return wgmma::desc_sw128(b + (ks / 4) * 64 * 64 + (ks % 4) * 16, 16, 1024); };
+  wgmma::m64n64k16_ss<false>(d, da(0), db(0));
 #pragma unroll
-    for (int ks = 1; ks < D / 16; ++ks) wgmma::m64n64k16_ss<true>(d, da(ks), db(ks));
-  } else {
-    wgmma::m64n32k16_ss<false>(d, da(0), db(0));
-#pragma unroll
-    for (int ks = 1; ks < D / 16; ++ks) wgmma::m64n32k16_ss<true>(d, da(ks), db(ks));
-  }
+  for (int ks = 1; ks < D / 16; ++ks) wgmma::m64n64k16_ss<true>(d, da(ks), db(ks));
 }
 
 /// The A fragment (mma.sync m16n8k16 layout) of rows r0 .. r0 + 15, columns c0 .. c0 + 15 of a
@@ -483,7 +476,7 @@ __global__ void __launch_bounds__(128 * WG, 1)
   // (kPrefetchS); 256: Q read from shared memory and one S tile at a time (the registers hold the
   // 64 x 256 O accumulator instead).
   static_assert(D == 128 || D == 256, "head_dim 128 or 256");
-  static_assert(N == 64 || N == 32, "S tiles of m64n64k16 or m64n32k16");
+  static_assert(N == 64, "S tiles of 64 keys (m64n64k16)");
   static_assert(kPrefetchS || D != 128, "the Q fragments are loaded on the prefetching path");
   constexpr bool kQregs = D == 128;
   constexpr int QR = 64 * WG, kThreads = 128 * WG, kBufs = kPrefetchS ? 3 : 2;
@@ -514,7 +507,7 @@ __global__ void __launch_bounds__(128 * WG, 1)
   auto issue_s = [&](float (&s)[N / 8][4], int j) {  // S = Q K_j^T, committed, not waited for
     wgmma::fence();
     if constexpr (kQregs) rs_abt<D>(s, qa, Kb + (j % kBufs) * N * D);
-    else ss_abt<D, QR, N>(s, Qw, Kb + (j % kBufs) * N * D);
+    else ss_abt<D, QR>(s, Qw, Kb + (j % kBufs) * N * D);
     wgmma::commit();
   };
   const int ra = row0 + warp * 16 + g, rb = ra + 8;

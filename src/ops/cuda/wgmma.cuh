@@ -86,14 +86,6 @@ __device__ __forceinline__ void fence_proxy_async() {
       "=f"(d[3][2]), "=f"(d[3][3]), "=f"(d[4][0]), "=f"(d[4][1]), "=f"(d[4][2]), "=f"(d[4][3]), "=f"(d[5][0]),   \
       "=f"(d[5][1]), "=f"(d[5][2]), "=f"(d[5][3]), "=f"(d[6][0]), "=f"(d[6][1]), "=f"(d[6][2]), "=f"(d[6][3]),   \
       "=f"(d[7][0]), "=f"(d[7][1]), "=f"(d[7][2]), "=f"(d[7][3])
-#define DFLASH_ACC4(d)                                                                                               \
-  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),       \
-      "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),   \
-      "+f"(d[3][2]), "+f"(d[3][3])
-#define DFLASH_OUT4(d)                                                                                               \
-  "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3]), "=f"(d[1][0]), "=f"(d[1][1]), "=f"(d[1][2]),       \
-      "=f"(d[1][3]), "=f"(d[2][0]), "=f"(d[2][1]), "=f"(d[2][2]), "=f"(d[2][3]), "=f"(d[3][0]), "=f"(d[3][1]),   \
-      "=f"(d[3][2]), "=f"(d[3][3])
 #define DFLASH_M64N64_D "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
                         "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 
@@ -108,21 +100,6 @@ __device__ __forceinline__ void m64n64k16_ss(float (&d)[8][4], uint64_t da, uint
   ", %32, %33, p, 1, 1, 0, 0;\n}\n"
   if constexpr (kAccumulate) asm volatile(DFLASH_ASM : DFLASH_ACC8(d) : "l"(da), "l"(db), "n"(1));
   else asm volatile(DFLASH_ASM : DFLASH_OUT8(d) : "l"(da), "l"(db), "n"(0));
-#undef DFLASH_ASM
-#else
-  __trap();
-#endif
-}
-
-/// d [64 x 32] (+)= A B^T over one k step of 16, as m64n64k16_ss with B [32 x 16].
-template <bool kAccumulate>
-__device__ __forceinline__ void m64n32k16_ss(float (&d)[4][4], uint64_t da, uint64_t db) {
-#if DFLASH_WGMMA_ON
-#define DFLASH_ASM                                                                                                 \
-  "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\nwgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "                   \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-  if constexpr (kAccumulate) asm volatile(DFLASH_ASM : DFLASH_ACC4(d) : "l"(da), "l"(db), "n"(1));
-  else asm volatile(DFLASH_ASM : DFLASH_OUT4(d) : "l"(da), "l"(db), "n"(0));
 #undef DFLASH_ASM
 #else
   __trap();
@@ -169,8 +146,6 @@ __device__ __forceinline__ void m64n128k16_rs_mn(float (&d)[16][4], const uint32
 
 #undef DFLASH_ACC8
 #undef DFLASH_OUT8
-#undef DFLASH_ACC4
-#undef DFLASH_OUT4
 #undef DFLASH_M64N64_D
 
 }  // namespace dflash::cuda::wgmma
