@@ -248,8 +248,10 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
       coef.push_back(wsum > 0 ? float(wts[size_t(r)] / wsum) : 0.f);
     }
   const int64_t Qc = int64_t(used.size());
-  const bool compact = Qc > 0 && Qc < Q;  // the last layer's post-attention rows are the Qc used ones
-  const int64_t Qf = compact ? Qc : Q;    // rows of the last layer's output and of the final norm
+  // (Block position 0 has no weight, so Qc < Q; with Qc == 0 there is no loss and no backward, and
+  // the last layer runs whole.)
+  const bool compact = Qc > 0;          // the last layer's post-attention rows are the Qc used ones
+  const int64_t Qf = compact ? Qc : Q;  // rows of the last layer's output and of the final norm
   auto d_used = upload(used, s);
   const auto full = cuda::to_kv_range32(cpu::dflash_kv_ranges(seq.anchors, N, B, S, 0));
   const auto slide = cuda::to_kv_range32(cpu::dflash_kv_ranges(seq.anchors, N, B, S, c.sliding_window));
@@ -351,13 +353,12 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
       a.x_in = std::move(keep);
     }
   }
-  StreamBuffer<bf16> hf(size_t(Qf * d), s);  // [Qf, d]: with compact rows, those with a loss weight
+  StreamBuffer<bf16> hf(size_t(Qf * d), s);  // [Qf, d]: the rows with a loss weight (when there are any)
   StreamBuffer<float> inv_final(size_t(Qf), s);
   cuda::rms_norm_forward(x.data(), I.F("norm.weight"), hf.data(), inv_final.data(), Qf, d, c.rms_norm_eps, false, s);
 
-  // Cross entropy over the rows with a loss weight, fused with its backward when one is wanted
-  // (coef = w / sum(w) is known up front). Without compact rows they are gathered from hf, and their
-  // gradient scattered back into a zeroed dhf.
+  // Cross entropy over the rows with a loss weight (hf's), fused with its backward when one is
+  // wanted (coef = w / sum(w) is known up front): dhf is their gradient.
   const bool backward = opt.backward && Qc > 0;
   timer.end("forward");
   timer.begin("cross_entropy");
@@ -367,23 +368,14 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   if (Qc > 0) {
     auto d_ul = upload(used_labels, s);
     auto d_coef = upload(coef, s);
-    StreamBuffer<bf16> hc(compact ? 0 : size_t(Qc * d), s);  // hf rows with a loss weight [Qc, d]
-    if (!compact) cuda::embedding_gather(hf.data(), Q, d, d_used.data(), Qc, hc.data(), nullptr, s);
-    const bf16* h_rows = compact ? hf.data() : hc.data();
     // Equal chunks (the last one is not a small remainder that runs the GEMMs below their speed).
     const int64_t rmax = std::min(Qc, cuda::cross_entropy_row_chunk(I.V, opt.ce_chunk_bytes));
     const int64_t chunks = (Qc + rmax - 1) / rmax, rc = std::min(rmax, ((Qc + chunks - 1) / chunks + 15) / 16 * 16);
     StreamBuffer<char> ce_ws(size_t(cuda::cross_entropy_workspace_bytes(rc, I.V)), s);
     StreamBuffer<float> lse(size_t(Qc), s), tl(size_t(Qc), s);
     StreamBuffer<int32_t> amax(size_t(Qc), s);
-    StreamBuffer<bf16> dhc(backward && !compact ? size_t(Qc * d) : 0, s);
-    bf16* dh_rows = compact ? dhf.data() : dhc.data();
-    cuda::cross_entropy(I.gemm, h_rows, I.lm_head.data(), Qc, d, I.V, d_ul.data(), d_coef.data(), rc,
-                        ce_ws.data(), {lse.data(), tl.data(), amax.data()}, backward ? dh_rows : nullptr);
-    if (backward && !compact) {
-      DFLASH_CUDA_CHECK(cudaMemsetAsync(dhf.data(), 0, size_t(Q * d) * 2, s));
-      cuda::scatter_rows(dhc.data(), Qc, d, d_used.data(), dhf.data(), s);
-    }
+    cuda::cross_entropy(I.gemm, hf.data(), I.lm_head.data(), Qc, d, I.V, d_ul.data(), d_coef.data(), rc,
+                        ce_ws.data(), {lse.data(), tl.data(), amax.data()}, backward ? dhf.data() : nullptr);
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(h_lse.data(), lse.data(), size_t(Qc) * 4, cudaMemcpyDeviceToHost, s));
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(h_tl.data(), tl.data(), size_t(Qc) * 4, cudaMemcpyDeviceToHost, s));
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(h_amax.data(), amax.data(), size_t(Qc) * 4, cudaMemcpyDeviceToHost, s));
@@ -425,7 +417,7 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   StreamBuffer<bf16> dx(size_t(Q * d), s), tmp(size_t(Q * d), s);
   StreamBuffer<float> nws(size_t(cuda::rms_norm_workspace_floats(SQ * std::max(H, Hkv), std::max(d, hd))), s);
   cuda::rms_norm_backward(x.data(), I.F("norm.weight"), inv_final.data(), dhf.data(), dx.data(), I.G("norm.weight"),
-                          nws.data(), Qf, d, false, s);  // (compact: dx's first Qc rows)
+                          nws.data(), Qf, d, false, s);  // dx's first Qc rows
   StreamBuffer<float> dctx(size_t(S * d), s);
   DFLASH_CUDA_CHECK(cudaMemsetAsync(dctx.data(), 0, size_t(S * d) * 4, s));
   // dW += dy^T x (= after zero_grads) over `rows` rows: dy [rows, out], x [rows, in] -> [out, in]

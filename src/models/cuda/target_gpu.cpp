@@ -51,7 +51,11 @@ DeviceArray<bf16> to_bf16(const Tensor& t, cudaStream_t s) { return to_bf16(std:
 
 /// Rows [first, first + block) of every `period` rows of a 2-D tensor, as one bf16 device array: the
 /// query (first 0) or the output gate (first Dh) rows of a gated q_proj [H * 2 Dh, D] (period 2 Dh).
+/// Throws std::invalid_argument when the rows are not a whole number of periods.
 DeviceArray<bf16> rows_to_bf16(const Tensor& t, int64_t period, int64_t first, int64_t block, cudaStream_t s) {
+  if (t.ndim() != 2 || t.dim(0) % period != 0 || first + block > period)
+    throw std::invalid_argument("TargetGpu: q_proj " + shape_str(t.shape) + " is not whole blocks of " +
+                                std::to_string(period) + " rows (query and output gate per head)");
   const int64_t cols = t.dim(1);
   Tensor r({t.dim(0) / period * block, cols});
   for (int64_t i = 0; i < t.dim(0) / period; ++i)

@@ -78,8 +78,8 @@ Tensor gated_delta_rule_recurrent(const Tensor& q_in, const Tensor& k_in, const 
         const float* vt = v.ptr() + (t * Hv + h) * dv;
         for (int64_t i = 0; i < dk * dv; ++i) S[i] *= decay;
         // The dot products accumulate in double: v - S^T k cancels once the state holds v for k,
-        // and fp32 sums there, amplified through the layers, put the qwen3_5_text fixture at
-        // 1.06e-5 from its float64 golden on FMA BLAS kernels (4.3e-6 with double sums).
+        // and with fp32 sums there the qwen3_5_text fixture ended 1.06e-5 from its float64 golden
+        // on a machine whose BLAS runs FMA kernels (4.3e-6 with double sums).
         for (int64_t j = 0; j < dv; ++j) {
           double mem = 0;
           for (int64_t i = 0; i < dk; ++i) mem += double(S[i * dv + j]) * kt[i];

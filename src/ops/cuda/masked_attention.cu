@@ -251,7 +251,7 @@ __device__ __forceinline__ void online_softmax(float (*s)[4], RowTile<D>& r, boo
   r.l_b = r.l_b * al_b + ps_b;
   r.m_a = mn_a, r.m_b = mn_b;
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) r.oacc[i][0] *= al_a, r.oacc[i][1] *= al_a, r.oacc[i][2] *= al_b, r.oacc[i][3] *= al_b;
+  for (int i = 0; i < D / 8; ++i) r.oacc[i][0] *= al_a, r.oacc[i][1] *= al_a, r.oacc[i][2] *= al_b, r.oacc[i][3] *= al_b;
 }
 
 /// The forward's epilogue for one m-tile: rows ra and rb of head h get O / l (bf16; 0 for a row
@@ -387,8 +387,9 @@ __global__ void __launch_bounds__(32 * W, MT == 2 ? 2 : (D <= 128 ? 3 : 2))
 // rows 16 i .. of them, as in the mma.sync kernel, so the softmax and epilogue are shared). Q, K and
 // V tiles sit in shared memory with the 128-byte swizzle (wgmma.cuh); S = Q K^T takes K from shared
 // memory and Q's fragments from registers (loaded once; head_dim 128) or from shared memory (256),
-// O += P V takes P from registers and V (MN-major) from shared memory. The next key tile's S is
-// issued before this tile's softmax, so the tensor cores work while the warps exponentiate.
+// O += P V takes P from registers and V (MN-major) from shared memory. At head_dim 128 the next key
+// tile's S is issued before this tile's softmax, so the tensor cores work while the warps
+// exponentiate; at 256 the registers hold one S tile only.
 
 /// copy_rows_async into wgmma's 128-byte-swizzled layout: the [kRows][D] tile as D / 64 column
 /// blocks of [kRows][64]; row r of a block at r 128 bytes, its 16-byte chunk c at ((c ^ r % 8) 16).
@@ -531,39 +532,37 @@ __global__ void __launch_bounds__(128 * WG, 1)
       wgmma::wait<0>();
       softmax_pv(j, sc);
     }
-    cp_async_wait<0>();  // (a query tile that sees no key never waited for its copy)
-    write_rows(rt, o, lse, ra, rb, Nq, H, h, t);
-    return;
-  }
-  // Tile j: S_j was issued one step earlier, so the tensor cores compute S_{j+1} while this
-  // warpgroup runs tile j's softmax. Buffers: three (tile j, tile j + 1 landed, tile j + 2 in flight).
-  auto step = [&](int j, float (&sc)[N / 8][4], float (&sn)[N / 8][4]) {
-    fetch(j + 2);  // into tile j - 1's buffer, freed by the barrier that ended step j - 1
-    cp_async_wait<1>();  // tile j + 1 has landed (j + 2 may be in flight)
+  } else {
+    // Tile j: S_j was issued one step earlier, so the tensor cores compute S_{j+1} while this
+    // warpgroup runs tile j's softmax. Buffers: three (tile j, tile j + 1 landed, tile j + 2 in flight).
+    auto step = [&](int j, float (&sc)[N / 8][4], float (&sn)[N / 8][4]) {
+      fetch(j + 2);  // into tile j - 1's buffer, freed by the barrier that ended step j - 1
+      cp_async_wait<1>();  // tile j + 1 has landed (j + 2 may be in flight)
+      wgmma::fence_proxy_async();
+      __syncthreads();
+      // S_{j+1}; after the last tile, tile j again, never read (no branch around a wgmma: the
+      // compiler would serialize them all).
+      issue_s(sn, min(j + 1, tiles.n - 1));  // in flight during this tile's softmax
+      softmax_pv(j, sc);
+    };
+    float s0[N / 8][4], s1[N / 8][4];
+    fetch(0);
+    fetch(1);
+    cp_async_wait<1>();  // Q and tile 0
     wgmma::fence_proxy_async();
     __syncthreads();
-    // S_{j+1}; after the last tile, tile j again, never read (no branch around a wgmma: the
-    // compiler would serialize them all).
-    issue_s(sn, min(j + 1, tiles.n - 1));  // in flight during this tile's softmax
-    softmax_pv(j, sc);
-  };
-  float s0[N / 8][4], s1[N / 8][4];
-  fetch(0);
-  fetch(1);
-  cp_async_wait<1>();  // Q and tile 0
-  wgmma::fence_proxy_async();
-  __syncthreads();
-  if constexpr (kQregs)
+    if constexpr (kQregs)
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) load_a_sw128(qa[ks], Qs, QR, warp * 16, ks * 16, lane);
-  issue_s(s0, 0);  // (with no tile, of a buffer never written, and never read)
-  wgmma::wait<0>();  // (no wgmma in flight across a branch: the compiler would serialize them all)
-  for (int j = 0; j < tiles.n; ++j) {
-    step(j, s0, s1);
+      for (int ks = 0; ks < D / 16; ++ks) load_a_sw128(qa[ks], Qs, QR, warp * 16, ks * 16, lane);
+    issue_s(s0, 0);  // (with no tile, of a buffer never written, and never read)
+    wgmma::wait<0>();  // (no wgmma in flight across a branch: the compiler would serialize them all)
+    for (int j = 0; j < tiles.n; ++j) {
+      step(j, s0, s1);
 #pragma unroll
-    for (int nt = 0; nt < N / 8; ++nt)  // S_{j+1} (complete: step waited for every wgmma)
+      for (int nt = 0; nt < N / 8; ++nt)  // S_{j+1} (complete: step waited for every wgmma)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s0[nt][e] = s1[nt][e];
+        for (int e = 0; e < 4; ++e) s0[nt][e] = s1[nt][e];
+    }
   }
   cp_async_wait<0>();  // (a query tile that sees no key never waited for its copy)
   write_rows(rt, o, lse, ra, rb, Nq, H, h, t);

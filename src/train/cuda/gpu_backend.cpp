@@ -85,7 +85,13 @@ struct DrafterReplica {
                              int64_t(anchors.size()), gamma};
       DrafterGpuStepOptions so;
       so.recompute = recompute;
-      const DrafterGpuStepResult d = drafter.step(seq, so);
+      DrafterGpuStepResult d;
+      try {
+        d = drafter.step(seq, so);
+      } catch (...) {  // the work queued before the error still reads the taps: let it finish first
+        cudaStreamSynchronize(stream.s);
+        throw;
+      }
       r.loss = d.loss, r.weight_sum = d.weight_sum;
       r.slot_correct = d.slot_correct, r.slot_count = d.slot_count;
       r.nonfinite_taps = d.nonfinite_taps;
@@ -252,6 +258,13 @@ class MultiGpuBackend final : public DrafterBackend {
           const cudaError_t e = cudaDeviceEnablePeerAccess(t, 0);
           if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) DFLASH_CUDA_CHECK(e);
           (void)cudaGetLastError();
+          // The packed taps come from t's stream-ordered pool, which peer access does not cover.
+          cudaMemPool_t pool;
+          DFLASH_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, t));
+          cudaMemAccessDesc access{};
+          access.location = {cudaMemLocationTypeDevice, d};
+          access.flags = cudaMemAccessFlagsProtReadWrite;
+          DFLASH_CUDA_CHECK(cudaMemPoolSetAccess(pool, &access, 1));
         }
       }
     const ProcessGroup& pg = opt.pg;
@@ -343,11 +356,11 @@ class MultiGpuBackend final : public DrafterBackend {
             const auto t0 = std::chrono::steady_clock::now();
             TapsMsg m = hand.pop(tj[j], d);
             const double wait_ms = ms_since(t0);
-            cuda::DeviceArray<bf16> local;
+            cuda::StreamBuffer<bf16> local;  // (freed in stream order, after the step)
             const bf16* taps = m.pack->data + m.offset;
             if (m.pack->device != dr.device) {  // peer-to-peer copy to the drafter's GPU
               DFLASH_CUDA_CHECK(cudaSetDevice(dr.device));
-              local = cuda::DeviceArray<bf16>(size_t(m.elems));
+              local = cuda::StreamBuffer<bf16>(size_t(m.elems), dr.stream.s);
               DFLASH_CUDA_CHECK(cudaMemcpyPeerAsync(local.data(), dr.device, taps, m.pack->device,
                                                     size_t(m.elems) * sizeof(bf16), dr.stream.s));
               taps = local.data();
