@@ -389,7 +389,8 @@ __global__ void __launch_bounds__(32 * W, MT == 2 ? 2 : (D <= 128 ? 3 : 2))
 // memory and Q's fragments from registers (loaded once; head_dim 128) or from shared memory (256),
 // O += P V takes P from registers and V (MN-major) from shared memory. At head_dim 128 the next key
 // tile's S is issued before this tile's softmax, so the tensor cores work while the warps
-// exponentiate; at 256 the registers hold one S tile only.
+// exponentiate; at 256 the registers hold one S tile only. The two warpgroups take turns issuing
+// their score products (PingPong), so one's products run while the other exponentiates.
 
 /// copy_rows_async into wgmma's 128-byte-swizzled layout: the [kRows][D] tile as D / 64 column
 /// blocks of [kRows][64]; row r of a block at r 128 bytes, its 16-byte chunk c at ((c ^ r % 8) 16).
@@ -468,6 +469,26 @@ __device__ __forceinline__ void rs_ab(float (&d)[D / 8][4], const float (*c)[4],
   }
 }
 
+/// Warpgroup ping-pong (FlashAttention-3, Shah et al. 2024, section 3.1) for a CTA of two
+/// warpgroups: named barriers 1 and 2 order their score products' issue, warpgroup 0 first and
+/// warpgroup 1 once warpgroup 0's are queued, so that the tensor cores run one warpgroup's products
+/// while the other exponentiates instead of both waiting on both. turn() before the issue, pass()
+/// right after it (the barrier ids are computed, no branch around an MMA in flight), finish() once
+/// after the loop (it takes warpgroup 1's last pass). Barrier 0 stays __syncthreads'.
+struct PingPong {
+  int wg;
+  __device__ explicit PingPong(int w) : wg(w) {
+    if (wg == 1) arrive(1);  // warpgroup 0 goes first
+  }
+  __device__ static void arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
+  __device__ static void sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
+  __device__ void turn() const { sync(1 + wg); }
+  __device__ void pass() const { arrive(2 - wg); }
+  __device__ void finish() const {
+    if (wg == 0) sync(1);
+  }
+};
+
 template <int D, int WG, int N, bool kPrefetchS>
 __global__ void __launch_bounds__(128 * WG, 1)
     fwd_wgmma_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
@@ -480,7 +501,7 @@ __global__ void __launch_bounds__(128 * WG, 1)
   static_assert(N == 64, "S tiles of 64 keys (m64n64k16)");
   static_assert(kPrefetchS || D != 128, "the Q fragments are loaded on the prefetching path");
   constexpr bool kQregs = D == 128;
-  constexpr int QR = 64 * WG, kThreads = 128 * WG, kBufs = kPrefetchS ? 3 : 2;
+  constexpr int QR = 64 * WG, kThreads = 128 * WG, kBufs = kPrefetchS ? 4 : 2;
   extern __shared__ __align__(16) unsigned char smem[];
   // Each tile as D / 64 swizzled [rows][64] column blocks (copy_rows_sw128).
   bf16* Qs = align_sw128(smem);  // [QR x D]
@@ -505,11 +526,14 @@ __global__ void __launch_bounds__(128 * WG, 1)
   };
   uint32_t qa[kQregs ? D / 16 : 1][4];  // the warp's Q fragments (loaded once Q has landed)
   const bf16* Qw = Qs + (warp / 4) * 64 * 64;  // the warpgroup's 64 rows (column block 0)
+  const PingPong pp(warp / 4);
   auto issue_s = [&](float (&s)[N / 8][4], int j) {  // S = Q K_j^T, committed, not waited for
     wgmma::fence();
+    pp.turn();
     if constexpr (kQregs) rs_abt<D>(s, qa, Kb + (j % kBufs) * N * D);
     else ss_abt<D, QR>(s, Qw, Kb + (j % kBufs) * N * D);
     wgmma::commit();
+    pp.pass();
   };
   const int ra = row0 + warp * 16 + g, rb = ra + 8;
   auto softmax_pv = [&](int j, float (&sc)[N / 8][4]) {  // O += softmax(S_j) V_j, waited for
@@ -518,7 +542,9 @@ __global__ void __launch_bounds__(128 * WG, 1)
     rs_ab<N, D>(rt.oacc, sc, Vb + (j % kBufs) * N * D);
     wgmma::commit();
     wgmma::wait<0>();
-    __syncthreads();  // every warp is done with tile j's buffer before it is refilled
+    // Two buffers: every warp is done with tile j's before it is refilled. (Four: the buffer refilled
+    // at step j was tile j - 2's, which every warp finished before step j - 1's barrier.)
+    if constexpr (!kPrefetchS) __syncthreads();
   };
   if constexpr (!kPrefetchS) {  // two buffers: tile j, tile j + 1 in flight
     fetch(0);  // Q and tile 0: one group
@@ -534,9 +560,10 @@ __global__ void __launch_bounds__(128 * WG, 1)
     }
   } else {
     // Tile j: S_j was issued one step earlier, so the tensor cores compute S_{j+1} while this
-    // warpgroup runs tile j's softmax. Buffers: three (tile j, tile j + 1 landed, tile j + 2 in flight).
+    // warpgroup runs tile j's softmax. Buffers: four (tile j, tile j + 1 landed, tile j + 2 in flight,
+    // tile j - 1 possibly still read by a warp behind).
     auto step = [&](int j, float (&sc)[N / 8][4], float (&sn)[N / 8][4]) {
-      fetch(j + 2);  // into tile j - 1's buffer, freed by the barrier that ended step j - 1
+      fetch(j + 2);  // into tile j - 2's buffer
       cp_async_wait<1>();  // tile j + 1 has landed (j + 2 may be in flight)
       wgmma::fence_proxy_async();
       __syncthreads();
@@ -564,6 +591,7 @@ __global__ void __launch_bounds__(128 * WG, 1)
         for (int e = 0; e < 4; ++e) s0[nt][e] = s1[nt][e];
     }
   }
+  pp.finish();
   cp_async_wait<0>();  // (a query tile that sees no key never waited for its copy)
   write_rows(rt, o, lse, ra, rb, Nq, H, h, t);
 }
@@ -834,29 +862,32 @@ __device__ __forceinline__ void write_dkv_rows(const float (*dka)[4], const floa
   }
 }
 
-/// The dK / dV kernels' loop over their work items, two buffers: the copies of the item after the
+/// The dK / dV kernels' loop over their work items, kBufs buffers: the copies of the item after the
 /// current one (issue(qt, hi, buffer), one cp.async group) are queued before the current one is
-/// waited for; compute(qt, buffer, full) runs between two barriers (the second: every warp is done
-/// with the buffer before it is refilled). kAsyncProxy: the tiles are read by wgmma, which needs a
-/// proxy fence after the copies land.
-template <bool kAsyncProxy, typename Issue, typename Compute>
+/// waited for, then a barrier, then compute(qt, buffer, full). With two buffers a second barrier
+/// follows (every warp is done with the buffer before it is refilled); with three the buffer refilled
+/// at item i was last read by item i - 2, which every warp finished before the barrier of item i - 1.
+/// kAsyncProxy: the tiles are read by wgmma, which needs a proxy fence after the copies land.
+template <bool kAsyncProxy, int kBufs, typename Issue, typename Compute>
 __device__ __forceinline__ void for_each_item(DkvItems& items, int Nk, Issue& issue, Compute&& compute) {
+  static_assert(kBufs == 2 || kBufs == 3, "two or three buffers");
   int buf = 0;
   if (items.qt >= 0) issue(items.qt, 0, 0);
   cp_async_commit();
   while (items.qt >= 0) {
     int nqt, nhi;
     items.peek_next(nqt, nhi);
-    if (nqt >= 0) issue(nqt, nhi, buf ^ 1);
+    const int nbuf = buf + 1 == kBufs ? 0 : buf + 1;
+    if (nqt >= 0) issue(nqt, nhi, nbuf);
     cp_async_commit();
     const bool full = items.full(Nk);
     cp_async_wait_prev();
     if constexpr (kAsyncProxy) wgmma::fence_proxy_async();
     __syncthreads();
     compute(items.qt, buf, full);
-    __syncthreads();
+    if constexpr (kBufs == 2) __syncthreads();
     items.qt = nqt, items.hi = nhi;
-    buf ^= 1;
+    buf = nbuf;
   }
 }
 
@@ -898,7 +929,7 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
     copy_rows_async<D, 32 * W, BM>(Ob + buf * BM * LD, LD, dout, Nq, H, h, row0);
     copy_row_stats(s_lse_b[buf], s_delta_b[buf], s_rg_b[buf], lse2_t, delta_t, ranges, h, row0, Nq, Nqp);
   };
-  for_each_item<false>(items, Nk, issue, [&](int qt, int buf, bool full) {
+  for_each_item<false, 2>(items, Nk, issue, [&](int qt, int buf, bool full) {
     const bf16* Qs = Qb + buf * BM * LD;
     const bf16* Os = Ob + buf * BM * LD;
     float st[BM / 8][4], dpt[BM / 8][4];  // [keys of the warp] x [queries]
@@ -935,7 +966,8 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
 // Backward on Hopper (sm_90a, head_dim 128): the two kernels above with warpgroup MMAs on the
 // forward's swizzled tiles (rs_abt / ss_abt for the scores, rs_ab for the products with the
 // probabilities). In dQ the two score products are committed as two groups, so P's exponentials run
-// while the tensor cores compute dP. (The same in dK / dV, with P^T dO
+// while the tensor cores compute dP. Both kernels take turns between their warpgroups (PingPong) and
+// keep three buffers, one barrier per tile or item. (The same in dK / dV, with P^T dO
 // in flight while dS^T is formed, measured 1.64 against 1.62 ms for the plain order below, and
 // spilled registers.)
 
@@ -949,10 +981,11 @@ __global__ void __launch_bounds__(128 * WG, 1)
   static_assert(D == 128 && N == 64, "m64n64 score tiles, one m64n128 product per output row");
   constexpr int QR = 64 * WG, kThreads = 128 * WG;
   extern __shared__ __align__(16) unsigned char smem[];
-  bf16* Qs = align_sw128(smem);  // [QR x D]
-  bf16* Os = Qs + QR * D;        // dO [QR x D]
-  bf16* Kb = Os + QR * D;        // 2 x [N x D]: tile j in buffer j & 1
-  bf16* Vb = Kb + 2 * N * D;     // 2 x [N x D]
+  constexpr int kBufs = 3;
+  bf16* Qs = align_sw128(smem);   // [QR x D]
+  bf16* Os = Qs + QR * D;         // dO [QR x D]
+  bf16* Kb = Os + QR * D;         // kBufs x [N x D]: tile j in buffer j % kBufs
+  bf16* Vb = Kb + kBufs * N * D;  // kBufs x [N x D]
   __shared__ int lohi[8];
   const int h = blockIdx.y, kvh = h / (H / Hkv), row0 = (gridDim.x - 1 - blockIdx.x) * QR;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -969,8 +1002,8 @@ __global__ void __launch_bounds__(128 * WG, 1)
   const KeyTiles<N> tiles(lohi);
   auto fetch = [&](int j) {  // one cp.async group, empty past the last tile
     if (j < tiles.n) {
-      copy_rows_sw128<D, kThreads, N>(Kb + (j & 1) * N * D, k, Nk, Hkv, kvh, tiles.start(j));
-      copy_rows_sw128<D, kThreads, N>(Vb + (j & 1) * N * D, v, Nk, Hkv, kvh, tiles.start(j));
+      copy_rows_sw128<D, kThreads, N>(Kb + (j % kBufs) * N * D, k, Nk, Hkv, kvh, tiles.start(j));
+      copy_rows_sw128<D, kThreads, N>(Vb + (j % kBufs) * N * D, v, Nk, Hkv, kvh, tiles.start(j));
     }
     cp_async_commit();
   };
@@ -978,9 +1011,10 @@ __global__ void __launch_bounds__(128 * WG, 1)
   float acc[D / 8][4];
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  const PingPong pp(warp / 4);
   fetch(0);
   for (int j = 0; j < tiles.n; ++j) {
-    fetch(j + 1);        // into tile j - 1's buffer, freed by the barrier that ended step j - 1
+    fetch(j + 1);        // into tile j - 2's buffer: every warp was done with it at step j - 1's barrier
     cp_async_wait<1>();  // tile j (and Q, dO) landed
     wgmma::fence_proxy_async();
     __syncthreads();
@@ -990,13 +1024,15 @@ __global__ void __launch_bounds__(128 * WG, 1)
         load_a_sw128(qa[ks], Qs, QR, warp * 16, ks * 16, lane);
         load_a_sw128(oa[ks], Os, QR, warp * 16, ks * 16, lane);
       }
-    const bf16* Kj = Kb + (j & 1) * N * D;
+    const bf16* Kj = Kb + (j % kBufs) * N * D;
     float s[N / 8][4], dp[N / 8][4];
     wgmma::fence();
+    pp.turn();
     rs_abt<D>(s, qa, Kj);  // S = Q K^T
     wgmma::commit();
-    rs_abt<D>(dp, oa, Vb + (j & 1) * N * D);  // dP = dO V^T
+    rs_abt<D>(dp, oa, Vb + (j % kBufs) * N * D);  // dP = dO V^T
     wgmma::commit();
+    pp.pass();
     wgmma::wait<1>();  // S (dP in flight)
     const int seg = tiles.seg(j), k0 = tiles.start(j);
     dq_probs<N>(s, tile_full(lohi, seg, k0, N, Nk), rga, rgb, lse_a, lse_b, k0, seg, Nk, t, scale_log2);
@@ -1005,8 +1041,8 @@ __global__ void __launch_bounds__(128 * WG, 1)
     rs_ab<N>(acc, s, Kj);  // dQ += dS K (scaled at the end)
     wgmma::commit();
     wgmma::wait<0>();
-    __syncthreads();  // every warp is done with tile j's buffer before it is refilled
   }
+  pp.finish();
   cp_async_wait<0>();  // (a query tile that sees no key never waited for its copy)
   write_dq_rows<D>(acc, scale, dq, ra, rb, Nq, H, h, t);
 }
@@ -1024,12 +1060,13 @@ __global__ void __launch_bounds__(128 * WG, 1)
   static_assert(D == 128 && BM == 64, "m64n64 score tiles, one m64n128 product per key row");
   constexpr int KR = 64 * WG, kThreads = 128 * WG;
   extern __shared__ __align__(16) unsigned char smem[];
-  bf16* Ks = align_sw128(smem);  // [KR x D]
-  bf16* Vs = Ks + KR * D;        // [KR x D]
-  bf16* Qb = Vs + KR * D;        // 2 x [BM x D]
-  bf16* Ob = Qb + 2 * BM * D;    // dO, 2 x [BM x D]
-  __shared__ __align__(16) float s_lse_b[2][BM], s_delta_b[2][BM];
-  __shared__ __align__(16) KvRange32 s_rg_b[2][BM];
+  constexpr int kBufs = 3;
+  bf16* Ks = align_sw128(smem);      // [KR x D]
+  bf16* Vs = Ks + KR * D;            // [KR x D]
+  bf16* Qb = Vs + KR * D;            // kBufs x [BM x D]
+  bf16* Ob = Qb + kBufs * BM * D;    // dO, kBufs x [BM x D]
+  __shared__ __align__(16) float s_lse_b[kBufs][BM], s_delta_b[kBufs][BM];
+  __shared__ __align__(16) KvRange32 s_rg_b[kBufs][BM];
   const int kvh = blockIdx.x % Hkv, k0 = (blockIdx.x / Hkv) * KR, G = H / Hkv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const float scale_log2 = scale * kLog2e;
@@ -1051,14 +1088,17 @@ __global__ void __launch_bounds__(128 * WG, 1)
     copy_rows_sw128<D, kThreads, BM>(Ob + buf * BM * D, dout, Nq, H, h, row0);
     copy_row_stats(s_lse_b[buf], s_delta_b[buf], s_rg_b[buf], lse2_t, delta_t, ranges, h, row0, Nq, Nqp);
   };
-  for_each_item<true>(items, Nk, issue, [&](int qt, int buf, bool full) {
+  const PingPong pp(warp / 4);
+  for_each_item<true, kBufs>(items, Nk, issue, [&](int qt, int buf, bool full) {
     const bf16* Qt = Qb + buf * BM * D;
     const bf16* Ot = Ob + buf * BM * D;
     float st[BM / 8][4], dpt[BM / 8][4];  // [keys of the warpgroup] x [queries]
     wgmma::fence();
+    pp.turn();
     ss_abt<D, KR>(st, Kw, Qt);   // S^T = K Q^T
     ss_abt<D, KR>(dpt, Vw, Ot);  // dP^T = V dO^T
     wgmma::commit();
+    pp.pass();
     wgmma::wait<0>();
     dkv_probs<BM / 8>(st, full, s_lse_b[buf], s_rg_b[buf], qt * BM, Nq, Nk, key_a, key_b, t, scale_log2);
     dkv_dscores<BM / 8>(dpt, st, s_delta_b[buf], t);
@@ -1067,6 +1107,7 @@ __global__ void __launch_bounds__(128 * WG, 1)
     wgmma::commit();
     wgmma::wait<0>();
   });
+  pp.finish();
   cp_async_wait<0>();  // (a key tile that no query sees never waited for its copy)
   write_dkv_rows<D>(dka, dva, scale, key_a, key_b, Nk, Hkv, kvh, blockIdx.y, t, dk, dv, part_dk, part_dv);
 }
@@ -1120,7 +1161,7 @@ void launch_fwd(const bf16* q, const bf16* k, const bf16* v, const KvRange32* r,
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
-/// The Hopper forward: head_dim 128 with 64-key tiles, three buffers (129 KB of shared memory), 256
+/// The Hopper forward: head_dim 128 with 64-key tiles, four buffers (161 KB of shared memory), 256
 /// with 64-key tiles, two buffers (193 KB); one CTA per SM.
 template <int D>
 void launch_fwd_wgmma(const bf16* q, const bf16* k, const bf16* v, const KvRange32* r, int Nq, int Nk, int H,
@@ -1129,7 +1170,7 @@ void launch_fwd_wgmma(const bf16* q, const bf16* k, const bf16* v, const KvRange
   // prefetched measured 18.5 ms against 15.7 for this in the 27B target forward's attention stage)
   constexpr bool kPrefetchS = D == 128;
   constexpr int WG = 2, N = 64, QR = 64 * WG;
-  const size_t smem = size_t(QR + 2 * (kPrefetchS ? 3 : 2) * N) * D * sizeof(bf16) + 1024;  // + the swizzle atoms' alignment
+  const size_t smem = size_t(QR + 2 * (kPrefetchS ? 4 : 2) * N) * D * sizeof(bf16) + 1024;  // + the swizzle atoms' alignment
   set_smem(fwd_wgmma_kernel<D, WG, N, kPrefetchS>, smem);
   fwd_wgmma_kernel<D, WG, N, kPrefetchS><<<dim3((Nq + QR - 1) / QR, H), 128 * WG, smem, s>>>(
       q, k, v, r, Nq, Nk, H, Hkv, scale * kLog2e, o, lse);
@@ -1141,12 +1182,12 @@ void launch_bwd_wgmma(const bf16* q, const bf16* k, const bf16* v, const bf16* d
                       int Nqp, int Nk, int H, int Hkv, float scale, bf16* dq, float* delta_t, float* lse2_t,
                       const int4* tiles, int parts, int qpp, bf16* dk, bf16* dv, float* pdk, float* pdv, cudaStream_t s) {
   constexpr int D = 128, WG = 2, N = 64, QR = 64 * WG, KR = 64 * WG;
-  const size_t smem_dq = size_t(2 * QR + 4 * N) * D * sizeof(bf16) + 1024;  // + alignment of the swizzle atoms
+  const size_t smem_dq = size_t(2 * QR + 2 * 3 * N) * D * sizeof(bf16) + 1024;  // Q, dO, three K / V buffers; + alignment
   set_smem(dq_wgmma_kernel<D, WG, N>, smem_dq);
   dq_wgmma_kernel<D, WG, N><<<dim3((Nq + QR - 1) / QR, H), 128 * WG, smem_dq, s>>>(q, k, v, dout, lse2_t, delta_t, r, Nq,
                                                                                   Nqp, Nk, H, Hkv, scale, dq);
   DFLASH_CUDA_CHECK_LAUNCH();
-  const size_t smem_kv = size_t(2 * KR + 4 * BM) * D * sizeof(bf16) + 1024;
+  const size_t smem_kv = size_t(2 * KR + 2 * 3 * BM) * D * sizeof(bf16) + 1024;  // K, V, three Q / dO buffers
   set_smem(dkv_wgmma_kernel<D, WG>, smem_kv);
   dkv_wgmma_kernel<D, WG><<<dim3(((Nk + KR - 1) / KR) * Hkv, parts), 128 * WG, smem_kv, s>>>(
       q, k, v, dout, lse2_t, delta_t, r, tiles, Nq, Nqp, Nk, H, Hkv, scale, qpp, dk, dv, pdk, pdv);
