@@ -542,17 +542,16 @@ __global__ void __launch_bounds__(128 * WG, 1)
     rs_ab<N, D>(rt.oacc, sc, Vb + (j % kBufs) * N * D);
     wgmma::commit();
     wgmma::wait<0>();
-    // Two buffers: every warp is done with tile j's before it is refilled. (Four: the buffer refilled
-    // at step j was tile j - 2's, which every warp finished before step j - 1's barrier.)
-    if constexpr (!kPrefetchS) __syncthreads();
   };
+  // One barrier per tile: a buffer is refilled only after a barrier that every warp passed once done
+  // with the tile it held.
   if constexpr (!kPrefetchS) {  // two buffers: tile j, tile j + 1 in flight
     fetch(0);  // Q and tile 0: one group
     for (int j = 0; j < tiles.n; ++j) {
-      fetch(j + 1);  // into tile j - 1's buffer, freed by the barrier that ended step j - 1
-      cp_async_wait<1>();
+      cp_async_wait<0>();  // tile j, the only group in flight
       wgmma::fence_proxy_async();
-      __syncthreads();
+      __syncthreads();  // tile j visible to all; every warp is done with tile j - 1
+      fetch(j + 1);     // into tile j - 1's buffer, in flight during tile j
       float sc[N / 8][4];
       issue_s(sc, j);
       wgmma::wait<0>();
