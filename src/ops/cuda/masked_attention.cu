@@ -469,6 +469,12 @@ __device__ __forceinline__ void rs_ab(float (&d)[D / 8][4], const float (*c)[4],
   }
 }
 
+/// Shared-memory buffers of the Hopper kernels' key tiles (forward, dQ) or query items (dK / dV):
+/// the forward's head_dim 128 path fetches two tiles ahead (four buffers), its head_dim 256 path one
+/// (two: the 64 x 256 Q tile leaves no room for a third); the backward kernels one, with three.
+__host__ __device__ constexpr int fwd_wgmma_bufs(bool prefetch_s) { return prefetch_s ? 4 : 2; }
+constexpr int kBwdWgmmaBufs = 3;
+
 /// Warpgroup ping-pong (FlashAttention-3, Shah et al. 2024, section 3.1) for a CTA of two
 /// warpgroups: named barriers 1 and 2 order their score products' issue, warpgroup 0 first and
 /// warpgroup 1 once warpgroup 0's are queued, so that the tensor cores run one warpgroup's products
@@ -501,7 +507,8 @@ __global__ void __launch_bounds__(128 * WG, 1)
   static_assert(N == 64, "S tiles of 64 keys (m64n64k16)");
   static_assert(kPrefetchS || D != 128, "the Q fragments are loaded on the prefetching path");
   constexpr bool kQregs = D == 128;
-  constexpr int QR = 64 * WG, kThreads = 128 * WG, kBufs = kPrefetchS ? 4 : 2;
+  static_assert(WG == 2, "PingPong pairs two warpgroups");
+  constexpr int QR = 64 * WG, kThreads = 128 * WG, kBufs = fwd_wgmma_bufs(kPrefetchS);
   extern __shared__ __align__(16) unsigned char smem[];
   // Each tile as D / 64 swizzled [rows][64] column blocks (copy_rows_sw128).
   bf16* Qs = align_sw128(smem);  // [QR x D]
@@ -965,22 +972,22 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
 // Backward on Hopper (sm_90a, head_dim 128): the two kernels above with warpgroup MMAs on the
 // forward's swizzled tiles (rs_abt / ss_abt for the scores, rs_ab for the products with the
 // probabilities). In dQ the two score products are committed as two groups, so P's exponentials run
-// while the tensor cores compute dP. Both kernels take turns between their warpgroups (PingPong) and
-// keep three buffers, one barrier per tile or item. (The same in dK / dV, with P^T dO
-// in flight while dS^T is formed, measured 1.64 against 1.62 ms for the plain order below, and
-// spilled registers.)
+// while the tensor cores compute dP. (The same in dK / dV, with P^T dO in flight while dS^T is
+// formed, measured 1.64 against 1.62 ms for the plain order below, and spilled registers.) Both
+// kernels take turns between their warpgroups (PingPong) and keep three buffers, one barrier per
+// tile or item.
 
 /// dQ: one CTA of two warpgroups per (128 query rows, head), warpgroup w rows 64 w .. 64 w + 63
-/// (warp 4 w + i rows 16 i ..), as fwd_wgmma_kernel; keys 64 at a time, double-buffered.
+/// (warp 4 w + i rows 16 i ..), as fwd_wgmma_kernel; keys 64 at a time, three buffers.
 template <int D, int WG, int N>
 __global__ void __launch_bounds__(128 * WG, 1)
     dq_wgmma_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                     const bf16* __restrict__ dout, const float* __restrict__ lse2_t, const float* __restrict__ delta_t,
                     const KvRange32* __restrict__ ranges, int Nq, int Nqp, int Nk, int H, int Hkv, float scale, bf16* dq) {
   static_assert(D == 128 && N == 64, "m64n64 score tiles, one m64n128 product per output row");
-  constexpr int QR = 64 * WG, kThreads = 128 * WG;
+  static_assert(WG == 2, "PingPong pairs two warpgroups");
+  constexpr int QR = 64 * WG, kThreads = 128 * WG, kBufs = kBwdWgmmaBufs;
   extern __shared__ __align__(16) unsigned char smem[];
-  constexpr int kBufs = 3;
   bf16* Qs = align_sw128(smem);   // [QR x D]
   bf16* Os = Qs + QR * D;         // dO [QR x D]
   bf16* Kb = Os + QR * D;         // kBufs x [N x D]: tile j in buffer j % kBufs
@@ -1059,7 +1066,8 @@ __global__ void __launch_bounds__(128 * WG, 1)
   static_assert(D == 128 && BM == 64, "m64n64 score tiles, one m64n128 product per key row");
   constexpr int KR = 64 * WG, kThreads = 128 * WG;
   extern __shared__ __align__(16) unsigned char smem[];
-  constexpr int kBufs = 3;
+  static_assert(WG == 2, "PingPong pairs two warpgroups");
+  constexpr int kBufs = kBwdWgmmaBufs;
   bf16* Ks = align_sw128(smem);      // [KR x D]
   bf16* Vs = Ks + KR * D;            // [KR x D]
   bf16* Qb = Vs + KR * D;            // kBufs x [BM x D]
@@ -1169,7 +1177,7 @@ void launch_fwd_wgmma(const bf16* q, const bf16* k, const bf16* v, const KvRange
   // prefetched measured 18.5 ms against 15.7 for this in the 27B target forward's attention stage)
   constexpr bool kPrefetchS = D == 128;
   constexpr int WG = 2, N = 64, QR = 64 * WG;
-  const size_t smem = size_t(QR + 2 * (kPrefetchS ? 4 : 2) * N) * D * sizeof(bf16) + 1024;  // + the swizzle atoms' alignment
+  const size_t smem = size_t(QR + 2 * fwd_wgmma_bufs(kPrefetchS) * N) * D * sizeof(bf16) + 1024;  // + the swizzle atoms' alignment
   set_smem(fwd_wgmma_kernel<D, WG, N, kPrefetchS>, smem);
   fwd_wgmma_kernel<D, WG, N, kPrefetchS><<<dim3((Nq + QR - 1) / QR, H), 128 * WG, smem, s>>>(
       q, k, v, r, Nq, Nk, H, Hkv, scale * kLog2e, o, lse);
@@ -1181,12 +1189,12 @@ void launch_bwd_wgmma(const bf16* q, const bf16* k, const bf16* v, const bf16* d
                       int Nqp, int Nk, int H, int Hkv, float scale, bf16* dq, float* delta_t, float* lse2_t,
                       const int4* tiles, int parts, int qpp, bf16* dk, bf16* dv, float* pdk, float* pdv, cudaStream_t s) {
   constexpr int D = 128, WG = 2, N = 64, QR = 64 * WG, KR = 64 * WG;
-  const size_t smem_dq = size_t(2 * QR + 2 * 3 * N) * D * sizeof(bf16) + 1024;  // Q, dO, three K / V buffers; + alignment
+  const size_t smem_dq = size_t(2 * QR + 2 * kBwdWgmmaBufs * N) * D * sizeof(bf16) + 1024;  // Q, dO, K / V buffers; + alignment
   set_smem(dq_wgmma_kernel<D, WG, N>, smem_dq);
   dq_wgmma_kernel<D, WG, N><<<dim3((Nq + QR - 1) / QR, H), 128 * WG, smem_dq, s>>>(q, k, v, dout, lse2_t, delta_t, r, Nq,
                                                                                   Nqp, Nk, H, Hkv, scale, dq);
   DFLASH_CUDA_CHECK_LAUNCH();
-  const size_t smem_kv = size_t(2 * KR + 2 * 3 * BM) * D * sizeof(bf16) + 1024;  // K, V, three Q / dO buffers
+  const size_t smem_kv = size_t(2 * KR + 2 * kBwdWgmmaBufs * BM) * D * sizeof(bf16) + 1024;  // K, V, Q / dO buffers
   set_smem(dkv_wgmma_kernel<D, WG>, smem_kv);
   dkv_wgmma_kernel<D, WG><<<dim3(((Nk + KR - 1) / KR) * Hkv, parts), 128 * WG, smem_kv, s>>>(
       q, k, v, dout, lse2_t, delta_t, r, tiles, Nq, Nqp, Nk, H, Hkv, scale, qpp, dk, dv, pdk, pdv);
