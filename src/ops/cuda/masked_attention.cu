@@ -6,6 +6,7 @@
 #include "ops/cuda/device_info.h"
 #include "ops/cuda/masked_attention.h"
 #include "ops/cuda/mma.cuh"
+#include "ops/cuda/tma.cuh"
 #include "ops/cuda/wgmma.cuh"
 
 namespace dflash::cuda {
@@ -385,7 +386,9 @@ __global__ void __launch_bounds__(32 * W, MT == 2 ? 2 : (D <= 128 ? 3 : 2))
 // Forward on Hopper (sm_90a, head_dim 128 and 256): the same algorithm with warpgroup MMAs. One CTA
 // of two warpgroups per (128 query rows, head); warpgroup w owns rows 64 w .. 64 w + 63 (warp 4 w + i
 // rows 16 i .. of them, as in the mma.sync kernel, so the softmax and epilogue are shared). Q, K and
-// V tiles sit in shared memory with the 128-byte swizzle (wgmma.cuh); S = Q K^T takes K from shared
+// V tiles sit in shared memory with the 128-byte swizzle (wgmma.cuh): Q copied once by every thread
+// (cp.async), each K / V tile by one thread through the TMA (tma.cuh), which spares the other
+// threads the copies' address arithmetic (-8% per launch); S = Q K^T takes K from shared
 // memory and Q's fragments from registers (loaded once; head_dim 128) or from shared memory (256),
 // O += P V takes P from registers and V (MN-major) from shared memory. At head_dim 128 the next key
 // tile's S is issued before this tile's softmax, so the tensor cores work while the warps
@@ -497,9 +500,9 @@ struct PingPong {
 
 template <int D, int WG, int N, bool kPrefetchS>
 __global__ void __launch_bounds__(128 * WG, 1)
-    fwd_wgmma_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
-                     const KvRange32* __restrict__ ranges, int Nq, int Nk, int H, int Hkv, float scale_log2, bf16* o,
-                     float* lse) {
+    fwd_wgmma_kernel(const bf16* __restrict__ q, const __grid_constant__ CUtensorMap tmk,
+                     const __grid_constant__ CUtensorMap tmv, const KvRange32* __restrict__ ranges, int Nq, int Nk,
+                     int H, int Hkv, float scale_log2, bf16* o, float* lse) {
   // head_dim 128: Q's fragments in registers, the next tile's S in flight during this tile's softmax
   // (kPrefetchS); 256: Q read from shared memory and one S tile at a time (the registers hold the
   // 64 x 256 O accumulator instead).
@@ -515,22 +518,27 @@ __global__ void __launch_bounds__(128 * WG, 1)
   bf16* Kb = Qs + QR * D;        // kBufs x [N x D]: tile j in buffer j % kBufs
   bf16* Vb = Kb + kBufs * N * D; // kBufs x [N x D]
   __shared__ int lohi[8];
+  __shared__ __align__(8) uint64_t kv_full[kBufs];  // buffer b's K and V landed (one phase per tile)
   const int h = blockIdx.y, kvh = h / (H / Hkv), row0 = (gridDim.x - 1 - blockIdx.x) * QR;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  copy_rows_sw128<D, kThreads, QR>(Qs, q, Nq, H, h, row0);  // lands with the first key tile
-  tile_union(ranges, Nq, row0, QR, lohi);                  // (synchronizes)
+  copy_rows_sw128<D, kThreads, QR>(Qs, q, Nq, H, h, row0);  // one cp.async group
+  cp_async_commit();
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < kBufs; ++b) tma::init(&kv_full[b], 1);
+    tma::fence_init();
+  }
+  tile_union(ranges, Nq, row0, QR, lohi);  // (synchronizes)
   RowTile<D> rt;
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) rt.oacc[i][0] = rt.oacc[i][1] = rt.oacc[i][2] = rt.oacc[i][3] = 0.f;
   rt.m_a = rt.m_b = -INFINITY, rt.l_a = rt.l_b = 0.f;
   const KeyTiles<N> tiles(lohi);
-  auto fetch = [&](int j) {  // one cp.async group, empty past the last tile
-    if (j < tiles.n) {
-      copy_rows_sw128<D, kThreads, N>(Kb + (j % kBufs) * N * D, k, Nk, Hkv, kvh, tiles.start(j));
-      copy_rows_sw128<D, kThreads, N>(Vb + (j % kBufs) * N * D, v, Nk, Hkv, kvh, tiles.start(j));
-    }
-    cp_async_commit();
+  auto fetch = [&](int j) {  // thread 0 starts tile j's K and V copies (TMA); nothing past the last
+    if (threadIdx.x == 0 && j < tiles.n)
+      tma::load_tile_pair<N, D>(Kb + (j % kBufs) * N * D, Vb + (j % kBufs) * N * D, &tmk, &tmv, &kv_full[j % kBufs],
+                                kvh, tiles.start(j));
   };
+  auto landed = [&](int j) { tma::wait(&kv_full[j % kBufs], (j / kBufs) & 1); };  // tile j visible to this thread
   uint32_t qa[kQregs ? D / 16 : 1][4];  // the warp's Q fragments (loaded once Q has landed)
   const bf16* Qw = Qs + (warp / 4) * 64 * 64;  // the warpgroup's 64 rows (column block 0)
   const PingPong pp(warp / 4);
@@ -553,11 +561,12 @@ __global__ void __launch_bounds__(128 * WG, 1)
   // One barrier per tile: a buffer is refilled only after a barrier that every warp passed once done
   // with the tile it held.
   if constexpr (!kPrefetchS) {  // two buffers: tile j, tile j + 1 in flight
-    fetch(0);  // Q and tile 0: one group
+    fetch(0);
+    cp_async_wait<0>();  // Q, read by wgmma (the async proxy)
+    wgmma::fence_proxy_async();
     for (int j = 0; j < tiles.n; ++j) {
-      cp_async_wait<0>();  // tile j, the only group in flight
-      wgmma::fence_proxy_async();
-      __syncthreads();  // tile j visible to all; every warp is done with tile j - 1
+      landed(j);
+      __syncthreads();  // Q visible to all (j = 0); every warp is done with tile j - 1
       fetch(j + 1);     // into tile j - 1's buffer, in flight during tile j
       float sc[N / 8][4];
       issue_s(sc, j);
@@ -570,8 +579,7 @@ __global__ void __launch_bounds__(128 * WG, 1)
     // tile j - 1 possibly still read by a warp behind).
     auto step = [&](int j, float (&sc)[N / 8][4], float (&sn)[N / 8][4]) {
       fetch(j + 2);  // into tile j - 2's buffer
-      cp_async_wait<1>();  // tile j + 1 has landed (j + 2 may be in flight)
-      wgmma::fence_proxy_async();
+      if (j + 1 < tiles.n) landed(j + 1);  // (j + 2 may be in flight)
       __syncthreads();
       // S_{j+1}; after the last tile, tile j again, never read (no branch around a wgmma: the
       // compiler would serialize them all).
@@ -581,8 +589,8 @@ __global__ void __launch_bounds__(128 * WG, 1)
     float s0[N / 8][4], s1[N / 8][4];
     fetch(0);
     fetch(1);
-    cp_async_wait<1>();  // Q and tile 0
-    wgmma::fence_proxy_async();
+    cp_async_wait<0>();  // Q
+    if (tiles.n > 0) landed(0);
     __syncthreads();
     if constexpr (kQregs)
 #pragma unroll
@@ -598,7 +606,6 @@ __global__ void __launch_bounds__(128 * WG, 1)
     }
   }
   pp.finish();
-  cp_async_wait<0>();  // (a query tile that sees no key never waited for its copy)
   write_rows(rt, o, lse, ra, rb, Nq, H, h, t);
 }
 
@@ -869,15 +876,16 @@ __device__ __forceinline__ void write_dkv_rows(const float (*dka)[4], const floa
 }
 
 /// The dK / dV kernels' loop over their work items, kBufs buffers: the copies of the item after the
-/// current one (issue(qt, hi, buffer), one cp.async group) are queued before the current one is
-/// waited for, then a barrier, then compute(qt, buffer, full). With two buffers a second barrier
+/// current one (issue(qt, hi, buffer): one cp.async group, and TMA copies that landed(item index,
+/// buffer) waits for) are queued before the current one is waited for, then a barrier, then
+/// compute(qt, buffer, full). With two buffers a second barrier
 /// follows (every warp is done with the buffer before it is refilled); with three the buffer refilled
 /// at item i was last read by item i - 2, which every warp finished before the barrier of item i - 1.
 /// kAsyncProxy: the tiles are read by wgmma, which needs a proxy fence after the copies land.
-template <bool kAsyncProxy, int kBufs, typename Issue, typename Compute>
-__device__ __forceinline__ void for_each_item(DkvItems& items, int Nk, Issue& issue, Compute&& compute) {
+template <bool kAsyncProxy, int kBufs, typename Issue, typename Landed, typename Compute>
+__device__ __forceinline__ void for_each_item(DkvItems& items, int Nk, Issue& issue, Landed&& landed, Compute&& compute) {
   static_assert(kBufs == 2 || kBufs == 3, "two or three buffers");
-  int buf = 0;
+  int buf = 0, index = 0;
   if (items.qt >= 0) issue(items.qt, 0, 0);
   cp_async_commit();
   while (items.qt >= 0) {
@@ -888,6 +896,7 @@ __device__ __forceinline__ void for_each_item(DkvItems& items, int Nk, Issue& is
     cp_async_commit();
     const bool full = items.full(Nk);
     cp_async_wait_prev();
+    landed(index++, buf);
     if constexpr (kAsyncProxy) wgmma::fence_proxy_async();
     __syncthreads();
     compute(items.qt, buf, full);
@@ -935,7 +944,7 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
     copy_rows_async<D, 32 * W, BM>(Ob + buf * BM * LD, LD, dout, Nq, H, h, row0);
     copy_row_stats(s_lse_b[buf], s_delta_b[buf], s_rg_b[buf], lse2_t, delta_t, ranges, h, row0, Nq, Nqp);
   };
-  for_each_item<false, 2>(items, Nk, issue, [&](int qt, int buf, bool full) {
+  for_each_item<false, 2>(items, Nk, issue, [](int, int) {}, [&](int qt, int buf, bool full) {
     const bf16* Qs = Qb + buf * BM * LD;
     const bf16* Os = Ob + buf * BM * LD;
     float st[BM / 8][4], dpt[BM / 8][4];  // [keys of the warp] x [queries]
@@ -975,14 +984,16 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
 // while the tensor cores compute dP. (The same in dK / dV, with P^T dO in flight while dS^T is
 // formed, measured 1.64 against 1.62 ms for the plain order below, and spilled registers.) Both
 // kernels take turns between their warpgroups (PingPong) and keep three buffers, one barrier per
-// tile or item.
+// tile or item. The tiles that stream (K / V in dQ, Q / dO in dK / dV) come through the TMA; the
+// ones loaded once per CTA and the row statistics through cp.async.
 
 /// dQ: one CTA of two warpgroups per (128 query rows, head), warpgroup w rows 64 w .. 64 w + 63
 /// (warp 4 w + i rows 16 i ..), as fwd_wgmma_kernel; keys 64 at a time, three buffers.
 template <int D, int WG, int N>
 __global__ void __launch_bounds__(128 * WG, 1)
-    dq_wgmma_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
-                    const bf16* __restrict__ dout, const float* __restrict__ lse2_t, const float* __restrict__ delta_t,
+    dq_wgmma_kernel(const bf16* __restrict__ q, const __grid_constant__ CUtensorMap tmk,
+                    const __grid_constant__ CUtensorMap tmv, const bf16* __restrict__ dout,
+                    const float* __restrict__ lse2_t, const float* __restrict__ delta_t,
                     const KvRange32* __restrict__ ranges, int Nq, int Nqp, int Nk, int H, int Hkv, float scale, bf16* dq) {
   static_assert(D == 128 && N == 64, "m64n64 score tiles, one m64n128 product per output row");
   static_assert(WG == 2, "PingPong pairs two warpgroups");
@@ -993,11 +1004,17 @@ __global__ void __launch_bounds__(128 * WG, 1)
   bf16* Kb = Os + QR * D;         // kBufs x [N x D]: tile j in buffer j % kBufs
   bf16* Vb = Kb + kBufs * N * D;  // kBufs x [N x D]
   __shared__ int lohi[8];
+  __shared__ __align__(8) uint64_t kv_full[kBufs];  // buffer b's K and V landed (one phase per tile)
   const int h = blockIdx.y, kvh = h / (H / Hkv), row0 = (gridDim.x - 1 - blockIdx.x) * QR;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const float scale_log2 = scale * kLog2e;
-  copy_rows_sw128<D, kThreads, QR>(Qs, q, Nq, H, h, row0);  // Q and dO land with the first key tile
+  copy_rows_sw128<D, kThreads, QR>(Qs, q, Nq, H, h, row0);  // Q and dO: one cp.async group
   copy_rows_sw128<D, kThreads, QR>(Os, dout, Nq, H, h, row0);
+  cp_async_commit();
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < kBufs; ++b) tma::init(&kv_full[b], 1);
+    tma::fence_init();
+  }
   const int ra = row0 + warp * 16 + g, rb = ra + 8;
   const KvRange32 rga = ra < Nq ? ranges[ra] : KvRange32{}, rgb = rb < Nq ? ranges[rb] : KvRange32{};
   // (rows past Nq, which may lie past Nqp too, see no key: their statistics are not read)
@@ -1006,12 +1023,10 @@ __global__ void __launch_bounds__(128 * WG, 1)
   const float dl_a = ra < Nq ? delta_t[hrow + ra] : 0.f, dl_b = rb < Nq ? delta_t[hrow + rb] : 0.f;
   tile_union(ranges, Nq, row0, QR, lohi);  // (synchronizes)
   const KeyTiles<N> tiles(lohi);
-  auto fetch = [&](int j) {  // one cp.async group, empty past the last tile
-    if (j < tiles.n) {
-      copy_rows_sw128<D, kThreads, N>(Kb + (j % kBufs) * N * D, k, Nk, Hkv, kvh, tiles.start(j));
-      copy_rows_sw128<D, kThreads, N>(Vb + (j % kBufs) * N * D, v, Nk, Hkv, kvh, tiles.start(j));
-    }
-    cp_async_commit();
+  auto fetch = [&](int j) {  // thread 0 starts tile j's K and V copies (TMA); nothing past the last
+    if (threadIdx.x == 0 && j < tiles.n)
+      tma::load_tile_pair<N, D>(Kb + (j % kBufs) * N * D, Vb + (j % kBufs) * N * D, &tmk, &tmv, &kv_full[j % kBufs],
+                                kvh, tiles.start(j));
   };
   uint32_t qa[D / 16][4], oa[D / 16][4];  // the warp's Q and dO fragments (loaded once they landed)
   float acc[D / 8][4];
@@ -1021,8 +1036,8 @@ __global__ void __launch_bounds__(128 * WG, 1)
   fetch(0);
   for (int j = 0; j < tiles.n; ++j) {
     fetch(j + 1);        // into tile j - 2's buffer: every warp was done with it at step j - 1's barrier
-    cp_async_wait<1>();  // tile j (and Q, dO) landed
-    wgmma::fence_proxy_async();
+    cp_async_wait<0>();  // Q and dO (read by ldmatrix)
+    tma::wait(&kv_full[j % kBufs], (j / kBufs) & 1);  // tile j
     __syncthreads();
     if (j == 0)
 #pragma unroll
@@ -1059,8 +1074,9 @@ __global__ void __launch_bounds__(128 * WG, 1)
 /// and dP^T = V dO^T read K, V, Q and dO K-major; P^T dO and dS^T Q read dO and Q MN-major.
 template <int D, int WG>
 __global__ void __launch_bounds__(128 * WG, 1)
-    dkv_wgmma_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
-                     const bf16* __restrict__ dout, const float* __restrict__ lse2_t, const float* __restrict__ delta_t,
+    dkv_wgmma_kernel(const __grid_constant__ CUtensorMap tmq, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                     const __grid_constant__ CUtensorMap tmo, const float* __restrict__ lse2_t,
+                     const float* __restrict__ delta_t,
                      const KvRange32* __restrict__ ranges, const int4* __restrict__ tiles, int Nq, int Nqp, int Nk, int H,
                      int Hkv, float scale, int qpp, bf16* dk, bf16* dv, float* part_dk, float* part_dv) {
   static_assert(D == 128 && BM == 64, "m64n64 score tiles, one m64n128 product per key row");
@@ -1074,6 +1090,7 @@ __global__ void __launch_bounds__(128 * WG, 1)
   bf16* Ob = Qb + kBufs * BM * D;    // dO, kBufs x [BM x D]
   __shared__ __align__(16) float s_lse_b[kBufs][BM], s_delta_b[kBufs][BM];
   __shared__ __align__(16) KvRange32 s_rg_b[kBufs][BM];
+  __shared__ __align__(8) uint64_t qo_full[kBufs];  // buffer b's Q and dO landed (one phase per item)
   const int kvh = blockIdx.x % Hkv, k0 = (blockIdx.x / Hkv) * KR, G = H / Hkv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const float scale_log2 = scale * kLog2e;
@@ -1089,14 +1106,20 @@ __global__ void __launch_bounds__(128 * WG, 1)
     for (int e = 0; e < 4; ++e) dka[i][e] = dva[i][e] = 0.f;
   const int qt_begin = blockIdx.y * qpp;
   DkvItems items(tiles, k0, KR, qt_begin, min((Nq + BM - 1) / BM, qt_begin + qpp), G);
-  auto issue = [&](int qt, int hi, int buf) {
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < kBufs; ++b) tma::init(&qo_full[b], 1);
+    tma::fence_init();
+  }
+  __syncthreads();  // the barriers are ready before any thread waits on one
+  auto issue = [&](int qt, int hi, int buf) {  // Q and dO by TMA (thread 0), the row statistics by cp.async
     const int row0 = qt * BM, h = kvh * G + hi;
-    copy_rows_sw128<D, kThreads, BM>(Qb + buf * BM * D, q, Nq, H, h, row0);
-    copy_rows_sw128<D, kThreads, BM>(Ob + buf * BM * D, dout, Nq, H, h, row0);
+    if (threadIdx.x == 0)
+      tma::load_tile_pair<BM, D>(Qb + buf * BM * D, Ob + buf * BM * D, &tmq, &tmo, &qo_full[buf], h, row0);
     copy_row_stats(s_lse_b[buf], s_delta_b[buf], s_rg_b[buf], lse2_t, delta_t, ranges, h, row0, Nq, Nqp);
   };
+  auto landed = [&](int i, int buf) { tma::wait(&qo_full[buf], (i / kBufs) & 1); };  // item i in buffer buf
   const PingPong pp(warp / 4);
-  for_each_item<true, kBufs>(items, Nk, issue, [&](int qt, int buf, bool full) {
+  for_each_item<true, kBufs>(items, Nk, issue, landed, [&](int qt, int buf, bool full) {
     const bf16* Qt = Qb + buf * BM * D;
     const bf16* Ot = Ob + buf * BM * D;
     float st[BM / 8][4], dpt[BM / 8][4];  // [keys of the warpgroup] x [queries]
@@ -1178,9 +1201,12 @@ void launch_fwd_wgmma(const bf16* q, const bf16* k, const bf16* v, const KvRange
   constexpr bool kPrefetchS = D == 128;
   constexpr int WG = 2, N = 64, QR = 64 * WG;
   const size_t smem = size_t(QR + 2 * fwd_wgmma_bufs(kPrefetchS) * N) * D * sizeof(bf16) + 1024;  // + the swizzle atoms' alignment
+  // (no key: no tile is copied, and the descriptors are never read)
+  const CUtensorMap tmk = Nk > 0 ? tma::rows_map(k, Nk, Hkv, D, N, "masked_attention_forward (k)") : CUtensorMap{};
+  const CUtensorMap tmv = Nk > 0 ? tma::rows_map(v, Nk, Hkv, D, N, "masked_attention_forward (v)") : CUtensorMap{};
   set_smem(fwd_wgmma_kernel<D, WG, N, kPrefetchS>, smem);
   fwd_wgmma_kernel<D, WG, N, kPrefetchS><<<dim3((Nq + QR - 1) / QR, H), 128 * WG, smem, s>>>(
-      q, k, v, r, Nq, Nk, H, Hkv, scale * kLog2e, o, lse);
+      q, tmk, tmv, r, Nq, Nk, H, Hkv, scale * kLog2e, o, lse);
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
@@ -1190,14 +1216,18 @@ void launch_bwd_wgmma(const bf16* q, const bf16* k, const bf16* v, const bf16* d
                       const int4* tiles, int parts, int qpp, bf16* dk, bf16* dv, float* pdk, float* pdv, cudaStream_t s) {
   constexpr int D = 128, WG = 2, N = 64, QR = 64 * WG, KR = 64 * WG;
   const size_t smem_dq = size_t(2 * QR + 2 * kBwdWgmmaBufs * N) * D * sizeof(bf16) + 1024;  // Q, dO, K / V buffers; + alignment
+  const CUtensorMap tmk = tma::rows_map(k, Nk, Hkv, D, N, "masked_attention_backward (k)");
+  const CUtensorMap tmv = tma::rows_map(v, Nk, Hkv, D, N, "masked_attention_backward (v)");
+  const CUtensorMap tmq = tma::rows_map(q, Nq, H, D, BM, "masked_attention_backward (q)");
+  const CUtensorMap tmo = tma::rows_map(dout, Nq, H, D, BM, "masked_attention_backward (dout)");
   set_smem(dq_wgmma_kernel<D, WG, N>, smem_dq);
-  dq_wgmma_kernel<D, WG, N><<<dim3((Nq + QR - 1) / QR, H), 128 * WG, smem_dq, s>>>(q, k, v, dout, lse2_t, delta_t, r, Nq,
+  dq_wgmma_kernel<D, WG, N><<<dim3((Nq + QR - 1) / QR, H), 128 * WG, smem_dq, s>>>(q, tmk, tmv, dout, lse2_t, delta_t, r, Nq,
                                                                                   Nqp, Nk, H, Hkv, scale, dq);
   DFLASH_CUDA_CHECK_LAUNCH();
   const size_t smem_kv = size_t(2 * KR + 2 * kBwdWgmmaBufs * BM) * D * sizeof(bf16) + 1024;  // K, V, Q / dO buffers
   set_smem(dkv_wgmma_kernel<D, WG>, smem_kv);
   dkv_wgmma_kernel<D, WG><<<dim3(((Nk + KR - 1) / KR) * Hkv, parts), 128 * WG, smem_kv, s>>>(
-      q, k, v, dout, lse2_t, delta_t, r, tiles, Nq, Nqp, Nk, H, Hkv, scale, qpp, dk, dv, pdk, pdv);
+      tmq, k, v, tmo, lse2_t, delta_t, r, tiles, Nq, Nqp, Nk, H, Hkv, scale, qpp, dk, dv, pdk, pdv);
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
