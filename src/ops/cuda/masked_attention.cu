@@ -508,7 +508,7 @@ __global__ void __launch_bounds__(128 * WG, 1)
   // 64 x 256 O accumulator instead).
   static_assert(D == 128 || D == 256, "head_dim 128 or 256");
   static_assert(N == 64, "S tiles of 64 keys (m64n64k16)");
-  static_assert(kPrefetchS || D != 128, "the Q fragments are loaded on the prefetching path");
+  static_assert(kPrefetchS == (D == 128), "Q's fragments (128, ldmatrix) on the prefetching path; Q read by wgmma (256), after a proxy fence, on the other");
   constexpr bool kQregs = D == 128;
   static_assert(WG == 2, "PingPong pairs two warpgroups");
   constexpr int QR = 64 * WG, kThreads = 128 * WG, kBufs = fwd_wgmma_bufs(kPrefetchS);
@@ -881,7 +881,8 @@ __device__ __forceinline__ void write_dkv_rows(const float (*dka)[4], const floa
 /// compute(qt, buffer, full). With two buffers a second barrier
 /// follows (every warp is done with the buffer before it is refilled); with three the buffer refilled
 /// at item i was last read by item i - 2, which every warp finished before the barrier of item i - 1.
-/// kAsyncProxy: the tiles are read by wgmma, which needs a proxy fence after the copies land.
+/// kAsyncProxy: the CTA's K / V (cp.async, landing with the first item) are read by wgmma, which needs
+/// a proxy fence after the copies land (the TMA's tiles need none).
 template <bool kAsyncProxy, int kBufs, typename Issue, typename Landed, typename Compute>
 __device__ __forceinline__ void for_each_item(DkvItems& items, int Nk, Issue& issue, Landed&& landed, Compute&& compute) {
   static_assert(kBufs == 2 || kBufs == 3, "two or three buffers");
@@ -1201,9 +1202,8 @@ void launch_fwd_wgmma(const bf16* q, const bf16* k, const bf16* v, const KvRange
   constexpr bool kPrefetchS = D == 128;
   constexpr int WG = 2, N = 64, QR = 64 * WG;
   const size_t smem = size_t(QR + 2 * fwd_wgmma_bufs(kPrefetchS) * N) * D * sizeof(bf16) + 1024;  // + the swizzle atoms' alignment
-  // (no key: no tile is copied, and the descriptors are never read)
-  const CUtensorMap tmk = Nk > 0 ? tma::rows_map(k, Nk, Hkv, D, N, "masked_attention_forward (k)") : CUtensorMap{};
-  const CUtensorMap tmv = Nk > 0 ? tma::rows_map(v, Nk, Hkv, D, N, "masked_attention_forward (v)") : CUtensorMap{};
+  const CUtensorMap tmk = tma::rows_map(k, Nk, Hkv, D, N, "masked_attention_forward (k)");
+  const CUtensorMap tmv = tma::rows_map(v, Nk, Hkv, D, N, "masked_attention_forward (v)");
   set_smem(fwd_wgmma_kernel<D, WG, N, kPrefetchS>, smem);
   fwd_wgmma_kernel<D, WG, N, kPrefetchS><<<dim3((Nq + QR - 1) / QR, H), 128 * WG, smem, s>>>(
       q, tmk, tmv, r, Nq, Nk, H, Hkv, scale * kLog2e, o, lse);
@@ -1296,12 +1296,12 @@ void masked_attention_forward(const bf16* q, const bf16* k, const bf16* v, const
   if (Nq == 0) return;
   switch (D) {
     case 64: return launch_fwd<64, kWarps>(q, k, v, ranges, int(Nq), int(Nk), H, Hkv, scale, o, lse, stream);
-    case 128:
-      if (kernel == AttentionKernel::kAuto && masked_attention_uses_wgmma(D))
+    case 128:  // (no key at all: the mma.sync kernel, which needs no TMA descriptor of K and V)
+      if (kernel == AttentionKernel::kAuto && Nk > 0 && masked_attention_uses_wgmma(D))
         return launch_fwd_wgmma<128>(q, k, v, ranges, int(Nq), int(Nk), H, Hkv, scale, o, lse, stream);
       return launch_fwd<128, kWarps>(q, k, v, ranges, int(Nq), int(Nk), H, Hkv, scale, o, lse, stream);
     case 256:
-      if (kernel == AttentionKernel::kAuto && masked_attention_uses_wgmma(D))
+      if (kernel == AttentionKernel::kAuto && Nk > 0 && masked_attention_uses_wgmma(D))
         return launch_fwd_wgmma<256>(q, k, v, ranges, int(Nq), int(Nk), H, Hkv, scale, o, lse, stream);
       return launch_fwd<256, 4>(q, k, v, ranges, int(Nq), int(Nk), H, Hkv, scale, o, lse, stream);
     default: throw std::invalid_argument("masked_attention_forward: head_dim " + std::to_string(D) + " not in {64, 128, 256}");

@@ -44,7 +44,8 @@ bool masked_attention_uses_wgmma(int D);
 /// h / (H / Hkv)), ranges [Nq] (device). Writes o [Nq, H, D] bf16 (0 for a row that sees nothing)
 /// and, when non-null, lse [Nq, H] fp32 = natural-log logsumexp of the scaled allowed scores
 /// (-inf for a row that sees nothing). D in {64, 128, 256}, scale > 0 (finite); throws
-/// std::invalid_argument otherwise.
+/// std::invalid_argument otherwise. q, k, v, o 16-byte aligned; on Hopper, std::runtime_error when the
+/// driver refuses the TMA descriptor of k or v (tma.cuh).
 void masked_attention_forward(const bf16* q, const bf16* k, const bf16* v, const KvRange32* ranges, int64_t Nq,
                               int64_t Nk, int H, int Hkv, int D, float scale, bf16* o, float* lse,
                               cudaStream_t stream, AttentionKernel kernel = AttentionKernel::kAuto);
@@ -60,7 +61,9 @@ int64_t masked_attention_backward_workspace_bytes(int64_t Nq, int64_t Nk, int H,
 /// Backward: given the forward's inputs, o, lse and dout [Nq, H, D], writes dq [Nq, H, D] and
 /// dk, dv [Nk, Hkv, D] (bf16, overwritten; fp32 accumulation inside). Deterministic (no atomics):
 /// one kernel computes dK / dV per key tile over the query heads of its kv head, another dQ per
-/// query tile. D in {64, 128}, scale > 0 (finite); throws std::invalid_argument otherwise.
+/// query tile. D in {64, 128}, scale > 0 (finite); throws std::invalid_argument otherwise. All tensors
+/// 16-byte aligned; on Hopper, std::runtime_error when the driver refuses the TMA descriptor of q, k,
+/// v or dout (tma.cuh).
 void masked_attention_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* o, const float* lse,
                                const bf16* dout, const KvRange32* ranges, int64_t Nq, int64_t Nk, int H, int Hkv,
                                int D, float scale, bf16* dq, bf16* dk, bf16* dv, void* workspace,

@@ -3,7 +3,8 @@
 // to shared memory, 128-byte swizzled as wgmma reads it (wgmma.cuh), without per-thread address
 // arithmetic; the threads that read the tile wait on the tile's mbarrier. The descriptor of the
 // global tensor (CUtensorMap) is made on the host through the driver's cuTensorMapEncodeTiled,
-// reached via the runtime (no link to libcuda). Without sm_90a every device entry point traps.
+// reached via the runtime's cudaGetDriverEntryPointByVersion (CUDA 12.5+; no link to libcuda).
+// Without sm_90a every device entry point traps.
 #pragma once
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -44,7 +45,7 @@ inline CUtensorMap rows_map(const void* base, int64_t rows, int heads, int D, in
   if (r != CUDA_SUCCESS)
     throw std::runtime_error(std::string(what) + ": cuTensorMapEncodeTiled failed (error " + std::to_string(int(r)) +
                              ") for a [" + std::to_string(rows) + ", " + std::to_string(heads) + ", " +
-                             std::to_string(D) + "] bf16 tensor");
+                             std::to_string(D) + "] bf16 tensor (its start must be 16-byte aligned)");
   return map;
 }
 
