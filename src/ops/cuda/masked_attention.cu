@@ -523,10 +523,7 @@ __global__ void __launch_bounds__(128 * WG, 1)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   copy_rows_sw128<D, kThreads, QR>(Qs, q, Nq, H, h, row0);  // one cp.async group
   cp_async_commit();
-  if (threadIdx.x == 0) {
-    for (int b = 0; b < kBufs; ++b) tma::init(&kv_full[b], 1);
-    tma::fence_init();
-  }
+  if (threadIdx.x == 0) tma::init_ring(kv_full, kBufs);
   tile_union(ranges, Nq, row0, QR, lohi);  // (synchronizes)
   RowTile<D> rt;
 #pragma unroll
@@ -538,7 +535,7 @@ __global__ void __launch_bounds__(128 * WG, 1)
       tma::load_tile_pair<N, D>(Kb + (j % kBufs) * N * D, Vb + (j % kBufs) * N * D, &tmk, &tmv, &kv_full[j % kBufs],
                                 kvh, tiles.start(j));
   };
-  auto landed = [&](int j) { tma::wait(&kv_full[j % kBufs], (j / kBufs) & 1); };  // tile j visible to this thread
+  auto landed = [&](int j) { tma::wait_ring(kv_full, kBufs, j); };  // tile j visible to this thread
   uint32_t qa[kQregs ? D / 16 : 1][4];  // the warp's Q fragments (loaded once Q has landed)
   const bf16* Qw = Qs + (warp / 4) * 64 * 64;  // the warpgroup's 64 rows (column block 0)
   const PingPong pp(warp / 4);
@@ -876,8 +873,8 @@ __device__ __forceinline__ void write_dkv_rows(const float (*dka)[4], const floa
 }
 
 /// The dK / dV kernels' loop over their work items, kBufs buffers: the copies of the item after the
-/// current one (issue(qt, hi, buffer): one cp.async group, and TMA copies that landed(item index,
-/// buffer) waits for) are queued before the current one is waited for, then a barrier, then
+/// current one (issue(qt, hi, buffer): one cp.async group, and TMA copies that landed(item index)
+/// waits for) are queued before the current one is waited for, then a barrier, then
 /// compute(qt, buffer, full). With two buffers a second barrier
 /// follows (every warp is done with the buffer before it is refilled); with three the buffer refilled
 /// at item i was last read by item i - 2, which every warp finished before the barrier of item i - 1.
@@ -897,7 +894,7 @@ __device__ __forceinline__ void for_each_item(DkvItems& items, int Nk, Issue& is
     cp_async_commit();
     const bool full = items.full(Nk);
     cp_async_wait_prev();
-    landed(index++, buf);
+    landed(index++);
     if constexpr (kAsyncProxy) wgmma::fence_proxy_async();
     __syncthreads();
     compute(items.qt, buf, full);
@@ -945,7 +942,7 @@ __global__ void __launch_bounds__(32 * W) dkv_kernel(const bf16* __restrict__ q,
     copy_rows_async<D, 32 * W, BM>(Ob + buf * BM * LD, LD, dout, Nq, H, h, row0);
     copy_row_stats(s_lse_b[buf], s_delta_b[buf], s_rg_b[buf], lse2_t, delta_t, ranges, h, row0, Nq, Nqp);
   };
-  for_each_item<false, 2>(items, Nk, issue, [](int, int) {}, [&](int qt, int buf, bool full) {
+  for_each_item<false, 2>(items, Nk, issue, [](int) {}, [&](int qt, int buf, bool full) {
     const bf16* Qs = Qb + buf * BM * LD;
     const bf16* Os = Ob + buf * BM * LD;
     float st[BM / 8][4], dpt[BM / 8][4];  // [keys of the warp] x [queries]
@@ -1012,10 +1009,7 @@ __global__ void __launch_bounds__(128 * WG, 1)
   copy_rows_sw128<D, kThreads, QR>(Qs, q, Nq, H, h, row0);  // Q and dO: one cp.async group
   copy_rows_sw128<D, kThreads, QR>(Os, dout, Nq, H, h, row0);
   cp_async_commit();
-  if (threadIdx.x == 0) {
-    for (int b = 0; b < kBufs; ++b) tma::init(&kv_full[b], 1);
-    tma::fence_init();
-  }
+  if (threadIdx.x == 0) tma::init_ring(kv_full, kBufs);
   const int ra = row0 + warp * 16 + g, rb = ra + 8;
   const KvRange32 rga = ra < Nq ? ranges[ra] : KvRange32{}, rgb = rb < Nq ? ranges[rb] : KvRange32{};
   // (rows past Nq, which may lie past Nqp too, see no key: their statistics are not read)
@@ -1038,7 +1032,7 @@ __global__ void __launch_bounds__(128 * WG, 1)
   for (int j = 0; j < tiles.n; ++j) {
     fetch(j + 1);        // into tile j - 2's buffer: every warp was done with it at step j - 1's barrier
     cp_async_wait<0>();  // Q and dO (read by ldmatrix)
-    tma::wait(&kv_full[j % kBufs], (j / kBufs) & 1);  // tile j
+    tma::wait_ring(kv_full, kBufs, j);  // tile j
     __syncthreads();
     if (j == 0)
 #pragma unroll
@@ -1107,10 +1101,7 @@ __global__ void __launch_bounds__(128 * WG, 1)
     for (int e = 0; e < 4; ++e) dka[i][e] = dva[i][e] = 0.f;
   const int qt_begin = blockIdx.y * qpp;
   DkvItems items(tiles, k0, KR, qt_begin, min((Nq + BM - 1) / BM, qt_begin + qpp), G);
-  if (threadIdx.x == 0) {
-    for (int b = 0; b < kBufs; ++b) tma::init(&qo_full[b], 1);
-    tma::fence_init();
-  }
+  if (threadIdx.x == 0) tma::init_ring(qo_full, kBufs);
   __syncthreads();  // the barriers are ready before any thread waits on one
   auto issue = [&](int qt, int hi, int buf) {  // Q and dO by TMA (thread 0), the row statistics by cp.async
     const int row0 = qt * BM, h = kvh * G + hi;
@@ -1118,7 +1109,7 @@ __global__ void __launch_bounds__(128 * WG, 1)
       tma::load_tile_pair<BM, D>(Qb + buf * BM * D, Ob + buf * BM * D, &tmq, &tmo, &qo_full[buf], h, row0);
     copy_row_stats(s_lse_b[buf], s_delta_b[buf], s_rg_b[buf], lse2_t, delta_t, ranges, h, row0, Nq, Nqp);
   };
-  auto landed = [&](int i, int buf) { tma::wait(&qo_full[buf], (i / kBufs) & 1); };  // item i in buffer buf
+  auto landed = [&](int i) { tma::wait_ring(qo_full, kBufs, i); };  // item i, in buffer i % kBufs
   const PingPong pp(warp / 4);
   for_each_item<true, kBufs>(items, Nk, issue, landed, [&](int qt, int buf, bool full) {
     const bf16* Qt = Qb + buf * BM * D;

@@ -51,19 +51,12 @@ inline CUtensorMap rows_map(const void* base, int64_t rows, int heads, int D, in
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 
-/// Initializes the mbarrier at `bar` for `count` arrivals per phase (one thread; then fence_init()
-/// and a __syncthreads before any other thread uses it).
-__device__ __forceinline__ void init(uint64_t* bar, uint32_t count) {
+/// A ring of n buffers with one mbarrier each: use j of the ring fills buffer j % n, and is phase
+/// j / n of that buffer's barrier. init_ring: one thread readies the barriers (one arrival per phase,
+/// visible to the TMA unit); a __syncthreads must follow before any other thread waits on one.
+__device__ __forceinline__ void init_ring(uint64_t* bars, int n) {
 #if DFLASH_WGMMA_ON
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-#else
-  __trap();
-#endif
-}
-
-/// Makes the barrier initializations visible to the TMA unit.
-__device__ __forceinline__ void fence_init() {
-#if DFLASH_WGMMA_ON
+  for (int b = 0; b < n; ++b) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(bars + b)) : "memory");
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 #else
   __trap();
@@ -96,6 +89,9 @@ __device__ __forceinline__ void wait(uint64_t* bar, uint32_t parity) {
   __trap();
 #endif
 }
+
+/// Waits until use j of a ring of n buffers (init_ring) has landed.
+__device__ __forceinline__ void wait_ring(uint64_t* bars, int n, int j) { wait(&bars[j % n], (j / n) & 1); }
 
 /// Copies the box at coordinates (c0 column, c1 head, c2 row) of `map` to `dst` (1024-byte aligned)
 /// and counts its bytes on `bar`.
