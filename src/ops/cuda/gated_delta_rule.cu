@@ -760,18 +760,23 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split
   const Chunk ch = chunks[blockIdx.x];
   const int h = blockIdx.y, c0 = blockIdx.z * kOut, kh = h / (Hv / Hk), L = ch.len, tid = threadIdx.x;
   const int ncol = min(kOut, dv - c0), ncol8 = min(kOut, dv8 - c0);
-  // Every tile in one cp.async group (one memory round trip); what the products read past the data is zero.
+  // Two cp.async groups: Q and S0, then U and P, which land while Q S0 is computed. What the products
+  // read past the data is zero.
   const int64_t H0 = (int64_t(blockIdx.x) * Hv + h) * dkp * dv8, P0 = (int64_t(blockIdx.x) * Hv + h) * kChunk * kChunk;
   load_split_async(Qs, ldq, kChunk * ldq, q_s, int64_t(Hk) * dkp, (int64_t(ch.start) * Hk + kh) * dkp, L, dkp, dkp, kChunk);
   load_split_async(Ss, ldc, dkp * ldc, H_s, dv8, H0 + c0, dkp, ncol8, kOut, dkp);
+  mma::cp_async_commit();
   load_split_async(Us, ldc, kChunk * ldc, U_s, int64_t(Hv) * dv8, (int64_t(ch.start) * Hv + h) * dv8 + c0, L, ncol8, kOut,
                    kChunk);
   load_split_async(Ps, ldc, kChunk * ldc, P_s, kChunk, P0, kChunk, kChunk, kChunk, kChunk);
   mma::cp_async_commit();
-  mma::cp_async_wait<0>();
-  __syncthreads();
   const int lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
   const int mt = 16 * (warp / 2), nc = 32 * (warp % 2);
+  const int r0 = mt + g, r1 = r0 + 8;
+  const float G0 = r0 < L ? G_in[int64_t(ch.start + r0) * Hv + h] : 0.f;
+  const float G1 = r1 < L ? G_in[int64_t(ch.start + r1) * Hv + h] : 0.f;
+  mma::cp_async_wait<1>();
+  __syncthreads();
   float acc[4][4] = {}, lo[4][4] = {};  // the product is acc + lo (mma_3xbf16's small terms in lo)
   // acc += A B over k < K: A [16 rows from mt][k] row-major (its low part 64 rows on), B [k][32
   // columns from nc] row-major (its low part b_rows rows on).
@@ -781,9 +786,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split
       mma::mma_step_3xbf16<2>(acc, lo, A, lda, kChunk * lda, mt, B, ldc, b_rows * ldc, nc, k0, lane);
   };
   product(Qs, ldq, Ss, dkp, dkp);  // Q S0
-  const int r0 = mt + g, r1 = r0 + 8;
-  const float e0 = r0 < L ? __expf(G_in[int64_t(ch.start + r0) * Hv + h]) : 0.f;
-  const float e1 = r1 < L ? __expf(G_in[int64_t(ch.start + r1) * Hv + h]) : 0.f;
+  const float e0 = r0 < L ? __expf(G0) : 0.f, e1 = r1 < L ? __expf(G1) : 0.f;
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt) {
     acc[nt][0] = e0 * (acc[nt][0] + lo[nt][0]), acc[nt][1] = e0 * (acc[nt][1] + lo[nt][1]);
@@ -791,6 +794,8 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split
 #pragma unroll
     for (int e = 0; e < 4; ++e) lo[nt][e] = 0.f;
   }
+  mma::cp_async_wait<0>();
+  __syncthreads();
   product(Ps, ldc, Us, kChunk, (L + 15) / 16 * 16);  // + P U (rows of U past L are zero)
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt) {
