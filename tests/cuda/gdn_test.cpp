@@ -337,19 +337,24 @@ TEST(CudaGdn, Conv1dWithWindowsMatchesTheReference) {
 TEST(CudaGdn, GatedRmsNormAndOutputGateMatchTheReference) {
   if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
   std::mt19937_64 rng(3);
-  const int64_t rows = 301, n = 48;
-  Tensor x({rows, n}), z({rows, n}), w({n});
-  x.data = test::rand_bf16_values(x.data.size(), rng);
-  z.data = test::rand_bf16_values(z.data.size(), rng);
-  w.data = test::rand_bf16_values(w.data.size(), rng);
-  auto dx = device_f32(x.data), dz = device_f32(z.data), dw = device_f32(w.data);
-  auto y = poisoned<cuda::bf16>(size_t(rows * n));
-  cuda::gated_rms_norm(dx.data(), dz.data(), dw.data(), y.data(), rows, n, 1e-6, nullptr);
-  Tensor want = x;
-  cpu::gated_rms_norm(want, z, w, 1e-6);
-  const std::vector<float> got = test::to_host_f32(y, nullptr);
-  ASSERT_TRUE(test::all_finite(got));
-  EXPECT_LE(test::rel_l2(got, want.data), kTolBf16Out);
+  const int64_t rows = 301;
+  Tensor x, z;
+  for (int64_t n : {48, 128, 256}) {  // the scalar kernel, and the float4 kernel's two widths
+    x = Tensor({rows, n}), z = Tensor({rows, n});
+    Tensor w({n});
+    x.data = test::rand_bf16_values(x.data.size(), rng);
+    z.data = test::rand_bf16_values(z.data.size(), rng);
+    w.data = test::rand_bf16_values(w.data.size(), rng);
+    auto dx = device_f32(x.data), dz = device_f32(z.data), dw = device_f32(w.data);
+    auto y = poisoned<cuda::bf16>(size_t(rows * n));
+    cuda::gated_rms_norm(dx.data(), dz.data(), dw.data(), y.data(), rows, n, 1e-6, nullptr);
+    Tensor want = x;
+    cpu::gated_rms_norm(want, z, w, 1e-6);
+    const std::vector<float> got = test::to_host_f32(y, nullptr);
+    ASSERT_TRUE(test::all_finite(got)) << "n " << n;
+    EXPECT_LE(test::rel_l2(got, want.data), kTolBf16Out) << "n " << n;
+  }
+  const int64_t n = 256;
   // o *= sigmoid(gate) in bf16, an odd size (packed and scalar paths)
   auto ox = test::to_device_bf16(x.data, nullptr), oz = test::to_device_bf16(z.data, nullptr);
   cuda::mul_sigmoid(ox.data(), oz.data(), rows * n - 3, nullptr);
