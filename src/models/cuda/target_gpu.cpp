@@ -364,10 +364,11 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
   // The chunked rule reads the values in place from the conv output (row stride Cg); the
   // token-by-token path and the rollback copy take them copied into gv.
   const bool v_copy = token_by_token || (cached && keep_rollback);
-  StreamBuffer<float> gpre = gbuf(T * Cg), gconv = gbuf(T * Cg), gz = gbuf(T * Hv * dv), gq = gbuf(T * Hk * dk),
+  StreamBuffer<float> gpre = gbuf(T * Cg), gconv = gbuf(T * Cg), gq = gbuf(T * Hk * dk),
                       gk = gbuf(T * Hk * dk), gv = gbuf(v_copy ? T * Hv * dv : 0), go = gbuf(T * Hv * dv), gb = gbuf(T * Hv),
                       ga = gbuf(T * Hv), gg = gbuf(T * Hv), gbeta = gbuf(T * Hv);
   StreamBuffer<bf16> gnormed(hybrid ? size_t(T * Hv * dv) : 0, s);  // out_proj's input
+  StreamBuffer<bf16> gz(hybrid ? size_t(T * Hv * dv) : 0, s);       // the output gate (bf16, as in transformers)
   const bool gated = sp.attn_output_gate();
   StreamBuffer<bf16> og(gated ? size_t(T * H * Dh) : 0, s);  // the output gate's logits
   const cuda::MoeShape moe_shape{T, D, int(sp.num_experts), int(sp.num_experts_per_tok), sp.moe_intermediate_size,

@@ -809,7 +809,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split
 }
 
 /// A warp per row of n values: y = w * x * rsqrt(mean(x^2) + eps) * silu(z).
-__global__ void gated_rms_norm_kernel(const float* x, const float* z, const float* w, bf16* y, int64_t rows, int n,
+__global__ void gated_rms_norm_kernel(const float* x, const bf16* z, const float* w, bf16* y, int64_t rows, int n,
                                       float eps) {
   const int64_t r = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -818,23 +818,25 @@ __global__ void gated_rms_norm_kernel(const float* x, const float* z, const floa
   float ss = 0.f;
   for (int i = lane; i < n; i += 32) ss += xr[i] * xr[i];
   const float s = rsqrtf(warp_sum(ss) / float(n) + eps);
-  for (int i = lane; i < n; i += 32) y[r * n + i] = __float2bfloat16_rn(w[i] * (xr[i] * s) * silu(z[r * n + i]));
+  for (int i = lane; i < n; i += 32)
+    y[r * n + i] = __float2bfloat16_rn(w[i] * (xr[i] * s) * silu(__bfloat162float(z[r * n + i])));
 }
 
-/// The same for n = 128 V (rows 16-byte aligned): lane l holds columns 4 (l + 32 v) .. + 3 (v < V), x
-/// and z loaded at once as float4s (2 V loads in flight per lane), y written 8 bytes per lane.
+/// The same for n = 128 V (x, w 16-byte aligned, z and y 8-byte): lane l holds columns 4 (l + 32 v)
+/// .. + 3 (v < V), x and z loaded at once (2 V loads in flight per lane), y written 8 bytes per lane.
 template <int V>
-__global__ void gated_rms_norm_vec_kernel(const float* x, const float* z, const float* w, bf16* y, int64_t rows,
+__global__ void gated_rms_norm_vec_kernel(const float* x, const bf16* z, const float* w, bf16* y, int64_t rows,
                                           float eps) {
   constexpr int n = 128 * V;
   const int64_t r = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (r >= rows) return;
-  float4 xv[V], zv[V];
+  float4 xv[V];
+  uint2 zv[V];  // 4 bf16
 #pragma unroll
   for (int v = 0; v < V; ++v) {
     xv[v] = reinterpret_cast<const float4*>(x + r * n)[lane + 32 * v];
-    zv[v] = reinterpret_cast<const float4*>(z + r * n)[lane + 32 * v];
+    zv[v] = reinterpret_cast<const uint2*>(z + r * n)[lane + 32 * v];
   }
   float ss = 0.f;
 #pragma unroll
@@ -844,8 +846,10 @@ __global__ void gated_rms_norm_vec_kernel(const float* x, const float* z, const 
   for (int v = 0; v < V; ++v) {
     const int i = 4 * (lane + 32 * v);
     const float4 wv = *reinterpret_cast<const float4*>(w + i);
-    const __nv_bfloat162 lo = __floats2bfloat162_rn(wv.x * (xv[v].x * s) * silu(zv[v].x), wv.y * (xv[v].y * s) * silu(zv[v].y));
-    const __nv_bfloat162 hi = __floats2bfloat162_rn(wv.z * (xv[v].z * s) * silu(zv[v].z), wv.w * (xv[v].w * s) * silu(zv[v].w));
+    const float2 z01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&zv[v].x));
+    const float2 z23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&zv[v].y));
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(wv.x * (xv[v].x * s) * silu(z01.x), wv.y * (xv[v].y * s) * silu(z01.y));
+    const __nv_bfloat162 hi = __floats2bfloat162_rn(wv.z * (xv[v].z * s) * silu(z23.x), wv.w * (xv[v].w * s) * silu(z23.y));
     uint2 packed;
     packed.x = *reinterpret_cast<const uint32_t*>(&lo), packed.y = *reinterpret_cast<const uint32_t*>(&hi);
     *reinterpret_cast<uint2*>(y + r * n + i) = packed;
@@ -1037,13 +1041,13 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
-void gated_rms_norm(const float* x, const float* z, const float* w, bf16* y, int64_t rows, int64_t n, double eps,
+void gated_rms_norm(const float* x, const bf16* z, const float* w, bf16* y, int64_t rows, int64_t n, double eps,
                     cudaStream_t stream) {
   if (n <= 0 || rows < 0) throw std::invalid_argument("gated_rms_norm: rows " + std::to_string(rows) + ", n " + std::to_string(n));
   if (rows == 0) return;
   const unsigned blocks = unsigned((rows + 7) / 8);
-  const bool aligned = (reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(z) | reinterpret_cast<uintptr_t>(w) |
-                        reinterpret_cast<uintptr_t>(y)) % 16 == 0;
+  const bool aligned = (reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) % 16 == 0 &&
+                       (reinterpret_cast<uintptr_t>(z) | reinterpret_cast<uintptr_t>(y)) % 8 == 0;
   if (aligned && n == 128)
     gated_rms_norm_vec_kernel<1><<<blocks, 256, 0, stream>>>(x, z, w, y, rows, float(eps));
   else if (aligned && n == 256)

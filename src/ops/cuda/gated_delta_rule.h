@@ -107,8 +107,9 @@ void gated_delta_rule_recurrent(const float* q, const float* k, const float* v, 
                                 const std::vector<int64_t>& counts = {});
 
 /// Gated RMSNorm (Qwen3_5RMSNormGated): per row of n, y = w * (x * rsqrt(mean(x^2) + eps)) * silu(z),
-/// in fp32. x, z [rows, n] fp32, w [n] fp32 -> y [rows, n] bf16 (out_proj's GEMM input).
-void gated_rms_norm(const float* x, const float* z, const float* w, bf16* y, int64_t rows, int64_t n, double eps,
+/// in fp32. x [rows, n] fp32, z [rows, n] bf16 (in_proj_z's output, bf16 as in transformers), w [n]
+/// fp32 -> y [rows, n] bf16 (out_proj's GEMM input).
+void gated_rms_norm(const float* x, const bf16* z, const float* w, bf16* y, int64_t rows, int64_t n, double eps,
                     cudaStream_t stream);
 
 }  // namespace dflash::cuda
