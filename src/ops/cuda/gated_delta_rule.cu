@@ -16,8 +16,8 @@
 // the Gram products' fp32 tiles in registers and its keys and values once, in place in shared memory
 // (split_rows_in_place). The state and every stored activation stay fp32; bench gdn records the
 // output's error against the fp32 token recurrence. The substitution for T is fp32 SIMT. The
-// layer's activations between the projections' GEMMs (conv1d, q / k / v, o) are fp32 too: bf16
-// only feeds GEMMs.
+// layer's activations between the projections' GEMMs (conv1d, q / k / v, o) are fp32 too; bf16
+// only feeds GEMMs, and the output gate z is in_proj_z's bf16 output (as transformers rounds it).
 #include <algorithm>
 #include <stdexcept>
 #include <string>
