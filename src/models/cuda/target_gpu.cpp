@@ -324,7 +324,7 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
   cuda::rope_table(d_pos.data(), I.inv_freq.data(), T, rot, cs.data(), sn.data(), s);
   if (I.timer) I.timer->clear();
   I.stage("other");
-  StreamBuffer<float> x(size_t(T * D), s);  // the residual stream, fp32 (only GEMM inputs are bf16)
+  StreamBuffer<float> x(size_t(T * D), s);  // the residual stream, fp32 (GEMM inputs are bf16)
   StreamBuffer<bf16> h(size_t(T * D), s), q(size_t(T * H * Dh), s), k(size_t(T * Hkv * Dh), s),
       v(size_t(T * Hkv * Dh), s), o(size_t(T * H * Dh), s), g(size_t(T * Im), s), u(size_t(T * Im), s);
   cuda::embedding_gather(I.embed.data(), sp.vocab_size, D, d_ids.data(), T, h.data(), nullptr, s);

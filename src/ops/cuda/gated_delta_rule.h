@@ -3,7 +3,8 @@
 // depthwise conv1d + SiLU, the per-token inputs of the recurrence, the chunked gated delta rule
 // forward and the gated RMSNorm. References: src/ops/cpu/gated_delta_rule.cpp (causal_conv1d_silu,
 // gated_delta_rule_recurrent) and src/ops/cpu/norm.cpp (gated_rms_norm, l2_norm).
-// Activations fp32 (the projections' GEMMs write fp32; only out_proj's input is bf16), recurrent
+// Activations fp32 (the projections' GEMMs write fp32 but for in_proj_z's bf16 output gate z;
+// out_proj's input is bf16), recurrent
 // state and gates fp32. Every function runs on `stream`, holds no state
 // and may be called from many threads and streams at once.
 #pragma once
