@@ -808,6 +808,9 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split
   }
 }
 
+/// One output of the gated RMSNorm: w x s silu(z), s = rsqrt(mean(x^2) + eps) of the row.
+__device__ __forceinline__ float gated_norm(float w, float x, float s, float z) { return w * (x * s) * silu(z); }
+
 /// A warp per row of n values: y = w * x * rsqrt(mean(x^2) + eps) * silu(z).
 __global__ void gated_rms_norm_kernel(const float* x, const bf16* z, const float* w, bf16* y, int64_t rows, int n,
                                       float eps) {
@@ -819,7 +822,7 @@ __global__ void gated_rms_norm_kernel(const float* x, const bf16* z, const float
   for (int i = lane; i < n; i += 32) ss += xr[i] * xr[i];
   const float s = rsqrtf(warp_sum(ss) / float(n) + eps);
   for (int i = lane; i < n; i += 32)
-    y[r * n + i] = __float2bfloat16_rn(w[i] * (xr[i] * s) * silu(__bfloat162float(z[r * n + i])));
+    y[r * n + i] = __float2bfloat16_rn(gated_norm(w[i], xr[i], s, __bfloat162float(z[r * n + i])));
 }
 
 /// The same for n = 128 V (x, w 16-byte aligned, z and y 8-byte): lane l holds columns 4 (l + 32 v)
@@ -848,8 +851,10 @@ __global__ void gated_rms_norm_vec_kernel(const float* x, const bf16* z, const f
     const float4 wv = *reinterpret_cast<const float4*>(w + i);
     const float2 z01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&zv[v].x));
     const float2 z23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&zv[v].y));
-    const __nv_bfloat162 lo = __floats2bfloat162_rn(wv.x * (xv[v].x * s) * silu(z01.x), wv.y * (xv[v].y * s) * silu(z01.y));
-    const __nv_bfloat162 hi = __floats2bfloat162_rn(wv.z * (xv[v].z * s) * silu(z23.x), wv.w * (xv[v].w * s) * silu(z23.y));
+    const __nv_bfloat162 lo =
+        __floats2bfloat162_rn(gated_norm(wv.x, xv[v].x, s, z01.x), gated_norm(wv.y, xv[v].y, s, z01.y));
+    const __nv_bfloat162 hi =
+        __floats2bfloat162_rn(gated_norm(wv.z, xv[v].z, s, z23.x), gated_norm(wv.w, xv[v].w, s, z23.y));
     uint2 packed;
     packed.x = *reinterpret_cast<const uint32_t*>(&lo), packed.y = *reinterpret_cast<const uint32_t*>(&hi);
     *reinterpret_cast<uint2*>(y + r * n + i) = packed;
