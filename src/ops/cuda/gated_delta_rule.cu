@@ -226,47 +226,52 @@ __device__ __forceinline__ void split_rows_in_place(float* x, int ld, int width)
   }
 }
 
-/// out[i][c] = sum_{j < L} M[i][j] * coef[j] * X[j][c] for i < L, c < n (n % 4 == 0, n <= 128) on
-/// tensor cores in 3xBF16, handed over in pairs: store(i, c, out[i][c], out[i][c + 1]) for even c.
-/// A = M diag(coef) is split in registers (M [64][ldm] fp32, ldm even); X is split already
-/// (split_rows_in_place: row stride ldx, low part lo_off on), its fragments loaded by ldmatrix, with
-/// zero columns from n to n rounded up to 16 and zero rows (or coef, or M's columns) from L to L rounded
-/// up to 16. Warp w computes rows 16 (w % 4) .. + 15 and the 16-column tiles w / 4, w / 4 + 2, ...
+/// out[i][c] = sum_{j <= i, j < L} M[i][j] * coef[j] * X[j][c] for i < L, c < n (n % 4 == 0, n <= 128)
+/// with M lower triangular (its tiles above the diagonal are not read) on tensor cores in 3xBF16,
+/// handed over in pairs: store(i, c, out[i][c], out[i][c + 1]) for even c. A = M diag(coef) is split
+/// in registers (M [64][ldm] fp32, ldm even); X is split already (split_rows_in_place: row stride ldx,
+/// low part lo_off on), its fragments loaded by ldmatrix, with zero columns from n to n rounded up to
+/// 16 and zero rows (or coef, or M's columns) from L to L rounded up to 16. The triangle's 10 tiles of
+/// 16 rows x 16 k are shared evenly: warp w computes the row tiles w % 2 and 3 - w % 2 (1 + 4 or 2 + 3
+/// k steps) x the 16-column tiles w / 2 and w / 2 + 4.
 template <typename Store>
 __device__ __forceinline__ void lower_times_rows(const float* M, int ldm, const float* coef, const bf16* X, int ldx,
                                                  int lo_off, int L, int n, Store store) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
-  const int mt = 16 * (warp % 4), p0 = warp / 4, pairs = (n + 15) / 16;
-  float acc[8][4] = {};  // n-tiles 2 (p0 + 2 q) + e as acc[2 q + e]
-  for (int j0 = 0; j0 < L; j0 += 16) {
-    uint32_t ah[4], al[4];
-    const int j = j0 + 2 * t;
-    const float f0 = coef[j], f1 = coef[j + 1], f8 = coef[j + 8], f9 = coef[j + 9];
+  const int ct = warp / 2, tiles = (n + 15) / 16;
+#pragma unroll 1
+  for (int s = 0; s < 2; ++s) {
+    const int mt = 16 * (s ? 3 - warp % 2 : warp % 2);
+    float acc[4][4] = {};  // n-tile 2 q + e: columns 16 (ct + 4 q) + 8 e ..
+    for (int j0 = 0; j0 < L && j0 <= mt; j0 += 16) {  // M's tiles on and below the diagonal
+      uint32_t ah[4], al[4];
+      const int j = j0 + 2 * t;
+      const float f0 = coef[j], f1 = coef[j + 1], f8 = coef[j + 8], f9 = coef[j + 9];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {  // a[half] rows g (+ 8), columns j, j + 1; a[2 + half]: j + 8, j + 9
-      const float* m = M + (mt + g + 8 * half) * ldm + j;
-      mma::split_bf16x2(f0 * m[0], f1 * m[1], ah[half], al[half]);
-      mma::split_bf16x2(f8 * m[8], f9 * m[9], ah[2 + half], al[2 + half]);
+      for (int half = 0; half < 2; ++half) {  // a[half] rows g (+ 8), columns j, j + 1; a[2 + half]: j + 8, j + 9
+        const float* m = M + (mt + g + 8 * half) * ldm + j;
+        mma::split_bf16x2(f0 * m[0], f1 * m[1], ah[half], al[half]);
+        mma::split_bf16x2(f8 * m[8], f9 * m[9], ah[2 + half], al[2 + half]);
+      }
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        if (ct + 4 * q >= tiles) break;
+        uint32_t bh[4], bl[4];
+        mma::load_b_trans_x4(bh, X, ldx, j0, 16 * (ct + 4 * q), lane);
+        mma::load_b_trans_x4(bl, X + lo_off, ldx, j0, 16 * (ct + 4 * q), lane);
+        mma::mma_3xbf16(acc[2 * q], ah, al, bh[0], bh[1], bl[0], bl[1]);
+        mma::mma_3xbf16(acc[2 * q + 1], ah, al, bh[2], bh[3], bl[2], bl[3]);
+      }
     }
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      const int p = p0 + 2 * q;
-      if (p >= pairs) break;
-      uint32_t bh[4], bl[4];
-      mma::load_b_trans_x4(bh, X, ldx, j0, 16 * p, lane);
-      mma::load_b_trans_x4(bl, X + lo_off, ldx, j0, 16 * p, lane);
-      mma::mma_3xbf16(acc[2 * q], ah, al, bh[0], bh[1], bl[0], bl[1]);
-      mma::mma_3xbf16(acc[2 * q + 1], ah, al, bh[2], bh[3], bl[2], bl[3]);
-    }
-  }
+      const int col = 16 * (ct + 4 * (q / 2)) + 8 * (q % 2) + 2 * t;
+      if (col >= n) continue;  // n and col are even
 #pragma unroll
-  for (int q = 0; q < 8; ++q) {
-    const int col = 16 * (p0 + 2 * (q / 2)) + 8 * (q % 2) + 2 * t;
-    if (col >= n) continue;  // n and col are even
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int i = mt + g + 8 * half;
-      if (i < L) store(i, col, acc[q][2 * half], acc[q][2 * half + 1]);
+      for (int half = 0; half < 2; ++half) {
+        const int i = mt + g + 8 * half;
+        if (i < L) store(i, col, acc[q][2 * half], acc[q][2 * half + 1]);
+      }
     }
   }
 }
@@ -274,12 +279,17 @@ __device__ __forceinline__ void lower_times_rows(const float* M, int ldm, const 
 /// T = (I + A)^-1 for A [64][ldm] strictly lower triangular (shared memory), blocked in 16 x 16 tiles:
 /// each diagonal tile T_dd = (I + A_dd)^-1 by forward substitution, a lane per column with the column
 /// in registers (no barrier), then the tiles below the diagonal by distance from it,
-/// T_ij = -T_ii sum_{k=j}^{i-1} A_ik T_kj (2 barriers per distance). T [64][ldt] must hold I on entry;
-/// Y: kInvScratch floats. The same T as row-by-row substitution, up to rounding (flash-linear-attention's
-/// solve_tril blocks the same way).
-constexpr int kInvScratch = 3 * 16 * 17;
+/// T_ij = -T_ii sum_{k=j}^{i-1} A_ik T_kj (2 barriers per distance), 64 threads per tile, each a row
+/// x 4 columns (a float4 of T or Y per scalar of A: a quarter of the shared-memory loads of a thread
+/// per element). Writes T's tiles on and below the diagonal (T [64][ldt], ldt % 4 == 0, 16-byte
+/// aligned; the tiles above are not written and lower_times_rows does not read them); Y: kInvScratch
+/// floats, 16-byte aligned. The same T as row-by-row substitution, up to rounding
+/// (flash-linear-attention's solve_tril blocks the same way).
+constexpr int kInvLd = 20;  // row stride of the scratch tiles (16-byte rows)
+constexpr int kInvScratch = 3 * 16 * kInvLd;
 
 __device__ __forceinline__ void invert_unit_lower(const float* A, int ldm, float* T, int ldt, float* Y) {
+  static_assert(kThreads >= 3 * 64, "a thread per row and 4 columns of 3 tiles");
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   if (warp < 4 && lane < 16) {  // diagonal tile `warp`, column `lane`
     const int o = 16 * warp, c = lane;
@@ -295,32 +305,40 @@ __device__ __forceinline__ void invert_unit_lower(const float* A, int ldm, float
       if (r > c) col[r] = -acc;
     }
 #pragma unroll
-    for (int m = 1; m < 16; ++m)
-      if (m > c) T[(o + m) * ldt + o + c] = col[m];
+    for (int m = 0; m < 16; ++m) T[(o + m) * ldt + o + c] = col[m];
   }
   __syncthreads();
+  const int p = tid / 64, r = (tid / 4) % 16, c = 4 * (tid % 4);  // tile p of the distance, row r, columns c ..
+  float4* y = reinterpret_cast<float4*>(Y + (p * 16 + r) * kInvLd + c);
   for (int dist = 1; dist < 4; ++dist) {
-    const int pairs = 4 - dist;  // tiles (i, j = i - dist), i = dist .. 3
-    for (int e = tid; e < pairs * 256; e += kThreads) {
-      const int i = dist + e / 256, j = i - dist, r = (e / 16) % 16, c = e % 16;
-      float acc = 0.f;
+    const int i = dist + p, j = i - dist;  // tiles (i, j), i = dist .. 3
+    const bool active = i < 4;
+    if (active) {
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
       for (int k = j; k < i; ++k) {
         const float* ar = A + (16 * i + r) * ldm + 16 * k;
         const float* tc = T + 16 * k * ldt + 16 * j + c;
-#pragma unroll
-        for (int m = 0; m < 16; ++m) acc = fmaf(ar[m], tc[m * ldt], acc);
+#pragma unroll 8
+        for (int m = 0; m < 16; ++m) {
+          const float a = ar[m];
+          const float4 x = *reinterpret_cast<const float4*>(tc + m * ldt);
+          acc.x = fmaf(a, x.x, acc.x), acc.y = fmaf(a, x.y, acc.y), acc.z = fmaf(a, x.z, acc.z), acc.w = fmaf(a, x.w, acc.w);
+        }
       }
-      Y[(e / 256) * 272 + r * 17 + c] = acc;  // sum_k A_ik T_kj
+      *y = acc;  // sum_k A_ik T_kj
     }
     __syncthreads();
-    for (int e = tid; e < pairs * 256; e += kThreads) {
-      const int i = dist + e / 256, j = i - dist, r = (e / 16) % 16, c = e % 16;
+    if (active) {
       const float* tr = T + (16 * i + r) * ldt + 16 * i;
-      const float* y = Y + (e / 256) * 272 + c;
-      float acc = 0.f;
-#pragma unroll
-      for (int m = 0; m < 16; ++m) acc = fmaf(tr[m], y[m * 17], acc);  // T_ii is lower triangular
-      T[(16 * i + r) * ldt + 16 * j + c] = -acc;
+      const float* yp = Y + p * 16 * kInvLd + c;
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+      for (int m = 0; m < 16; ++m) {  // T_ii is lower triangular
+        const float a = tr[m];
+        const float4 x = *reinterpret_cast<const float4*>(yp + m * kInvLd);
+        acc.x = fmaf(a, x.x, acc.x), acc.y = fmaf(a, x.y, acc.y), acc.z = fmaf(a, x.z, acc.z), acc.w = fmaf(a, x.w, acc.w);
+      }
+      *reinterpret_cast<float4*>(T + (16 * i + r) * ldt + 16 * j + c) = make_float4(-acc.x, -acc.y, -acc.z, -acc.w);
     }
     __syncthreads();
   }
@@ -350,7 +368,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
   float* G = Tm + kChunk * ldt;
   float* Bt = G + kChunk;            // beta
   float* Bg = Bt + kChunk;           // beta * exp(G)
-  float* Y = Bg + kChunk;            // [3][16][17] scratch of the inverse
+  float* Y = Bg + kChunk;            // [3][16][kInvLd] scratch of the inverse
   const Chunk ch = chunks[blockIdx.x];
   const int kh = blockIdx.y, r = Hv / Hk, L = ch.len, tid = threadIdx.x;
   const int dv16 = state_rows(dv);  // <= ld: the columns the products read (keys: dkp)
@@ -366,11 +384,12 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
     if (!w_out) store_split(k_s, at, Ks[r * ld + c], Ks[r * ld + c + 1]);
   }
   // K K^T and Q K^T on tensor cores (3xBF16, split in registers): warp w takes rows 16 (w / 2) ..
-  // + 15 and columns 32 (w % 2) .. + 31; B = K^T reads key rows, shared by both products.
+  // + 15 and columns 32 (w % 2) .. + 31; B = K^T reads key rows, shared by both products. Only the
+  // lower triangles are used: warps 1 and 3, above the diagonal, keep zeros.
   const int lane = tid % 32, warp = tid / 32, gq = lane / 4, tq = lane % 4;
   const int mt = 16 * (warp / 2), nc = 32 * (warp % 2);
   float kk[4][4] = {}, qk[4][4] = {};
-  for (int c0 = 0; c0 < dkp; c0 += 16) {
+  for (int c0 = 0; c0 < dkp && nc < mt + 16; c0 += 16) {
     uint32_t kh_[4], kl[4], qh[4], ql[4];
     split_tile(Ks, ld, mt, c0, gq, tq, kh_, kl);
     split_tile(Xs, ld, mt, c0, gq, tq, qh, ql);
@@ -400,7 +419,6 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
 #pragma unroll 16
       for (int i = 1; i < kChunk; ++i) G[i] = acc += G[i];
     }
-    for (int e = tid; e < kChunk * ldt; e += kThreads) Tm[e] = e / ldt == e % ldt ? 1.f : 0.f;  // I
     __syncthreads();
     if (tid < kChunk) Bg[tid] = Bt[tid] * __expf(G[tid]);
     const int64_t P0 = (int64_t(blockIdx.x) * Hv + h) * kChunk * kChunk;
@@ -796,7 +814,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split
   }
   mma::cp_async_wait<0>();
   __syncthreads();
-  product(Ps, ldc, Us, kChunk, (L + 15) / 16 * 16);  // + P U (rows of U past L are zero)
+  product(Ps, ldc, Us, kChunk, min((L + 15) / 16 * 16, mt + 16));  // + P U (P is lower triangular; U's rows past L zero)
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
