@@ -226,17 +226,17 @@ __device__ __forceinline__ void split_rows_in_place(float* x, int ld, int width)
   }
 }
 
-/// out[i][c] = sum_{j <= i, j < L} M[i][j] * coef[j] * X[j][c] for i < L, c < n (n % 4 == 0, n <= 128)
-/// with M lower triangular (its tiles above the diagonal are not read) on tensor cores in 3xBF16,
-/// handed over in pairs: store(i, c, out[i][c], out[i][c + 1]) for even c. A = M diag(coef) is split
-/// in registers (M [64][ldm] fp32, ldm even); X is split already (split_rows_in_place: row stride ldx,
+/// out[i][c] = sum_{j <= i, j < L} M[i][j] coef[j] X[j][c] for i < L, c < n (n % 4 == 0, n <= 128) with
+/// M lower triangular (its tiles above the diagonal are not read) on tensor cores in 3xBF16, handed
+/// over in pairs: put(row(i), c, out[i][c], out[i][c + 1]) for even c. A = M diag(coef) is split in
+/// registers (M [64][ldm] fp32, ldm even); X is split already (split_rows_in_place: row stride ldx,
 /// low part lo_off on), its fragments loaded by ldmatrix, with zero columns from n to n rounded up to
 /// 16 and zero rows (or coef, or M's columns) from L to L rounded up to 16. The triangle's 10 tiles of
 /// 16 rows x 16 k are shared evenly: warp w computes the row tiles w % 2 and 3 - w % 2 (1 + 4 or 2 + 3
 /// k steps) x the 16-column tiles w / 2 and w / 2 + 4.
-template <typename Store>
+template <typename Row, typename Put>
 __device__ __forceinline__ void lower_times_rows(const float* M, int ldm, const float* coef, const bf16* X, int ldx,
-                                                 int lo_off, int L, int n, Store store) {
+                                                 int lo_off, int L, int n, Row row, Put put) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
   const int ct = warp / 2, tiles = (n + 15) / 16;
 #pragma unroll 1
@@ -264,13 +264,14 @@ __device__ __forceinline__ void lower_times_rows(const float* M, int ldm, const 
       }
     }
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int col = 16 * (ct + 4 * (q / 2)) + 8 * (q % 2) + 2 * t;
-      if (col >= n) continue;  // n and col are even
+    for (int half = 0; half < 2; ++half) {
+      const int i = mt + g + 8 * half;
+      if (i >= L) continue;
+      const auto at = row(i);
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int i = mt + g + 8 * half;
-        if (i < L) store(i, col, acc[q][2 * half], acc[q][2 * half + 1]);
+      for (int q = 0; q < 4; ++q) {
+        const int col = 16 * (ct + 4 * (q / 2)) + 8 * (q % 2) + 2 * t;
+        if (col < n) put(at, col, acc[q][2 * half], acc[q][2 * half + 1]);  // n and col are even
       }
     }
   }
@@ -344,13 +345,19 @@ __device__ __forceinline__ void invert_unit_lower(const float* A, int ldm, float
   }
 }
 
-/// One block per (chunk, key head), for each of its Hv / Hk value heads (GVA): A, T = (I + A)^-1, w, u
-/// (fp32 [T, Hv, dv]), P (split, [chunks, Hv, 64, 64]), the in-chunk cumulative gates G (fp32
+/// Shared memory (bytes) of chunk_prepare_kernel for r = Hv / Hk value heads per key head.
+constexpr size_t prepare_smem(int dk, int dv, int r) {
+  return size_t(2 * kChunk * prepare_ld(dk, dv) + 2 * kChunk * (kChunk + 4) + 3 * r * kChunk + kInvScratch) * sizeof(float);
+}
+
+/// One block per (chunk, key head), for each of its r = Hv / Hk value heads (GVA): A, T = (I + A)^-1,
+/// w, u (fp32 [T, Hv, dv]), P (split, [chunks, Hv, 64, 64]), the in-chunk cumulative gates G (fp32
 /// [T, Hv]) and the queries split (q_s [T, Hk, dkp], for chunk_out). w goes to w_out (fp32
 /// [T, Hv, dk]) for the SIMT chunk_state; without w_out (null), for the tensor-core chunk_state, w
 /// and the keys go split to w_s [T, Hv, dkp] and k_s [T, Hk, dkp]. Columns dk .. dkp - 1 of the split
-/// buffers are the caller's (zeros). The keys, queries and the Gram matrices K K^T and Q K^T are shared by the value
-/// heads of a key head: loaded and computed once, kept in registers.
+/// buffers are the caller's (zeros). The keys, queries and the Gram matrices K K^T and Q K^T are
+/// shared by the value heads of a key head: loaded and computed once, kept in registers; the gates of
+/// all r heads are summed while the Gram products run, by a warp those leave idle.
 __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float* q, const float* k, const float* v,
                                                                     const float* g, const float* beta,
                                                                     const Chunk* chunks, int Hk, int Hv, int dk, int dv,
@@ -360,21 +367,27 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
   extern __shared__ float4 sm4[];
   float* sm = reinterpret_cast<float*>(sm4);
   const int ld = prepare_ld(dk, dv);  // row stride (floats)
-  float* Ks = sm;                     // [64][ld] keys, later split in place
-  float* Xs = Ks + kChunk * ld;       // [64][ld] queries, later values (split in place)
-  constexpr int ldm = kChunk + 1, ldt = kChunk + 4;
-  float* M = Xs + kChunk * ld;       // [64][ldm] A
-  float* Tm = M + kChunk * ldm;      // [64][ldt] T = (I + A)^-1
-  float* G = Tm + kChunk * ldt;
-  float* Bt = G + kChunk;            // beta
-  float* Bg = Bt + kChunk;           // beta * exp(G)
-  float* Y = Bg + kChunk;            // [3][16][kInvLd] scratch of the inverse
+  constexpr int ldm = kChunk + 4;     // row stride of M and T (16-byte rows)
   const Chunk ch = chunks[blockIdx.x];
   const int kh = blockIdx.y, r = Hv / Hk, L = ch.len, tid = threadIdx.x;
+  float* Ks = sm;                        // [64][ld] keys, later split in place
+  float* Xs = Ks + kChunk * ld;          // [64][ld] queries, later values (split in place)
+  float* M = Xs + kChunk * ld;           // [64][ldm] A
+  float* Tm = M + kChunk * ldm;          // [64][ldm] T = (I + A)^-1
+  float* G = Tm + kChunk * ldm;          // [r][64] cumulative gates
+  float* Bt = G + r * kChunk;            // [r][64] beta
+  float* Bg = Bt + r * kChunk;           // [r][64] beta * exp(G)
+  float* Y = Bg + r * kChunk;            // [3][16][kInvLd] scratch of the inverse
   const int dv16 = state_rows(dv);  // <= ld: the columns the products read (keys: dkp)
   load_rows_async(Ks, ld, dkp, k, ch.start, L, Hk, kh, dk, 0, dk);
   load_rows_async(Xs, ld, dkp, q, ch.start, L, Hk, kh, dk, 0, dk);
   mma::cp_async_commit();
+  for (int e = tid; e < r * kChunk; e += kThreads) {  // the gates of the r value heads
+    const int hh = e / kChunk, i = e % kChunk;
+    const int64_t at = int64_t(ch.start + i) * Hv + kh * r + hh;
+    G[e] = i < L ? g[at] : 0.f;
+    Bt[e] = i < L ? beta[at] : 0.f;
+  }
   mma::cp_async_wait<0>();
   __syncthreads();
   for (int e = tid; e < L * (dk / 2); e += kThreads) {  // the split queries (and keys)
@@ -385,11 +398,13 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
   }
   // K K^T and Q K^T on tensor cores (3xBF16, split in registers): warp w takes rows 16 (w / 2) ..
   // + 15 and columns 32 (w % 2) .. + 31; B = K^T reads key rows, shared by both products. Only the
-  // lower triangles are used: warps 1 and 3, above the diagonal, keep zeros.
+  // lower triangles are used: warps 1 and 3, above the diagonal, keep zeros, and warp 1 sums the
+  // gates meanwhile.
   const int lane = tid % 32, warp = tid / 32, gq = lane / 4, tq = lane % 4;
   const int mt = 16 * (warp / 2), nc = 32 * (warp % 2);
+  const bool lower = nc < mt + 16;
   float kk[4][4] = {}, qk[4][4] = {};
-  for (int c0 = 0; c0 < dkp && nc < mt + 16; c0 += 16) {
+  for (int c0 = 0; c0 < dkp && lower; c0 += 16) {
     uint32_t kh_[4], kl[4], qh[4], ql[4];
     split_tile(Ks, ld, mt, c0, gq, tq, kh_, kl);
     split_tile(Xs, ld, mt, c0, gq, tq, qh, ql);
@@ -404,59 +419,68 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
       }
     }
   }
-  split_rows_in_place(Ks, ld, dkp);  // after the Gram products (its first barrier): K for every w
+  if (warp == 1) {
+    for (int hh = lane; hh < r; hh += 32) {  // in order (the reference's rounding); a register carries the sum
+      float* Gh = G + hh * kChunk;
+      float acc = Gh[0];
+#pragma unroll 16
+      for (int i = 1; i < kChunk; ++i) Gh[i] = acc += Gh[i];
+    }
+    __syncwarp();
+    for (int e = lane; e < r * kChunk; e += 32) Bg[e] = Bt[e] * __expf(G[e]);
+  }
+  split_rows_in_place(Ks, ld, dkp);  // after the Gram products and the gates (its first barrier): K for every w
   const bf16* Kb = reinterpret_cast<const bf16*>(Ks);
   const bf16* Vb = reinterpret_cast<const bf16*>(Xs);
-  for (int h = kh * r; h < (kh + 1) * r; ++h) {
-    __syncthreads();  // the previous head (or the Gram products) is done with G, Bt, M, T and Xs
-    if (tid < kChunk) {
-      G[tid] = tid < L ? g[int64_t(ch.start + tid) * Hv + h] : 0.f;
-      Bt[tid] = tid < L ? beta[int64_t(ch.start + tid) * Hv + h] : 0.f;
-    }
-    __syncthreads();
-    if (tid == 0) {  // in order (the reference's rounding); a register carries the sum
-      float acc = G[0];
-#pragma unroll 16
-      for (int i = 1; i < kChunk; ++i) G[i] = acc += G[i];
-    }
-    __syncthreads();
-    if (tid < kChunk) Bg[tid] = Bt[tid] * __expf(G[tid]);
-    const int64_t P0 = (int64_t(blockIdx.x) * Hv + h) * kChunk * kChunk;
+  for (int hh = 0; hh < r; ++hh) {
+    const int h = kh * r + hh;
+    const float *Gh = G + hh * kChunk, *Bth = Bt + hh * kChunk, *Bgh = Bg + hh * kChunk;
+    if (hh) __syncthreads();  // the previous head is done with M, T and Xs
+    // A (strictly lower; the diagonal tiles' upper parts zero) and P (lower; the upper tiles zero).
+    const Split Pb = {P_s.hi + (int64_t(blockIdx.x) * Hv + h) * kChunk * kChunk,
+                      P_s.lo + (int64_t(blockIdx.x) * Hv + h) * kChunk * kChunk};
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int i = mt + gq + 8 * half, j = nc + 8 * nt + 2 * tq;
-        float p[2];
+        float p[2] = {0.f, 0.f};
+        if (lower) {
+          float a[2];
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float decay = j + e <= i && i < L ? __expf(G[i] - G[j + e]) : 0.f;
-          M[i * ldm + j + e] = j + e < i ? Bt[i] * decay * kk[nt][2 * half + e] : 0.f;
-          p[e] = decay * qk[nt][2 * half + e];
+          for (int e = 0; e < 2; ++e) {
+            const float decay = j + e <= i && i < L ? __expf(Gh[i] - Gh[j + e]) : 0.f;
+            a[e] = j + e < i ? Bth[i] * decay * kk[nt][2 * half + e] : 0.f;
+            p[e] = decay * qk[nt][2 * half + e];
+          }
+          *reinterpret_cast<float2*>(M + i * ldm + j) = make_float2(a[0], a[1]);
         }
-        store_split(P_s, P0 + i * kChunk + j, p[0], p[1]);
+        store_split(Pb, i * kChunk + j, p[0], p[1]);
       }
     // The values load while T and w are computed (the queries were last read by the Gram products).
     load_rows_async(Xs, ld, dv16, v, ch.start, L, Hv, h, dv, 0, dv, kChunk, v_stride);
     mma::cp_async_commit();
     __syncthreads();
-    invert_unit_lower(M, ldm, Tm, ldt, Y);  // T = (I + A)^-1 (synchronizes)
-    // w = T diag(beta e^G) K
-    if (w_out)
-      lower_times_rows(Tm, ldt, Bg, Kb, 2 * ld, ld + 4, L, dk, [&](int i, int c, float x0, float x1) {
-        *reinterpret_cast<float2*>(w_out + (int64_t(ch.start + i) * Hv + h) * dk + c) = make_float2(x0, x1);
-      });
+    invert_unit_lower(M, ldm, Tm, ldm, Y);  // T = (I + A)^-1 (synchronizes)
+    if (w_out)  // w = T diag(beta e^G) K
+      lower_times_rows(
+          Tm, ldm, Bgh, Kb, 2 * ld, ld + 4, L, dk, [&](int i) { return w_out + (int64_t(ch.start + i) * Hv + h) * dk; },
+          [](float* at, int c, float x0, float x1) { *reinterpret_cast<float2*>(at + c) = make_float2(x0, x1); });
     else
-      lower_times_rows(Tm, ldt, Bg, Kb, 2 * ld, ld + 4, L, dk, [&](int i, int c, float x0, float x1) {
-        store_split(w_s, (int64_t(ch.start + i) * Hv + h) * dkp + c, x0, x1);
-      });
+      lower_times_rows(
+          Tm, ldm, Bgh, Kb, 2 * ld, ld + 4, L, dk,
+          [&](int i) {
+            const int64_t at = (int64_t(ch.start + i) * Hv + h) * dkp;
+            return Split{w_s.hi + at, w_s.lo + at};
+          },
+          [](Split at, int c, float x0, float x1) { store_split(at, c, x0, x1); });
     mma::cp_async_wait<0>();
     __syncthreads();  // every thread's values have landed
     split_rows_in_place(Xs, ld, dv16);
-    lower_times_rows(Tm, ldt, Bt, Vb, 2 * ld, ld + 4, L, dv, [&](int i, int c, float x0, float x1) {  // u = T diag(beta) V
-      *reinterpret_cast<float2*>(u_out + (int64_t(ch.start + i) * Hv + h) * dv + c) = make_float2(x0, x1);
-    });
-    if (tid < L) G_out[int64_t(ch.start + tid) * Hv + h] = G[tid];
+    lower_times_rows(  // u = T diag(beta) V
+        Tm, ldm, Bth, Vb, 2 * ld, ld + 4, L, dv, [&](int i) { return u_out + (int64_t(ch.start + i) * Hv + h) * dv; },
+        [](float* at, int c, float x0, float x1) { *reinterpret_cast<float2*>(at + c) = make_float2(x0, x1); });
+    if (tid < L) G_out[int64_t(ch.start + tid) * Hv + h] = Gh[tid];
   }
 }
 
@@ -1030,9 +1054,7 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   SplitBuffer w_s(tc ? size_t(T * Hv * dkp) : 0, pad_k, stream), k_s(tc ? size_t(T * Hk * dkp) : 0, pad_k, stream),
       q_s(size_t(T * Hk * dkp), pad_k, stream), P_s(size_t(nch * Hv * kChunk * kChunk), false, stream);
   if (nch) {
-    const size_t smem =
-        (2 * kChunk * prepare_ld(dk, dv) + kChunk * (kChunk + 1) + kChunk * (kChunk + 4) + 3 * kChunk + kInvScratch) *
-        sizeof(float);
+    const size_t smem = prepare_smem(dk, dv, Hv / Hk);
     allow_shared_memory(chunk_prepare_kernel, smem, "chunk_prepare");
     chunk_prepare_kernel<<<dim3(unsigned(nch), unsigned(Hk)), kThreads, smem, stream>>>(
         q, k, v, g, beta, d_chunks, Hk, Hv, dk, dv, dkp, w.data(), w_s.get(), k_s.get(), q_s.get(), u.data(), P_s.get(),
