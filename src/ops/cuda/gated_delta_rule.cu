@@ -22,6 +22,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "ops/cuda/fast_math.cuh"
 #include "ops/cuda/gated_delta_rule.h"
 #include "ops/cuda/mma.cuh"
 
@@ -437,26 +438,32 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
     const float *Gh = G + hh * kChunk, *Bth = Bt + hh * kChunk, *Bgh = Bg + hh * kChunk;
     if (hh) __syncthreads();  // the previous head is done with M, T and Xs
     // A (strictly lower; the diagonal tiles' upper parts zero) and P (lower; the upper tiles zero).
-    const Split Pb = {P_s.hi + (int64_t(blockIdx.x) * Hv + h) * kChunk * kChunk,
-                      P_s.lo + (int64_t(blockIdx.x) * Hv + h) * kChunk * kChunk};
+    // Each decay is one exp2 of its own difference of gates (products of per-row and per-column
+    // factors would overflow), computed for every element and masked after.
+    const int64_t P0 = (int64_t(blockIdx.x) * Hv + h) * kChunk * kChunk + (mt + gq) * kChunk + nc + 2 * tq;
+    const Split Pw = {P_s.hi + P0, P_s.lo + P0};  // the lane's first pair
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
+    for (int half = 0; half < 2; ++half) {
+      const int i = mt + gq + 8 * half;
+      const float gi = Gh[i], bi = Bth[i];
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int i = mt + gq + 8 * half, j = nc + 8 * nt + 2 * tq;
+      for (int nt = 0; nt < 4; ++nt) {
+        const int j = nc + 8 * nt + 2 * tq;
         float p[2] = {0.f, 0.f};
         if (lower) {
           float a[2];
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float decay = j + e <= i && i < L ? __expf(Gh[i] - Gh[j + e]) : 0.f;
-            a[e] = j + e < i ? Bth[i] * decay * kk[nt][2 * half + e] : 0.f;
+            const float x = fast_exp2((gi - Gh[j + e]) * kLog2e);
+            const float decay = j + e <= i && i < L ? x : 0.f;
+            a[e] = j + e < i ? bi * decay * kk[nt][2 * half + e] : 0.f;
             p[e] = decay * qk[nt][2 * half + e];
           }
           *reinterpret_cast<float2*>(M + i * ldm + j) = make_float2(a[0], a[1]);
         }
-        store_split(Pb, i * kChunk + j, p[0], p[1]);
+        store_split(Pw, 8 * half * kChunk + 8 * nt, p[0], p[1]);
       }
+    }
     // The values load while T and w are computed (the queries were last read by the Gram products).
     load_rows_async(Xs, ld, dv16, v, ch.start, L, Hv, h, dv, 0, dv, kChunk, v_stride);
     mma::cp_async_commit();

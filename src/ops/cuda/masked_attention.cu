@@ -4,6 +4,7 @@
 #include <string>
 
 #include "ops/cuda/device_info.h"
+#include "ops/cuda/fast_math.cuh"
 #include "ops/cuda/masked_attention.h"
 #include "ops/cuda/mma.cuh"
 #include "ops/cuda/tma.cuh"
@@ -21,17 +22,7 @@ using namespace mma;
 constexpr int BM = 64;  // query rows per tile in the dK / dV kernel (and in its tile table)
 constexpr int BN = 64;  // keys per tile in the dQ kernel and the forward's default (fwd_keys)
 constexpr int kWarps = 4;
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-
-/// 2^x in one MUFU.EX2 (ex2.approx.ftz.f32: ~2^-22 relative error, results below 2^-126 flushed to
-/// 0, 2^-inf = 0). exp2f without fast-math wraps the same instruction in a denormal-range fix-up
-/// (4 instructions); probabilities that small do not matter next to the bf16 operands.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 /// A fragment for keys/queries 16kk..16kk+15 from an accumulator tile array c[n-tile][4].
 __device__ __forceinline__ void acc_to_a(uint32_t a[4], const float (*c)[4], int kk) {
