@@ -13,8 +13,8 @@
 // Every matrix product runs on tensor cores in 3xBF16 (mma_3xbf16: fp32 values as bf16 pairs
 // hi + lo, ~2^-16 relative per product; half the mma instructions of 3xTF32). chunk_state's and
 // chunk_out's operands are split once, by the kernel that makes them (Split); chunk_prepare splits
-// the Gram products' fp32 tiles in registers and its keys and values once, in place in shared memory
-// (split_rows_in_place). The state and every stored activation stay fp32; bench gdn records the
+// its keys, queries and values once, in place in shared memory (split_rows_in_place), and
+// T diag(coef) in registers. The state and every stored activation stay fp32; bench gdn records the
 // output's error against the fp32 token recurrence. The substitution for T is fp32 SIMT. The
 // layer's activations between the projections' GEMMs (conv1d, q / k / v, o) are fp32 too; bf16
 // only feeds GEMMs, and the output gate z is in_proj_z's bf16 output (as transformers rounds it).
@@ -130,17 +130,18 @@ __device__ __forceinline__ void store_split(Split s, int64_t i, float x0, float 
 
 /// Rows [0, rows) of a [T, H, n] fp32 tensor (head h, columns c0 .. c0 + ncols - 1, ncols % 4 == 0,
 /// rows from `start`; token rows row_stride floats apart, 0: H n) into dst [rows][ld] with cp.async:
-/// rows >= L and columns >= ncols are zero-filled (columns up to `width`, a multiple of 4). Completes
-/// at the next cp.async wait.
+/// rows >= L and columns >= ncols are zero-filled (columns up to `width`, a multiple of 4, <= 128).
+/// A warp per row and a lane per 16 bytes: no index division. Completes at the next cp.async wait.
 __device__ __forceinline__ void load_rows_async(float* dst, int ld, int width, const float* src, int start, int L, int H,
                                                 int h, int n, int c0, int ncols, int rows = kChunk,
                                                 int64_t row_stride = 0) {
-  const int n4 = width / 4;
+  const int c = 4 * (threadIdx.x % 32);
+  if (c >= width) return;
   const int64_t rs = row_stride ? row_stride : int64_t(H) * n;
-  for (int e = threadIdx.x; e < rows * n4; e += kThreads) {
-    const int r = e / n4, c = (e - r * n4) * 4;
+  const float* first = src + int64_t(start) * rs + int64_t(h) * n + c0 + c;
+  for (int r = threadIdx.x / 32; r < rows; r += kThreads / 32) {
     const bool ok = r < L && c < ncols;
-    mma::cp_async16(dst + r * ld + c, ok ? src + int64_t(start + r) * rs + int64_t(h) * n + c0 + c : src, ok);
+    mma::cp_async16(dst + r * ld + c, ok ? first + r * rs : src, ok);
   }
 }
 
@@ -175,24 +176,6 @@ __device__ __forceinline__ void store_split_rows(Split dst, int64_t stride, int6
   }
 }
 
-/// The float pair at p (8-byte aligned) split (split_bf16x2): one register of a 3xBF16 fragment.
-__device__ __forceinline__ void split_pair(const float* p, uint32_t& hi, uint32_t& lo) {
-  const float2 x = *reinterpret_cast<const float2*>(p);
-  mma::split_bf16x2(x.x, x.y, hi, lo);
-}
-
-/// The 3xBF16 fragments of the 16 x 16 tile at (row0, k0) of a row-major fp32 matrix m (shared
-/// memory, ld even), split in registers: as A, or with B[k][n] = m[n][k] (b[0..1] = a[0], a[2]) as
-/// B of the n-tile at row0.
-__device__ __forceinline__ void split_tile(const float* m, int ld, int row0, int k0, int g, int t, uint32_t (&hi)[4],
-                                           uint32_t (&lo)[4]) {
-  const float* p = m + (row0 + g) * ld + k0 + 2 * t;
-  split_pair(p, hi[0], lo[0]);
-  split_pair(p + 8 * ld, hi[1], lo[1]);
-  split_pair(p + 8, hi[2], lo[2]);
-  split_pair(p + 8 * ld + 8, hi[3], lo[3]);
-}
-
 /// Row stride (floats) of chunk_prepare's key and query / value tiles: a multiple of 32 plus 4, so
 /// that a row also holds its split (split_rows_in_place) with conflict-free ldmatrix rows.
 __host__ __device__ constexpr int prepare_ld(int dk, int dv) {
@@ -200,28 +183,34 @@ __host__ __device__ constexpr int prepare_ld(int dk, int dv) {
   return (w + 31) / 32 * 32 + 4;
 }
 
-/// The fp32 tile x [64][ld] (shared memory, ld % 32 == 4), columns [0, width) (even, <= 128),
-/// rewritten in place as its split (split_bf16x2): row r's high parts from bf16 offset 2 ld r, its low
-/// parts from 2 ld r + ld + 4 (each row stays in its own bytes; as a split matrix: row stride 2 ld,
-/// low part ld + 4 on, rows 16-byte aligned, ldmatrix free of bank conflicts). Two rounds of 32 rows,
-/// 8 threads per row; synchronizes the block.
-__device__ __forceinline__ void split_rows_in_place(float* x, int ld, int width) {
+/// The N fp32 tiles x[n] [64][ld] (shared memory, ld % 32 == 4), columns [0, width) (even, <= 128),
+/// each rewritten in place as its split (split_bf16x2): row r's high parts from bf16 offset 2 ld r,
+/// its low parts from 2 ld r + ld + 4 (each row stays in its own bytes; as a split matrix: row stride
+/// 2 ld, low part ld + 4 on, rows 16-byte aligned, ldmatrix free of bank conflicts). Two rounds of
+/// 32 rows, 8 threads per row; synchronizes the block.
+template <int N>
+__device__ __forceinline__ void split_rows_in_place(float* const (&x)[N], int ld, int width) {
   static_assert(kThreads == 256, "32 rows of 8 threads per round");
-  bf16* b = reinterpret_cast<bf16*>(x);
   const int rr = threadIdx.x / 8, c0 = 2 * (threadIdx.x % 8);
   for (int r0 = 0; r0 < kChunk; r0 += 32) {
     const int r = r0 + rr;
-    float2 v[8];
+    float2 v[N][8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i)
-      if (c0 + 16 * i < width) v[i] = *reinterpret_cast<const float2*>(x + r * ld + c0 + 16 * i);
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if (c0 + 16 * i < width) v[n][i] = *reinterpret_cast<const float2*>(x[n] + r * ld + c0 + 16 * i);
     __syncthreads();  // every read of these rows is done
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int c = c0 + 16 * i;
-      if (c < width)
-        mma::split_bf16x2(v[i].x, v[i].y, *reinterpret_cast<uint32_t*>(b + 2 * r * ld + c),
-                          *reinterpret_cast<uint32_t*>(b + 2 * r * ld + ld + 4 + c));
+    for (int n = 0; n < N; ++n) {
+      bf16* b = reinterpret_cast<bf16*>(x[n]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int c = c0 + 16 * i;
+        if (c < width)
+          mma::split_bf16x2(v[n][i].x, v[n][i].y, *reinterpret_cast<uint32_t*>(b + 2 * r * ld + c),
+                            *reinterpret_cast<uint32_t*>(b + 2 * r * ld + ld + 4 + c));
+      }
     }
     __syncthreads();
   }
@@ -355,8 +344,8 @@ constexpr size_t prepare_smem(int dk, int dv, int r) {
 /// w, u (fp32 [T, Hv, dv]), P (split, [chunks, Hv, 64, 64]), the in-chunk cumulative gates G (fp32
 /// [T, Hv]) and the queries split (q_s [T, Hk, dkp], for chunk_out). w goes to w_out (fp32
 /// [T, Hv, dk]) for the SIMT chunk_state; without w_out (null), for the tensor-core chunk_state, w
-/// and the keys go split to w_s [T, Hv, dkp] and k_s [T, Hk, dkp]. Columns dk .. dkp - 1 of the split
-/// buffers are the caller's (zeros). The keys, queries and the Gram matrices K K^T and Q K^T are
+/// and the keys go split to w_s [T, Hv, dkp] and k_s [T, Hk, dkp]. Columns dk .. dkp - 1 of q_s and k_s
+/// are written as zeros, w_s's are the caller's (zeros). The keys, queries and the Gram matrices K K^T and Q K^T are
 /// shared by the value heads of a key head: loaded and computed once, kept in registers; the gates of
 /// all r heads are summed while the Gram products run, by a warp those leave idle.
 __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float* q, const float* k, const float* v,
@@ -391,32 +380,39 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
   }
   mma::cp_async_wait<0>();
   __syncthreads();
-  for (int e = tid; e < L * (dk / 2); e += kThreads) {  // the split queries (and keys)
-    const int r = e / (dk / 2), c = 2 * (e % (dk / 2));
-    const int64_t at = (int64_t(ch.start + r) * Hk + kh) * dkp + c;
-    store_split(q_s, at, Xs[r * ld + c], Xs[r * ld + c + 1]);
-    if (!w_out) store_split(k_s, at, Ks[r * ld + c], Ks[r * ld + c + 1]);
+  // Keys and queries split in place (each fp32 row becomes its bf16 high and low parts), then stored
+  // (q_s, k_s; 16 bytes per lane) and multiplied from there.
+  const bf16* Kb = reinterpret_cast<const bf16*>(Ks);
+  const bf16* Qb = reinterpret_cast<const bf16*>(Xs);
+  const int lds = 2 * ld, lo = ld + 4;  // the split rows: row stride (bf16), low part offset
+  {
+    float* const kq[2] = {Ks, Xs};
+    split_rows_in_place(kq, ld, dkp);
   }
-  // K K^T and Q K^T on tensor cores (3xBF16, split in registers): warp w takes rows 16 (w / 2) ..
-  // + 15 and columns 32 (w % 2) .. + 31; B = K^T reads key rows, shared by both products. Only the
-  // lower triangles are used: warps 1 and 3, above the diagonal, keep zeros, and warp 1 sums the
-  // gates meanwhile.
+  store_split_rows(q_s, int64_t(Hk) * dkp, (int64_t(ch.start) * Hk + kh) * dkp, Qb, lds, lo, L, dkp);
+  if (!w_out) store_split_rows(k_s, int64_t(Hk) * dkp, (int64_t(ch.start) * Hk + kh) * dkp, Kb, lds, lo, L, dkp);
+  // K K^T and Q K^T on tensor cores (3xBF16): warp w takes rows 16 (w / 2) .. + 15 and columns
+  // 32 (w % 2) .. + 31; B = K^T reads key rows, shared by both products. Only the lower triangles are
+  // used: warps 1 and 3, above the diagonal, keep zeros, and warp 1 sums the gates meanwhile.
   const int lane = tid % 32, warp = tid / 32, gq = lane / 4, tq = lane % 4;
   const int mt = 16 * (warp / 2), nc = 32 * (warp % 2);
   const bool lower = nc < mt + 16;
   float kk[4][4] = {}, qk[4][4] = {};
   for (int c0 = 0; c0 < dkp && lower; c0 += 16) {
     uint32_t kh_[4], kl[4], qh[4], ql[4];
-    split_tile(Ks, ld, mt, c0, gq, tq, kh_, kl);
-    split_tile(Xs, ld, mt, c0, gq, tq, qh, ql);
+    mma::load_a_x4(kh_, Kb, lds, mt, c0, lane);
+    mma::load_a_x4(kl, Kb + lo, lds, mt, c0, lane);
+    mma::load_a_x4(qh, Qb, lds, mt, c0, lane);
+    mma::load_a_x4(ql, Qb + lo, lds, mt, c0, lane);
 #pragma unroll
     for (int np = 0; np < 2; ++np) {  // B[c][j] = k_j[c]: key rows nc + 16 np .. as two n-tiles
       uint32_t bh[4], bl[4];
-      split_tile(Ks, ld, nc + 16 * np, c0, gq, tq, bh, bl);
+      mma::load_b_x4(bh, Kb, lds, nc + 16 * np, c0, lane);
+      mma::load_b_x4(bl, Kb + lo, lds, nc + 16 * np, c0, lane);
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {  // n-tile 2 np + e: rows nc + 16 np + 8 e (bh[e], bh[e + 2])
-        mma::mma_3xbf16(kk[2 * np + e], kh_, kl, bh[e], bh[e + 2], bl[e], bl[e + 2]);
-        mma::mma_3xbf16(qk[2 * np + e], qh, ql, bh[e], bh[e + 2], bl[e], bl[e + 2]);
+      for (int e = 0; e < 2; ++e) {  // n-tile 2 np + e: rows nc + 16 np + 8 e (b[2 e], b[2 e + 1])
+        mma::mma_3xbf16(kk[2 * np + e], kh_, kl, bh[2 * e], bh[2 * e + 1], bl[2 * e], bl[2 * e + 1]);
+        mma::mma_3xbf16(qk[2 * np + e], qh, ql, bh[2 * e], bh[2 * e + 1], bl[2 * e], bl[2 * e + 1]);
       }
     }
   }
@@ -430,8 +426,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
     __syncwarp();
     for (int e = lane; e < r * kChunk; e += 32) Bg[e] = Bt[e] * __expf(G[e]);
   }
-  split_rows_in_place(Ks, ld, dkp);  // after the Gram products and the gates (its first barrier): K for every w
-  const bf16* Kb = reinterpret_cast<const bf16*>(Ks);
+  __syncthreads();  // the gates are summed; the Gram products are done with the queries
   const bf16* Vb = reinterpret_cast<const bf16*>(Xs);
   for (int hh = 0; hh < r; ++hh) {
     const int h = kh * r + hh;
@@ -483,7 +478,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
           [](Split at, int c, float x0, float x1) { store_split(at, c, x0, x1); });
     mma::cp_async_wait<0>();
     __syncthreads();  // every thread's values have landed
-    split_rows_in_place(Xs, ld, dv16);
+    split_rows_in_place<1>({Xs}, ld, dv16);
     lower_times_rows(  // u = T diag(beta) V
         Tm, ldm, Bth, Vb, 2 * ld, ld + 4, L, dv, [&](int i) { return u_out + (int64_t(ch.start + i) * Hv + h) * dv; },
         [](float* at, int c, float x0, float x1) { *reinterpret_cast<float2*>(at + c) = make_float2(x0, x1); });
@@ -792,7 +787,7 @@ constexpr size_t chunk_out_smem(int dk) {
   return size_t(2 * (kChunk * (dkp + 8) + dkp * 72 + 2 * kChunk * 72)) * sizeof(bf16);
 }
 
-/// One block per (chunk, value head, 64 value columns): O = diag(exp(G)) Q S0 + P U from the saved
+/// One block per (chunk and 64 value columns, value head): O = diag(exp(G)) Q S0 + P U from the saved
 /// state S0 = H[chunk] and U, all chunks in parallel, on tensor cores in 3xBF16 from the split
 /// operands (q_s [T, Hk, dkp], H_s [chunks, Hv, dkp, dv8], U_s [T, Hv, dv8], P_s [chunks, Hv, 64, 64]).
 /// Warp w computes rows 16 (w / 2) .. + 15 x columns 32 (w % 2) .. + 31.
@@ -806,12 +801,13 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split
   bf16* Ss = Qs + 2 * kChunk * ldq;         // {hi, lo} x [dkp][ldc] state columns c0 .. c0 + 63
   bf16* Us = Ss + 2 * dkp * ldc;            // {hi, lo} x [64][ldc]
   bf16* Ps = Us + 2 * kChunk * ldc;         // {hi, lo} x [64][ldc]
-  const Chunk ch = chunks[blockIdx.x];
-  const int h = blockIdx.y, c0 = blockIdx.z * kOut, kh = h / (Hv / Hk), L = ch.len, tid = threadIdx.x;
+  const int blocks = (dv + kOut - 1) / kOut, chunk = blockIdx.x / blocks;  // a chunk's column blocks in turn
+  const Chunk ch = chunks[chunk];
+  const int h = blockIdx.y, c0 = (blockIdx.x - chunk * blocks) * kOut, kh = h / (Hv / Hk), L = ch.len, tid = threadIdx.x;
   const int ncol = min(kOut, dv - c0), ncol8 = min(kOut, dv8 - c0);
   // Two cp.async groups: Q and S0, then U and P, which land while Q S0 is computed. What the products
   // read past the data is zero.
-  const int64_t H0 = (int64_t(blockIdx.x) * Hv + h) * dkp * dv8, P0 = (int64_t(blockIdx.x) * Hv + h) * kChunk * kChunk;
+  const int64_t H0 = (int64_t(chunk) * Hv + h) * dkp * dv8, P0 = (int64_t(chunk) * Hv + h) * kChunk * kChunk;
   load_split_async(Qs, ldq, kChunk * ldq, q_s, int64_t(Hk) * dkp, (int64_t(ch.start) * Hk + kh) * dkp, L, dkp, dkp, kChunk);
   load_split_async(Ss, ldc, dkp * ldc, H_s, dv8, H0 + c0, dkp, ncol8, kOut, dkp);
   mma::cp_async_commit();
@@ -1088,7 +1084,8 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   // The outputs, every chunk in parallel.
   const size_t smem_out = chunk_out_smem(dk);
   allow_shared_memory(chunk_out_kernel, smem_out, "chunk_out");
-  chunk_out_kernel<<<dim3(unsigned(nch), unsigned(Hv), unsigned((dv + 63) / 64)), kThreads, smem_out, stream>>>(
+  // The column blocks of a (chunk, head) run next to each other: the second reads Q and P from L2.
+  chunk_out_kernel<<<dim3(unsigned(nch * ((dv + 63) / 64)), unsigned(Hv)), kThreads, smem_out, stream>>>(
       q_s.get(), H_s.get(), U_s.get(), P_s.get(), G.data(), d_chunks, Hk, Hv, dk, dv, o);
   DFLASH_CUDA_CHECK_LAUNCH();
 }
