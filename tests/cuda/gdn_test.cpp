@@ -214,6 +214,9 @@ TEST(CudaGdn, ChunkedMatchesTheRecurrence) {
   check_chunked({130}, 1, 3, 32, 96, false, ++seed);                      // a second, partial block of 64 value columns
   check_chunked({50, 9}, 1, 1, 12, 4, true, ++seed);                      // head dims not multiples of 8
   check_chunked({33}, 2, 4, 4, 20, true, ++seed);
+  check_chunked({130}, 1, 2, 32, 100, true, ++seed);  // dv > 64, not a multiple of 16: a partial second column block
+  check_chunked({70, 3}, 1, 2, 48, 12, true, ++seed);  // dk >= 32 with a narrow dv
+  check_chunked({65}, 1, 34, 8, 8, true, ++seed);      // Hv / Hk > 32: chunk_prepare's gate-summing warp wraps
   // Enough sequences x heads that chunk_state takes 64 value columns per block (more blocks than SMs
   // at 32), the second block of each head partial.
   check_chunked(std::vector<int64_t>(24, 70), 2, 8, 32, 96, true, ++seed);

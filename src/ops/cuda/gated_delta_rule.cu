@@ -335,13 +335,15 @@ __device__ __forceinline__ void invert_unit_lower(const float* A, int ldm, float
   }
 }
 
-/// Shared memory (bytes) of chunk_prepare_kernel for r = Hv / Hk value heads per key head.
+/// Shared memory (bytes) of chunk_prepare_kernel for r = Hv / Hk value heads per key head: about
+/// 106 KB at d 128 plus 768 bytes per value head (the gates of all r heads), two blocks per SM on
+/// H100 / H200 up to r = 12.
 constexpr size_t prepare_smem(int dk, int dv, int r) {
   return size_t(2 * kChunk * prepare_ld(dk, dv) + 2 * kChunk * (kChunk + 4) + 3 * r * kChunk + kInvScratch) * sizeof(float);
 }
 
 /// One block per (chunk, key head), for each of its r = Hv / Hk value heads (GVA): A, T = (I + A)^-1,
-/// w, u (fp32 [T, Hv, dv]), P (split, [chunks, Hv, 64, 64]), the in-chunk cumulative gates G (fp32
+/// w, u (fp32 [T, Hv, dv]; w as below), P (split, [chunks, Hv, 64, 64]), the in-chunk cumulative gates G (fp32
 /// [T, Hv]) and the queries split (q_s [T, Hk, dkp], for chunk_out). w goes to w_out (fp32
 /// [T, Hv, dk]) for the SIMT chunk_state; without w_out (null), for the tensor-core chunk_state, w
 /// and the keys go split to w_s [T, Hv, dkp] and k_s [T, Hk, dkp]. Columns dk .. dkp - 1 of q_s and k_s
@@ -459,7 +461,8 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
         store_split(Pw, 8 * half * kChunk + 8 * nt, p[0], p[1]);
       }
     }
-    // The values load while T and w are computed (the queries were last read by the Gram products).
+    // The values load while T and w are computed (the queries were last read before the barrier
+    // after the Gram products).
     load_rows_async(Xs, ld, dv16, v, ch.start, L, Hv, h, dv, 0, dv, kChunk, v_stride);
     mma::cp_async_commit();
     __syncthreads();
@@ -925,7 +928,7 @@ void allow_shared_memory(Kernel kernel, size_t bytes, const char* what) {
   const size_t optin = device_shared_limit();
   if (bytes > optin)
     throw std::runtime_error(std::string("gated_delta_rule_chunked: ") + what + " needs " + std::to_string(bytes) +
-                             " bytes of shared memory per block for these head dims; this GPU offers " +
+                             " bytes of shared memory per block for these head dims and Hv / Hk; this GPU offers " +
                              std::to_string(optin) + " (A100 / H100 / H200: 166-232 KB)");
   DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
 }
@@ -1049,13 +1052,14 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
                              " are available");
   // Empty sequences still pass their initial state through (chunk_state runs no chunk for them).
   // w in fp32 for the SIMT chunk_state; for the tensor-core one, w and k split. Padding the products
-  // read and no kernel writes is zeroed: the split q / k / w's columns dk .. dkp - 1 and, after the
-  // SIMT chunk_state, H's rows dk .. dkp - 1 and H / U's columns dv .. dv8 - 1.
+  // read and no kernel writes is zeroed: the split w's columns dk .. dkp - 1 (chunk_prepare writes
+  // q's and k's as zeros) and, after the SIMT chunk_state, H's rows dk .. dkp - 1 and H / U's columns
+  // dv .. dv8 - 1.
   const int dv8 = value_cols(dv);
   const bool pad_k = dkp != dk, pad_simt = !tc && (pad_k || dv8 != dv);
   StreamBuffer<float> w(tc ? 0 : size_t(T * Hv * dk), stream), u(size_t(T * Hv * dv), stream), G(size_t(T * Hv), stream);
-  SplitBuffer w_s(tc ? size_t(T * Hv * dkp) : 0, pad_k, stream), k_s(tc ? size_t(T * Hk * dkp) : 0, pad_k, stream),
-      q_s(size_t(T * Hk * dkp), pad_k, stream), P_s(size_t(nch * Hv * kChunk * kChunk), false, stream);
+  SplitBuffer w_s(tc ? size_t(T * Hv * dkp) : 0, pad_k, stream), k_s(tc ? size_t(T * Hk * dkp) : 0, false, stream),
+      q_s(size_t(T * Hk * dkp), false, stream), P_s(size_t(nch * Hv * kChunk * kChunk), false, stream);
   if (nch) {
     const size_t smem = prepare_smem(dk, dv, Hv / Hk);
     allow_shared_memory(chunk_prepare_kernel, smem, "chunk_prepare");
