@@ -391,8 +391,9 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
     float* const kq[2] = {Ks, Xs};
     split_rows_in_place(kq, ld, dkp);
   }
-  store_split_rows(q_s, int64_t(Hk) * dkp, (int64_t(ch.start) * Hk + kh) * dkp, Qb, lds, lo, L, dkp);
-  if (!w_out) store_split_rows(k_s, int64_t(Hk) * dkp, (int64_t(ch.start) * Hk + kh) * dkp, Kb, lds, lo, L, dkp);
+  const int64_t qk0 = (int64_t(ch.start) * Hk + kh) * dkp;  // the chunk's first row of q_s and k_s
+  store_split_rows(q_s, int64_t(Hk) * dkp, qk0, Qb, lds, lo, L, dkp);
+  if (!w_out) store_split_rows(k_s, int64_t(Hk) * dkp, qk0, Kb, lds, lo, L, dkp);
   // K K^T and Q K^T on tensor cores (3xBF16): warp w takes rows 16 (w / 2) .. + 15 and columns
   // 32 (w % 2) .. + 31; B = K^T reads key rows, shared by both products. Only the lower triangles are
   // used: warps 1 and 3, above the diagonal, keep zeros, and warp 1 sums the gates meanwhile.
@@ -430,6 +431,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
   }
   __syncthreads();  // the gates are summed; the Gram products are done with the queries
   const bf16* Vb = reinterpret_cast<const bf16*>(Xs);
+  const auto put_f32 = [](float* at, int c, float x0, float x1) { *reinterpret_cast<float2*>(at + c) = make_float2(x0, x1); };
   for (int hh = 0; hh < r; ++hh) {
     const int h = kh * r + hh;
     const float *Gh = G + hh * kChunk, *Bth = Bt + hh * kChunk, *Bgh = Bg + hh * kChunk;
@@ -469,11 +471,10 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
     invert_unit_lower(M, ldm, Tm, ldm, Y);  // T = (I + A)^-1 (synchronizes)
     if (w_out)  // w = T diag(beta e^G) K
       lower_times_rows(
-          Tm, ldm, Bgh, Kb, 2 * ld, ld + 4, L, dk, [&](int i) { return w_out + (int64_t(ch.start + i) * Hv + h) * dk; },
-          [](float* at, int c, float x0, float x1) { *reinterpret_cast<float2*>(at + c) = make_float2(x0, x1); });
+          Tm, ldm, Bgh, Kb, lds, lo, L, dk, [&](int i) { return w_out + (int64_t(ch.start + i) * Hv + h) * dk; }, put_f32);
     else
       lower_times_rows(
-          Tm, ldm, Bgh, Kb, 2 * ld, ld + 4, L, dk,
+          Tm, ldm, Bgh, Kb, lds, lo, L, dk,
           [&](int i) {
             const int64_t at = (int64_t(ch.start + i) * Hv + h) * dkp;
             return Split{w_s.hi + at, w_s.lo + at};
@@ -483,8 +484,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
     __syncthreads();  // every thread's values have landed
     split_rows_in_place<1>({Xs}, ld, dv16);
     lower_times_rows(  // u = T diag(beta) V
-        Tm, ldm, Bth, Vb, 2 * ld, ld + 4, L, dv, [&](int i) { return u_out + (int64_t(ch.start + i) * Hv + h) * dv; },
-        [](float* at, int c, float x0, float x1) { *reinterpret_cast<float2*>(at + c) = make_float2(x0, x1); });
+        Tm, ldm, Bth, Vb, lds, lo, L, dv, [&](int i) { return u_out + (int64_t(ch.start + i) * Hv + h) * dv; }, put_f32);
     if (tid < L) G_out[int64_t(ch.start + tid) * Hv + h] = Gh[tid];
   }
 }
