@@ -9,6 +9,7 @@
 #include "models/target.h"
 #ifdef DFLASH_HAVE_CUDA
 #include "ops/cuda/device_info.h"
+#include "ops/cuda/gemm.h"
 #endif
 
 namespace dflash::cli {
@@ -79,7 +80,9 @@ nlohmann::json describe(const std::string& path) {
   nlohmann::json gpus = nlohmann::json::array();
   for (const auto& d : cuda::devices())
     gpus.push_back({{"index", d.index}, {"name", d.name}, {"sm", d.sm}, {"memory_bytes", d.total_memory}});
-  dev["cuda"] = {{"built", true}, {"compiled_archs", cuda::compiled_archs()}, {"devices", gpus}};
+  const char* tune[] = {"off (cuBLASLt heuristic)", "on (fastest of 8 candidates, timed per shape)", "on, logged"};
+  dev["cuda"] = {{"built", true}, {"compiled_archs", cuda::compiled_archs()}, {"devices", gpus},
+                 {"gemm_tune", tune[int(cuda::gemm_tune_mode())]}};
 #else
   dev["cuda"] = {{"built", false}};
 #endif
@@ -146,6 +149,7 @@ void print_text(const nlohmann::json& j) {
                        g["name"].get<std::string>(), sm, code);
     }
     fmt::print("devices      cpu; {}\n", d.empty() ? "CUDA built, no GPU visible" : d);
+    fmt::print("gemm tune    {} (DFLASH_GEMM_TUNE)\n", cuda["gemm_tune"].get<std::string>());
   }
   fmt::print("\n{:>5}  {:<32}  {}\n", "layer", "type", "kernels");
   for (const auto& l : j["layers"]) {

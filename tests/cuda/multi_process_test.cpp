@@ -49,7 +49,8 @@ TEST(CudaMultiProcess, TwoProcessesTrainLikeOneProcessOnTwoGpus) {
            " --mask-token-id 300 --num-taps 1 --num-draft-layers 2 --block-size 4 --num-anchors 8 --max-steps 8 "
            "--grad-accum 4 --lr 3e-3 --log-every 1 --save-every 4 --target-batch-tokens 1";
   };
-  const std::string bin = test::dflash_binary().string();
+  // GEMM algorithms by cuBLASLt's heuristic: separate processes may tune to different choices (GemmTune).
+  const std::string bin = "DFLASH_GEMM_TUNE=0 " + test::dflash_binary().string();
   ASSERT_EQ(test::run_command(bin + args(tmp.path() / "one", "0,1"), &log), 0) << log;
   const fs::path two = tmp.path() / "two";
   const std::string env = "DFLASH_WORLD_SIZE=2 DFLASH_MASTER_PORT=29611 ";

@@ -26,6 +26,7 @@ void emit_bench_records(const std::string& bench, const std::string& preset,
     r.value = value;
     r.unit = unit;
     r.extra = extra;
+    r.extra["gemm_tune"] = cuda::gemm_tune_mode() != cuda::GemmTune::kOff;  // GemmTune (DFLASH_GEMM_TUNE)
     if (record) r = append_bench_record(results, r, true);
     fmt::print("{}\n", to_json(r).dump());
   }

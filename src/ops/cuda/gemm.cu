@@ -1,10 +1,16 @@
 #include <cublasLt.h>
 
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "ops/cuda/gemm.h"
 
@@ -17,12 +23,72 @@ void lt_check(cublasStatus_t s, const char* what) {
     throw std::runtime_error(std::string("cuBLASLt: ") + what + " failed with status " + std::to_string(int(s)));
 }
 
-// (M, N, K, trans_a, trans_b, out f32, beta != 0, device)
+// (M, N, K, trans_a, trans_b, out f32, beta != 0, device kind): devices of one kind share a choice,
+// so that the GPUs of one process compute bitwise alike.
 using AlgoKey = std::tuple<int64_t, int64_t, int64_t, bool, bool, bool, bool, int>;
 std::mutex g_algo_mutex;
 std::map<AlgoKey, cublasLtMatmulAlgo_t> g_algos;
 
+/// The current device's kind: compute capability x 1000 + multiprocessor count.
+int device_kind() {
+  int device = 0, major = 0, minor = 0, sms = 0;
+  DFLASH_CUDA_CHECK(cudaGetDevice(&device));
+  DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return (major * 10 + minor) * 1000 + sms;
+}
+
+constexpr int kCandidates = 8;  // cuBLASLt heuristic candidates timed per shape
+constexpr int kTuneRounds = 4;  // round 0 warms up; the minimum of the others counts
+
+/// Index of the fastest of the n candidates h[0..n) for `op` on these very operands, timed by CUDA
+/// events on `stream` (synchronizes it). With beta != 0 the candidates accumulate into a scratch copy
+/// of C, so C is left as it was; with beta == 0 they overwrite C (the caller's product follows).
+/// Candidates cuBLASLt refuses to run are skipped; 0 when none ran. ms[0..n): each one's time (inf
+/// when it did not run).
+int fastest_candidate(cublasLtHandle_t handle, cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t la,
+                      cublasLtMatrixLayout_t lb, cublasLtMatrixLayout_t lc, const cublasLtMatmulHeuristicResult_t* h,
+                      int n, const float* alpha, const float* beta, const void* A, const void* B, void* C,
+                      size_t c_bytes, void* workspace, size_t workspace_bytes, cudaStream_t stream, float* ms) {
+  void* Ct = C;
+  if (*beta != 0.f) {
+    DFLASH_CUDA_CHECK(cudaMallocAsync(&Ct, c_bytes, stream));
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(Ct, C, c_bytes, cudaMemcpyDeviceToDevice, stream));
+  }
+  std::vector<cudaEvent_t> ev(static_cast<size_t>(2 * n));
+  for (auto& e : ev) DFLASH_CUDA_CHECK(cudaEventCreate(&e));
+  float* best = ms;
+  std::fill(best, best + n, std::numeric_limits<float>::infinity());
+  std::vector<char> ran(static_cast<size_t>(n));
+  for (int round = 0; round < kTuneRounds; ++round) {
+    for (int i = 0; i < n; ++i) {  // the candidates interleaved, so clock changes hit them alike
+      DFLASH_CUDA_CHECK(cudaEventRecord(ev[size_t(2 * i)], stream));
+      ran[size_t(i)] = cublasLtMatmul(handle, op, alpha, B, la, A, lb, beta, Ct, lc, Ct, lc, &h[i].algo, workspace,
+                                      workspace_bytes, stream) == CUBLAS_STATUS_SUCCESS;
+      DFLASH_CUDA_CHECK(cudaEventRecord(ev[size_t(2 * i + 1)], stream));
+    }
+    DFLASH_CUDA_CHECK(cudaEventSynchronize(ev.back()));
+    for (int i = 0; round > 0 && i < n; ++i) {
+      float t = 0.f;
+      DFLASH_CUDA_CHECK(cudaEventElapsedTime(&t, ev[size_t(2 * i)], ev[size_t(2 * i + 1)]));
+      if (ran[size_t(i)]) best[i] = std::min(best[i], t);
+    }
+  }
+  for (auto& e : ev) cudaEventDestroy(e);
+  if (Ct != C) DFLASH_CUDA_CHECK(cudaFreeAsync(Ct, stream));
+  const int pick = int(std::min_element(best, best + n) - best);
+  return best[pick] < std::numeric_limits<float>::infinity() ? pick : 0;
+}
+
 }  // namespace
+
+GemmTune gemm_tune_mode() {
+  const char* v = std::getenv("DFLASH_GEMM_TUNE");
+  if (!v || !*v) return GemmTune::kOn;
+  if (v[0] == '0') return GemmTune::kOff;
+  return std::strcmp(v, "log") == 0 ? GemmTune::kLog : GemmTune::kOn;
+}
 
 struct GemmContext::Impl {
   cublasLtHandle_t handle = nullptr;
@@ -90,9 +156,7 @@ void GemmContext::run(const GemmShape& s, const bf16* A, const bf16* B, void* C,
     lt_check(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, b_rows, b_cols, int64_t(b_rows)), "layout B");
     lt_check(cublasLtMatrixLayoutCreate(&lc, ct, uint64_t(s.N), uint64_t(s.M), s.N), "layout C");
 
-    int device = 0;
-    DFLASH_CUDA_CHECK(cudaGetDevice(&device));
-    const AlgoKey key{s.M, s.N, s.K, s.trans_a, s.trans_b, c_f32, beta != 0.f, device};
+    const AlgoKey key{s.M, s.N, s.K, s.trans_a, s.trans_b, c_f32, beta != 0.f, device_kind()};
     cublasLtMatmulAlgo_t algo;
     bool found = false;
     {
@@ -105,15 +169,30 @@ void GemmContext::run(const GemmShape& s, const bf16* A, const bf16* B, void* C,
       lt_check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                     &impl_->workspace_bytes, sizeof(impl_->workspace_bytes)),
                "set workspace");
-      cublasLtMatmulHeuristicResult_t h{};
+      const GemmTune tune = gemm_tune_mode();
+      cublasLtMatmulHeuristicResult_t h[kCandidates]{};
       int n = 0;
-      lt_check(cublasLtMatmulAlgoGetHeuristic(impl_->handle, op, la, lb, lc, lc, pref, 1, &h, &n), "AlgoGetHeuristic");
+      lt_check(cublasLtMatmulAlgoGetHeuristic(impl_->handle, op, la, lb, lc, lc, pref,
+                                              tune == GemmTune::kOff ? 1 : kCandidates, h, &n),
+               "AlgoGetHeuristic");
       if (n == 0)
         throw std::runtime_error("cuBLASLt: no algorithm for M " + std::to_string(s.M) + " N " + std::to_string(s.N) +
                                  " K " + std::to_string(s.K));
-      algo = h.algo;
+      int pick = 0;
+      if (n > 1) {
+        const size_t c_bytes = size_t(s.M) * size_t(s.N) * (c_f32 ? 4 : 2);
+        float ms[kCandidates];
+        pick = fastest_candidate(impl_->handle, op, la, lb, lc, h, n, &alpha, &beta, A, B, C, c_bytes,
+                                 impl_->workspace, impl_->workspace_bytes, stream_, ms);
+        if (tune == GemmTune::kLog)
+          std::fprintf(stderr,
+                       "dflash gemm tune: M %ld N %ld K %ld trans_a %d trans_b %d %s beta %g: candidate %d of %d, "
+                       "%.1f us (heuristic's first %.1f us)\n",
+                       long(s.M), long(s.N), long(s.K), int(s.trans_a), int(s.trans_b), c_f32 ? "fp32" : "bf16",
+                       double(beta), pick, n, 1e3 * double(ms[pick]), 1e3 * double(ms[0]));
+      }
       std::lock_guard<std::mutex> lk(g_algo_mutex);
-      g_algos.emplace(key, algo);
+      algo = g_algos.emplace(key, h[pick].algo).first->second;  // a thread that tuned the same key first wins
     }
     lt_check(cublasLtMatmul(impl_->handle, op, &alpha, B, la, A, lb, &beta, C, lc, C, lc, &algo, impl_->workspace,
                             impl_->workspace_bytes, stream_),

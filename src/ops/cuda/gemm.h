@@ -18,9 +18,19 @@ struct GemmShape {
   bool trans_a = false, trans_b = false;
 };
 
+/// How GemmContext chooses a shape's cuBLASLt algorithm, from env DFLASH_GEMM_TUNE:
+///   unset / "1" (kOn): the first call of a shape times cuBLASLt's top 8 heuristic candidates on its
+///     operands (4 rounds, the first a warm-up; the shape's stream is synchronized) and keeps the fastest;
+///   "log" (kLog): the same, printing each choice and its time to stderr;
+///   "0" (kOff): cuBLASLt's first heuristic candidate (what PyTorch runs), reproducible bitwise across
+///     processes. Tuned choices can differ between processes (timing noise), and so can the last bits
+///     of their products; within one process every GPU of a kind shares them.
+enum class GemmTune { kOff, kOn, kLog };
+GemmTune gemm_tune_mode();
+
 /// A cuBLASLt handle plus its workspace, bound to one stream. One per thread / stream; the
-/// algorithm choice (cublasLtMatmulAlgoGetHeuristic, best one) is cached per shape and output
-/// type in a process-wide table guarded by a mutex, so it is looked up once per shape.
+/// algorithm choice (see GemmTune) is made once per shape, output type, beta == 0 or not and kind of
+/// GPU (compute capability and SM count), in a process-wide table guarded by a mutex.
 class GemmContext {
  public:
   /// Throws std::runtime_error when cuBLASLt cannot be initialized.
