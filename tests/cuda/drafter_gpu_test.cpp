@@ -9,6 +9,7 @@
 #include <random>
 
 #include "models/cuda/drafter_gpu.h"
+#include "ops/cuda/cross_entropy.h"
 #include "models/drafter.h"
 #include "tensor/dtype.h"
 #include "test_util.h"
@@ -63,6 +64,24 @@ struct Tiny {
 };
 
 }  // namespace
+
+TEST(CudaCrossEntropy, RowChunksFitTheLogitsBudgetInWholeTiles) {
+  // (No GPU needed.) 1 GB of fp32 logits at V 248320 holds 1072 rows.
+  const int64_t V = 248320;
+  EXPECT_EQ(cuda::cross_entropy_row_chunk(V, 1000), 1000);  // fits: one chunk of all rows
+  EXPECT_EQ(cuda::cross_entropy_row_chunk(V, 1072), 1072);
+  EXPECT_EQ(cuda::cross_entropy_row_chunk(V, 4096), 1024);  // 4 chunks of 1024, not 3 x 1072 + 880
+  EXPECT_EQ(cuda::cross_entropy_row_chunk(V, 7666), 1024);  // 8 chunks: 7 x 1024 + 498
+  EXPECT_EQ(cuda::cross_entropy_row_chunk(V, 2100), 1056);  // 2 x 1050 -> 1152 > 1072: rounded to 16 only
+  EXPECT_EQ(cuda::cross_entropy_row_chunk(300, 24, 7 * 300 * 4), 16);  // at least 16 rows
+  for (int64_t rows : {1, 17, 1073, 5000, 100000}) {
+    const int64_t rc = cuda::cross_entropy_row_chunk(V, rows);
+    EXPECT_TRUE(rc == rows || (rc <= 1072 && rc % 16 == 0)) << rows;
+    EXPECT_EQ((rows + rc - 1) / rc, (rows + 1071) / 1072) << "the fewest chunks that fit, rows " << rows;
+  }
+  EXPECT_THROW(cuda::cross_entropy_row_chunk(V, 0), std::invalid_argument);
+  EXPECT_THROW(cuda::cross_entropy_row_chunk(0, 10), std::invalid_argument);
+}
 
 TEST(CudaDrafter, StepMatchesTheCpuReference) {
   if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";

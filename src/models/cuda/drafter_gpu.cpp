@@ -368,9 +368,7 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   if (Qc > 0) {
     auto d_ul = upload(used_labels, s);
     auto d_coef = upload(coef, s);
-    // Equal chunks (the last one is not a small remainder that runs the GEMMs below their speed).
-    const int64_t rmax = std::min(Qc, cuda::cross_entropy_row_chunk(I.V, opt.ce_chunk_bytes));
-    const int64_t chunks = (Qc + rmax - 1) / rmax, rc = std::min(rmax, ((Qc + chunks - 1) / chunks + 15) / 16 * 16);
+    const int64_t rc = cuda::cross_entropy_row_chunk(I.V, Qc, opt.ce_chunk_bytes);
     StreamBuffer<char> ce_ws(size_t(cuda::cross_entropy_workspace_bytes(rc, I.V)), s);
     StreamBuffer<float> lse(size_t(Qc), s), tl(size_t(Qc), s);
     StreamBuffer<int32_t> amax(size_t(Qc), s);

@@ -118,9 +118,15 @@ __global__ void __launch_bounds__(kThreads) ce_row_kernel(const float* logits, i
 
 }  // namespace
 
-int64_t cross_entropy_row_chunk(int64_t V, int64_t max_bytes) {
-  if (V <= 0) throw std::invalid_argument("cross_entropy_row_chunk: V must be > 0");
-  return std::max<int64_t>(16, max_bytes / (V * 4) / 16 * 16);
+int64_t cross_entropy_row_chunk(int64_t V, int64_t rows, int64_t max_bytes) {
+  if (V <= 0 || rows <= 0)
+    throw std::invalid_argument("cross_entropy_row_chunk: V (" + std::to_string(V) + ") and rows (" +
+                                std::to_string(rows) + ") must be > 0");
+  const int64_t cap = std::max<int64_t>(16, max_bytes / (V * 4) / 16 * 16);
+  if (rows <= cap) return rows;
+  const int64_t chunks = (rows + cap - 1) / cap, even = (rows + chunks - 1) / chunks;
+  const int64_t tiles = (even + 127) / 128 * 128;
+  return tiles <= cap ? tiles : (even + 15) / 16 * 16;
 }
 
 int64_t cross_entropy_workspace_bytes(int64_t row_chunk, int64_t V) { return row_chunk * V * (4 + 2); }
@@ -150,7 +156,7 @@ std::vector<int32_t> lm_head_argmax(GemmContext& gemm, const bf16* h, const bf16
   if (rows <= 0) return r;
   cudaStream_t s = gemm.stream();
   // Row statistics against dummy targets (0): only the argmax is kept.
-  const int64_t rc = std::min(rows, cross_entropy_row_chunk(V));
+  const int64_t rc = cross_entropy_row_chunk(V, rows);
   StreamBuffer<char> ws(size_t(cross_entropy_workspace_bytes(rc, V)), s);
   StreamBuffer<int32_t> targets(size_t(rows), s), amax(size_t(rows), s);
   StreamBuffer<float> lse(size_t(rows), s), tl(size_t(rows), s);

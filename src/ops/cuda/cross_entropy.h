@@ -17,8 +17,11 @@ struct CeRowStats {
   int32_t* argmax = nullptr;      // index of the largest logit (first one on ties)
 };
 
-/// Row chunk that keeps the fp32 logits of one chunk within `max_bytes` (a multiple of 16, >= 16).
-int64_t cross_entropy_row_chunk(int64_t V, int64_t max_bytes = int64_t(1) << 30);
+/// Row chunk for `rows` rows (> 0) that keeps one chunk's fp32 logits within `max_bytes` (or at 16
+/// rows): `rows` itself when they fit, else the fewest chunks, of equal size rounded up to a multiple of
+/// 128 rows (whole GEMM tiles; the last chunk takes the rest) where that still fits, else of 16.
+/// Throws std::invalid_argument for V <= 0 or rows <= 0.
+int64_t cross_entropy_row_chunk(int64_t V, int64_t rows, int64_t max_bytes = int64_t(1) << 30);
 /// Workspace (bytes) for `row_chunk` rows: fp32 logits + bf16 logit gradient.
 int64_t cross_entropy_workspace_bytes(int64_t row_chunk, int64_t V);
 
