@@ -80,7 +80,9 @@ nlohmann::json describe(const std::string& path) {
   nlohmann::json gpus = nlohmann::json::array();
   for (const auto& d : cuda::devices())
     gpus.push_back({{"index", d.index}, {"name", d.name}, {"sm", d.sm}, {"memory_bytes", d.total_memory}});
-  const char* tune[] = {"off (cuBLASLt heuristic)", "on (fastest of 8 candidates, timed per shape)", "on, logged"};
+  const char* tune[] = {"auto (target forward: fastest of 8 candidates timed per shape; drafter: cuBLASLt's first)",
+                        "off (cuBLASLt's first candidate)", "on (fastest of 8 candidates timed per shape)",
+                        "on, logged"};
   dev["cuda"] = {{"built", true}, {"compiled_archs", cuda::compiled_archs()}, {"devices", gpus},
                  {"gemm_tune", tune[int(cuda::gemm_tune_mode())]}};
 #else

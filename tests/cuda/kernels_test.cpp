@@ -113,12 +113,12 @@ TEST(CudaGemm, AllTransposesOddSizesAccumulateAndBf16Output) {
 }
 
 TEST(CudaGemm, TuneModesFromTheEnvironment) {
-  // (No GPU needed.) DFLASH_GEMM_TUNE: unset / empty / "1" on, "log" on and printed, "0" off.
+  // (No GPU needed.) DFLASH_GEMM_TUNE: unset / empty auto, "1" on, "log" on and printed, "0" off.
   const char* was = std::getenv("DFLASH_GEMM_TUNE");
   const std::string saved = was ? was : "";
   unsetenv("DFLASH_GEMM_TUNE");
-  EXPECT_EQ(cuda::gemm_tune_mode(), cuda::GemmTune::kOn);
-  for (auto [v, want] : {std::pair<const char*, cuda::GemmTune>{"", cuda::GemmTune::kOn}, {"1", cuda::GemmTune::kOn},
+  EXPECT_EQ(cuda::gemm_tune_mode(), cuda::GemmTune::kAuto);
+  for (auto [v, want] : {std::pair<const char*, cuda::GemmTune>{"", cuda::GemmTune::kAuto}, {"1", cuda::GemmTune::kOn},
                          {"log", cuda::GemmTune::kLog}, {"0", cuda::GemmTune::kOff}}) {
     setenv("DFLASH_GEMM_TUNE", v, 1);
     EXPECT_EQ(cuda::gemm_tune_mode(), want) << "'" << v << "'";
@@ -133,37 +133,41 @@ TEST(CudaGemm, TunedAndHeuristicChoicesComputeTheProductOnce) {
   const char* was = std::getenv("DFLASH_GEMM_TUNE");
   const std::string saved = was ? was : "";
   Stream st;
-  cuda::GemmContext ctx(st.s);
+  cuda::GemmContext plain(st.s), tuning(st.s, size_t(32) << 20, true);
   std::mt19937_64 rng(5);
   int64_t m = 192;
-  for (const char* mode : {"0", "1", "log"}) {
+  for (const char* mode : {"0", "1", "log", ""}) {
     setenv("DFLASH_GEMM_TUNE", mode, 1);
     const cuda::GemmShape g{m, 256, 320, false, true};
     m += 16;  // a new shape per mode: each one's first call chooses
     const auto A = rand_bf16_values(size_t(g.M * g.K), rng), B = rand_bf16_values(size_t(g.N * g.K), rng);
     const auto C0 = rand_bf16_values(size_t(g.M * g.N), rng);
     auto dA = to_device_bf16(A, st.s), dB = to_device_bf16(B, st.s);
-    const size_t before = cuda::GemmContext::cached_algorithms();
-    testing::internal::CaptureStderr();
-    DeviceArray<float> dC(C0, st.s);
-    ctx.gemm(g, dA.data(), dB.data(), dC.data(), 1.f, 1.f);
-    const std::string printed = testing::internal::GetCapturedStderr();
-    EXPECT_EQ(cuda::GemmContext::cached_algorithms(), before + 1) << mode;
-    EXPECT_EQ(printed.find("dflash gemm tune") != std::string::npos, std::string(mode) == "log") << mode << ": " << printed;
     const auto ref = ref_gemm(g, A, B);
     std::vector<double> want(ref.size());
     for (size_t i = 0; i < ref.size(); ++i) want[i] = ref[i] + C0[i];
-    const auto first = dC.to_host(st.s);
-    EXPECT_LE(test::rel_l2(first, want), kTolF32Out) << mode;
-    DeviceArray<float> dC2(C0, st.s);
-    ctx.gemm(g, dA.data(), dB.data(), dC2.data(), 1.f, 1.f);
-    EXPECT_EQ(dC2.to_host(st.s), first) << mode;
+    const size_t before = cuda::GemmContext::cached_algorithms();
+    for (cuda::GemmContext* ctx : {&tuning, &plain}) {
+      testing::internal::CaptureStderr();
+      DeviceArray<float> dC(C0, st.s);
+      ctx->gemm(g, dA.data(), dB.data(), dC.data(), 1.f, 1.f);
+      const std::string printed = testing::internal::GetCapturedStderr();
+      EXPECT_EQ(printed.find("dflash gemm tune") != std::string::npos, std::string(mode) == "log" && ctx == &tuning)
+          << "'" << mode << "': " << printed;  // printed once, at the shape's first call
+      const auto got = dC.to_host(st.s);
+      EXPECT_LE(test::rel_l2(got, want), kTolF32Out) << "'" << mode << "'";
+      DeviceArray<float> dC2(C0, st.s);
+      ctx->gemm(g, dA.data(), dB.data(), dC2.data(), 1.f, 1.f);
+      EXPECT_EQ(dC2.to_host(st.s), got) << "'" << mode << "'";
+    }
+    // Unset (kAuto): only the tune_by_default context tunes, so the two keep separate choices.
+    EXPECT_EQ(cuda::GemmContext::cached_algorithms(), before + (*mode ? 1 : 2)) << "'" << mode << "'";
     DeviceArray<bf16> dCb{size_t(g.M * g.N)};
     dCb.fill_bytes(0xFF, st.s);  // NaN poison: every element written by the chosen (beta 0) algorithm
-    ctx.gemm(g, dA.data(), dB.data(), dCb.data());
+    tuning.gemm(g, dA.data(), dB.data(), dCb.data());
     const auto got = to_host_f32(dCb, st.s);
     EXPECT_TRUE(all_finite(got));
-    EXPECT_LE(test::rel_l2(got, ref), kTolBf16Out) << mode;
+    EXPECT_LE(test::rel_l2(got, ref), kTolBf16Out) << "'" << mode << "'";
   }
   was ? setenv("DFLASH_GEMM_TUNE", saved.c_str(), 1) : unsetenv("DFLASH_GEMM_TUNE");
 }

@@ -26,7 +26,8 @@ void emit_bench_records(const std::string& bench, const std::string& preset,
     r.value = value;
     r.unit = unit;
     r.extra = extra;
-    r.extra["gemm_tune"] = cuda::gemm_tune_mode() != cuda::GemmTune::kOff;  // GemmTune (DFLASH_GEMM_TUNE)
+    const char* tune[] = {"auto", "off", "on", "log"};  // GemmTune (DFLASH_GEMM_TUNE)
+    r.extra["gemm_tune"] = tune[int(cuda::gemm_tune_mode())];
     if (record) r = append_bench_record(results, r, true);
     fmt::print("{}\n", to_json(r).dump());
   }

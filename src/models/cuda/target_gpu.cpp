@@ -111,7 +111,7 @@ struct TargetGpu::Impl {
   std::vector<int64_t> rollback_cu;    // that forward's cu_seqlens (rows of hist and inputs)
   std::vector<int64_t> replay;         // per sequence: accepted tokens of that forward still to replay
   std::unique_ptr<cuda::StageTimer> timer;  // while time_stages(true)
-  explicit Impl(cudaStream_t st) : s(st), gemm(st) {}
+  explicit Impl(cudaStream_t st) : s(st), gemm(st, size_t(32) << 20, true) {}  // tuned GEMMs (GemmTune::kAuto)
   void stage(const char* name) {
     if (timer) timer->next(name);
   }

@@ -23,9 +23,9 @@ void lt_check(cublasStatus_t s, const char* what) {
     throw std::runtime_error(std::string("cuBLASLt: ") + what + " failed with status " + std::to_string(int(s)));
 }
 
-// (M, N, K, trans_a, trans_b, out f32, beta != 0, device kind): devices of one kind share a choice,
-// so that the GPUs of one process compute bitwise alike.
-using AlgoKey = std::tuple<int64_t, int64_t, int64_t, bool, bool, bool, bool, int>;
+// (M, N, K, trans_a, trans_b, out f32, beta != 0, tuned, device kind): devices of one kind share a
+// choice, so that the GPUs of one process compute bitwise alike.
+using AlgoKey = std::tuple<int64_t, int64_t, int64_t, bool, bool, bool, bool, bool, int>;
 std::mutex g_algo_mutex;
 std::map<AlgoKey, cublasLtMatmulAlgo_t> g_algos;
 
@@ -85,7 +85,7 @@ int fastest_candidate(cublasLtHandle_t handle, cublasLtMatmulDesc_t op, cublasLt
 
 GemmTune gemm_tune_mode() {
   const char* v = std::getenv("DFLASH_GEMM_TUNE");
-  if (!v || !*v) return GemmTune::kOn;
+  if (!v || !*v) return GemmTune::kAuto;
   if (v[0] == '0') return GemmTune::kOff;
   return std::strcmp(v, "log") == 0 ? GemmTune::kLog : GemmTune::kOn;
 }
@@ -94,9 +94,12 @@ struct GemmContext::Impl {
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  bool tune_by_default = false;
 };
 
-GemmContext::GemmContext(cudaStream_t stream, size_t workspace_bytes) : impl_(new Impl), stream_(stream) {
+GemmContext::GemmContext(cudaStream_t stream, size_t workspace_bytes, bool tune_by_default)
+    : impl_(new Impl), stream_(stream) {
+  impl_->tune_by_default = tune_by_default;
   lt_check(cublasLtCreate(&impl_->handle), "cublasLtCreate");
   impl_->workspace_bytes = workspace_bytes;
   if (workspace_bytes) {
@@ -156,7 +159,9 @@ void GemmContext::run(const GemmShape& s, const bf16* A, const bf16* B, void* C,
     lt_check(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, b_rows, b_cols, int64_t(b_rows)), "layout B");
     lt_check(cublasLtMatrixLayoutCreate(&lc, ct, uint64_t(s.N), uint64_t(s.M), s.N), "layout C");
 
-    const AlgoKey key{s.M, s.N, s.K, s.trans_a, s.trans_b, c_f32, beta != 0.f, device_kind()};
+    const GemmTune mode = gemm_tune_mode();
+    const bool tune = mode == GemmTune::kOn || mode == GemmTune::kLog || (mode == GemmTune::kAuto && impl_->tune_by_default);
+    const AlgoKey key{s.M, s.N, s.K, s.trans_a, s.trans_b, c_f32, beta != 0.f, tune, device_kind()};
     cublasLtMatmulAlgo_t algo;
     bool found = false;
     {
@@ -169,11 +174,9 @@ void GemmContext::run(const GemmShape& s, const bf16* A, const bf16* B, void* C,
       lt_check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                     &impl_->workspace_bytes, sizeof(impl_->workspace_bytes)),
                "set workspace");
-      const GemmTune tune = gemm_tune_mode();
       cublasLtMatmulHeuristicResult_t h[kCandidates]{};
       int n = 0;
-      lt_check(cublasLtMatmulAlgoGetHeuristic(impl_->handle, op, la, lb, lc, lc, pref,
-                                              tune == GemmTune::kOff ? 1 : kCandidates, h, &n),
+      lt_check(cublasLtMatmulAlgoGetHeuristic(impl_->handle, op, la, lb, lc, lc, pref, tune ? kCandidates : 1, h, &n),
                "AlgoGetHeuristic");
       if (n == 0)
         throw std::runtime_error("cuBLASLt: no algorithm for M " + std::to_string(s.M) + " N " + std::to_string(s.N) +
@@ -184,7 +187,7 @@ void GemmContext::run(const GemmShape& s, const bf16* A, const bf16* B, void* C,
         float ms[kCandidates];
         pick = fastest_candidate(impl_->handle, op, la, lb, lc, h, n, &alpha, &beta, A, B, C, c_bytes,
                                  impl_->workspace, impl_->workspace_bytes, stream_, ms);
-        if (tune == GemmTune::kLog)
+        if (mode == GemmTune::kLog)
           std::fprintf(stderr,
                        "dflash gemm tune: M %ld N %ld K %ld trans_a %d trans_b %d %s beta %g: candidate %d of %d, "
                        "%.1f us (heuristic's first %.1f us)\n",

@@ -19,22 +19,27 @@ struct GemmShape {
 };
 
 /// How GemmContext chooses a shape's cuBLASLt algorithm, from env DFLASH_GEMM_TUNE:
-///   unset / "1" (kOn): the first call of a shape times cuBLASLt's top 8 heuristic candidates on its
-///     operands (4 rounds, the first a warm-up; the shape's stream is synchronized) and keeps the fastest;
-///   "log" (kLog): the same, printing each choice and its time to stderr;
-///   "0" (kOff): cuBLASLt's first heuristic candidate (what PyTorch runs), reproducible bitwise across
-///     processes. Tuned choices can differ between processes (timing noise), and so can the last bits
-///     of their products; within one process every GPU of a kind shares them.
-enum class GemmTune { kOff, kOn, kLog };
+///   unset / empty (kAuto): tuned in the contexts created with tune_by_default (the target forward's),
+///     cuBLASLt's first choice elsewhere (the drafter's training step);
+///   "1" (kOn): tuned everywhere; "log" (kLog): the same, printing each choice and its time to stderr;
+///   "0" (kOff): cuBLASLt's first heuristic candidate everywhere (what PyTorch runs).
+/// Tuned: the first call of a shape times cuBLASLt's top 8 heuristic candidates on its operands (4
+/// rounds, the first a warm-up; the stream is synchronized) and keeps the fastest. Measured on an H200
+/// at its 700 W cap (bench/results/2026-12-02_session12.md): the 27B target forward +5.6 %, the 27B
+/// drafter step -2.6 % (timed alone, at full clock, the tuned algorithms win there too). Tuned choices
+/// can differ between processes (timing noise), and so can the last bits of their products; within one
+/// process every GPU of a kind shares them. kOff is bitwise reproducible across processes.
+enum class GemmTune { kAuto, kOff, kOn, kLog };
 GemmTune gemm_tune_mode();
 
 /// A cuBLASLt handle plus its workspace, bound to one stream. One per thread / stream; the
-/// algorithm choice (see GemmTune) is made once per shape, output type, beta == 0 or not and kind of
-/// GPU (compute capability and SM count), in a process-wide table guarded by a mutex.
+/// algorithm choice (see GemmTune) is made once per shape, output type, beta == 0 or not, tuned or
+/// not and kind of GPU (compute capability and SM count), in a process-wide table guarded by a mutex.
 class GemmContext {
  public:
-  /// Throws std::runtime_error when cuBLASLt cannot be initialized.
-  explicit GemmContext(cudaStream_t stream, size_t workspace_bytes = size_t(32) << 20);
+  /// tune_by_default: whether this context tunes under GemmTune::kAuto. Throws std::runtime_error
+  /// when cuBLASLt cannot be initialized.
+  explicit GemmContext(cudaStream_t stream, size_t workspace_bytes = size_t(32) << 20, bool tune_by_default = false);
   ~GemmContext();
   GemmContext(const GemmContext&) = delete;
   GemmContext& operator=(const GemmContext&) = delete;
