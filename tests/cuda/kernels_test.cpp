@@ -112,34 +112,43 @@ TEST(CudaGemm, AllTransposesOddSizesAccumulateAndBf16Output) {
   EXPECT_THROW(ctx.gemm({0, 4, 4}, nullptr, nullptr, static_cast<float*>(nullptr)), std::invalid_argument);
 }
 
+/// Sets DFLASH_GEMM_TUNE for a test and restores it however the test ends.
+struct TuneEnv {
+  bool had;
+  std::string was;
+  TuneEnv() : had(std::getenv("DFLASH_GEMM_TUNE") != nullptr), was(had ? std::getenv("DFLASH_GEMM_TUNE") : "") {}
+  ~TuneEnv() { had ? setenv("DFLASH_GEMM_TUNE", was.c_str(), 1) : unsetenv("DFLASH_GEMM_TUNE"); }
+  void set(const char* v) { setenv("DFLASH_GEMM_TUNE", v, 1); }
+};
+
 TEST(CudaGemm, TuneModesFromTheEnvironment) {
   // (No GPU needed.) DFLASH_GEMM_TUNE: unset / empty auto, "1" on, "log" on and printed, "0" off.
-  const char* was = std::getenv("DFLASH_GEMM_TUNE");
-  const std::string saved = was ? was : "";
+  TuneEnv env;
   unsetenv("DFLASH_GEMM_TUNE");
   EXPECT_EQ(cuda::gemm_tune_mode(), cuda::GemmTune::kAuto);
   for (auto [v, want] : {std::pair<const char*, cuda::GemmTune>{"", cuda::GemmTune::kAuto}, {"1", cuda::GemmTune::kOn},
                          {"log", cuda::GemmTune::kLog}, {"0", cuda::GemmTune::kOff}}) {
-    setenv("DFLASH_GEMM_TUNE", v, 1);
+    env.set(v);
     EXPECT_EQ(cuda::gemm_tune_mode(), want) << "'" << v << "'";
   }
-  was ? setenv("DFLASH_GEMM_TUNE", saved.c_str(), 1) : unsetenv("DFLASH_GEMM_TUNE");
+  for (const char* bad : {"off", "true", "01", "LOG"}) {
+    env.set(bad);
+    EXPECT_THROW(cuda::gemm_tune_mode(), std::invalid_argument) << "'" << bad << "'";
+  }
 }
 
 TEST(CudaGemm, TunedAndHeuristicChoicesComputeTheProductOnce) {
   // Tuning runs the candidates on the caller's operands: with beta = 1 it must leave C to the one
   // product that counts, and a shape's later calls reuse its choice (bitwise the same result).
   REQUIRE_GPU();
-  const char* was = std::getenv("DFLASH_GEMM_TUNE");
-  const std::string saved = was ? was : "";
+  TuneEnv env;
   Stream st;
   cuda::GemmContext plain(st.s), tuning(st.s, size_t(32) << 20, true);
   std::mt19937_64 rng(5);
-  int64_t m = 192;
-  for (const char* mode : {"0", "1", "log", ""}) {
-    setenv("DFLASH_GEMM_TUNE", mode, 1);
+  // A new row bucket per mode (512, 1024, 2048, 4096): each one's first call chooses.
+  for (auto [mode, m] : {std::pair<const char*, int64_t>{"0", 300}, {"1", 600}, {"log", 1100}, {"", 2100}}) {
+    env.set(mode);
     const cuda::GemmShape g{m, 256, 320, false, true};
-    m += 16;  // a new shape per mode: each one's first call chooses
     const auto A = rand_bf16_values(size_t(g.M * g.K), rng), B = rand_bf16_values(size_t(g.N * g.K), rng);
     const auto C0 = rand_bf16_values(size_t(g.M * g.N), rng);
     auto dA = to_device_bf16(A, st.s), dB = to_device_bf16(B, st.s);
@@ -169,7 +178,32 @@ TEST(CudaGemm, TunedAndHeuristicChoicesComputeTheProductOnce) {
     EXPECT_TRUE(all_finite(got));
     EXPECT_LE(test::rel_l2(got, ref), kTolBf16Out) << "'" << mode << "'";
   }
-  was ? setenv("DFLASH_GEMM_TUNE", saved.c_str(), 1) : unsetenv("DFLASH_GEMM_TUNE");
+}
+
+TEST(CudaGemm, TunedChoiceServesEveryRowCountOfItsBucket) {
+  // A packed forward's token count changes every batch: the first row count of a power-of-two bucket
+  // is timed, the others take its choice (no timing, nothing printed) and still compute the product.
+  REQUIRE_GPU();
+  TuneEnv env;
+  env.set("log");
+  Stream st;
+  cuda::GemmContext ctx(st.s);
+  std::mt19937_64 rng(6);
+  const int64_t N = 192, K = 272;
+  const auto B = rand_bf16_values(size_t(N * K), rng);
+  auto dB = to_device_bf16(B, st.s);
+  for (auto [M, prints] : {std::pair<int64_t, bool>{600, true}, {513, false}, {1000, false}, {1100, true}}) {
+    const cuda::GemmShape g{M, N, K, false, true};
+    const auto A = rand_bf16_values(size_t(M * K), rng);
+    auto dA = to_device_bf16(A, st.s);
+    DeviceArray<float> dC{size_t(M * N)};
+    dC.fill_bytes(0xFF, st.s);
+    testing::internal::CaptureStderr();
+    ctx.gemm(g, dA.data(), dB.data(), dC.data());
+    const std::string printed = testing::internal::GetCapturedStderr();
+    EXPECT_EQ(printed.find("dflash gemm tune") != std::string::npos, prints) << "M " << M << ": " << printed;
+    EXPECT_LE(test::rel_l2(dC.to_host(st.s), ref_gemm(g, A, B)), kTolF32Out) << "M " << M;
+  }
 }
 
 TEST(CudaGemm, ManyThreadsOwnStreamsAtOnce) {

@@ -27,16 +27,30 @@ void lt_check(cublasStatus_t s, const char* what) {
 // choice, so that the GPUs of one process compute bitwise alike.
 using AlgoKey = std::tuple<int64_t, int64_t, int64_t, bool, bool, bool, bool, bool, int>;
 std::mutex g_algo_mutex;
-std::map<AlgoKey, cublasLtMatmulAlgo_t> g_algos;
+std::map<AlgoKey, cublasLtMatmulAlgo_t> g_algos;   // every shape's choice
+std::map<AlgoKey, cublasLtMatmulAlgo_t> g_tuned;   // tuned choices by M bucket (key's M = m_bucket(M))
 
-/// The current device's kind: compute capability x 1000 + multiprocessor count.
+/// Rows are bucketed for tuning (a packed forward's token count changes from batch to batch): the
+/// smallest power of two >= M, at least 16.
+int64_t m_bucket(int64_t M) {
+  int64_t b = 16;
+  while (b < M) b *= 2;
+  return b;
+}
+
+/// The current device's kind: compute capability x 1000 + multiprocessor count (per thread and device,
+/// looked up once).
 int device_kind() {
-  int device = 0, major = 0, minor = 0, sms = 0;
+  int device = 0;
   DFLASH_CUDA_CHECK(cudaGetDevice(&device));
+  thread_local std::map<int, int> kinds;
+  auto it = kinds.find(device);
+  if (it != kinds.end()) return it->second;
+  int major = 0, minor = 0, sms = 0;
   DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return (major * 10 + minor) * 1000 + sms;
+  return kinds[device] = (major * 10 + minor) * 1000 + sms;
 }
 
 constexpr int kCandidates = 8;  // cuBLASLt heuristic candidates timed per shape
@@ -45,40 +59,56 @@ constexpr int kTuneRounds = 4;  // round 0 warms up; the minimum of the others c
 /// Index of the fastest of the n candidates h[0..n) for `op` on these very operands, timed by CUDA
 /// events on `stream` (synchronizes it). With beta != 0 the candidates accumulate into a scratch copy
 /// of C, so C is left as it was; with beta == 0 they overwrite C (the caller's product follows).
-/// Candidates cuBLASLt refuses to run are skipped; 0 when none ran. ms[0..n): each one's time (inf
-/// when it did not run).
+/// Candidates cuBLASLt refuses to run are skipped. ms[0..n): each one's time (inf when it did not run).
+/// -1 when nothing could be timed (no memory for the scratch copy, a CUDA error): then nothing leaks,
+/// the error is cleared and the caller takes cuBLASLt's first choice. Never throws.
 int fastest_candidate(cublasLtHandle_t handle, cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t la,
                       cublasLtMatrixLayout_t lb, cublasLtMatrixLayout_t lc, const cublasLtMatmulHeuristicResult_t* h,
                       int n, const float* alpha, const float* beta, const void* A, const void* B, void* C,
                       size_t c_bytes, void* workspace, size_t workspace_bytes, cudaStream_t stream, float* ms) {
+  struct Scratch {  // freed (stream-ordered) and destroyed on every return
+    cudaStream_t s;
+    void* c = nullptr;
+    std::vector<cudaEvent_t> ev;
+    ~Scratch() {
+      for (cudaEvent_t e : ev)
+        if (e) cudaEventDestroy(e);
+      if (c) cudaFreeAsync(c, s);
+    }
+  } scratch{stream};
+  bool fine = true;
+  auto ok = [&](cudaError_t e) {
+    if (e != cudaSuccess) fine = false, cudaGetLastError();
+    return fine;
+  };
   void* Ct = C;
   if (*beta != 0.f) {
-    DFLASH_CUDA_CHECK(cudaMallocAsync(&Ct, c_bytes, stream));
-    DFLASH_CUDA_CHECK(cudaMemcpyAsync(Ct, C, c_bytes, cudaMemcpyDeviceToDevice, stream));
+    if (!ok(cudaMallocAsync(&scratch.c, c_bytes, stream)) ||
+        !ok(cudaMemcpyAsync(scratch.c, C, c_bytes, cudaMemcpyDeviceToDevice, stream)))
+      return -1;
+    Ct = scratch.c;
   }
-  std::vector<cudaEvent_t> ev(static_cast<size_t>(2 * n));
-  for (auto& e : ev) DFLASH_CUDA_CHECK(cudaEventCreate(&e));
-  float* best = ms;
-  std::fill(best, best + n, std::numeric_limits<float>::infinity());
+  scratch.ev.assign(static_cast<size_t>(2 * n), nullptr);
+  for (auto& e : scratch.ev)
+    if (!ok(cudaEventCreate(&e))) return -1;
+  std::fill(ms, ms + n, std::numeric_limits<float>::infinity());
   std::vector<char> ran(static_cast<size_t>(n));
   for (int round = 0; round < kTuneRounds; ++round) {
     for (int i = 0; i < n; ++i) {  // the candidates interleaved, so clock changes hit them alike
-      DFLASH_CUDA_CHECK(cudaEventRecord(ev[size_t(2 * i)], stream));
+      ok(cudaEventRecord(scratch.ev[size_t(2 * i)], stream));
       ran[size_t(i)] = cublasLtMatmul(handle, op, alpha, B, la, A, lb, beta, Ct, lc, Ct, lc, &h[i].algo, workspace,
                                       workspace_bytes, stream) == CUBLAS_STATUS_SUCCESS;
-      DFLASH_CUDA_CHECK(cudaEventRecord(ev[size_t(2 * i + 1)], stream));
+      ok(cudaEventRecord(scratch.ev[size_t(2 * i + 1)], stream));
     }
-    DFLASH_CUDA_CHECK(cudaEventSynchronize(ev.back()));
+    if (!ok(cudaEventSynchronize(scratch.ev.back()))) return -1;
     for (int i = 0; round > 0 && i < n; ++i) {
       float t = 0.f;
-      DFLASH_CUDA_CHECK(cudaEventElapsedTime(&t, ev[size_t(2 * i)], ev[size_t(2 * i + 1)]));
-      if (ran[size_t(i)]) best[i] = std::min(best[i], t);
+      if (ran[size_t(i)] && ok(cudaEventElapsedTime(&t, scratch.ev[size_t(2 * i)], scratch.ev[size_t(2 * i + 1)])))
+        ms[i] = std::min(ms[i], t);
     }
   }
-  for (auto& e : ev) cudaEventDestroy(e);
-  if (Ct != C) DFLASH_CUDA_CHECK(cudaFreeAsync(Ct, stream));
-  const int pick = int(std::min_element(best, best + n) - best);
-  return best[pick] < std::numeric_limits<float>::infinity() ? pick : 0;
+  const int pick = int(std::min_element(ms, ms + n) - ms);
+  return fine && ms[pick] < std::numeric_limits<float>::infinity() ? pick : -1;
 }
 
 }  // namespace
@@ -86,8 +116,10 @@ int fastest_candidate(cublasLtHandle_t handle, cublasLtMatmulDesc_t op, cublasLt
 GemmTune gemm_tune_mode() {
   const char* v = std::getenv("DFLASH_GEMM_TUNE");
   if (!v || !*v) return GemmTune::kAuto;
-  if (v[0] == '0') return GemmTune::kOff;
-  return std::strcmp(v, "log") == 0 ? GemmTune::kLog : GemmTune::kOn;
+  if (std::strcmp(v, "0") == 0) return GemmTune::kOff;
+  if (std::strcmp(v, "1") == 0) return GemmTune::kOn;
+  if (std::strcmp(v, "log") == 0) return GemmTune::kLog;
+  throw std::invalid_argument(std::string("DFLASH_GEMM_TUNE='") + v + "': expected 0, 1 or log (or unset)");
 }
 
 struct GemmContext::Impl {
@@ -174,28 +206,48 @@ void GemmContext::run(const GemmShape& s, const bf16* A, const bf16* B, void* C,
       lt_check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                     &impl_->workspace_bytes, sizeof(impl_->workspace_bytes)),
                "set workspace");
-      cublasLtMatmulHeuristicResult_t h[kCandidates]{};
-      int n = 0;
-      lt_check(cublasLtMatmulAlgoGetHeuristic(impl_->handle, op, la, lb, lc, lc, pref, tune ? kCandidates : 1, h, &n),
-               "AlgoGetHeuristic");
-      if (n == 0)
-        throw std::runtime_error("cuBLASLt: no algorithm for M " + std::to_string(s.M) + " N " + std::to_string(s.N) +
-                                 " K " + std::to_string(s.K));
-      int pick = 0;
-      if (n > 1) {
-        const size_t c_bytes = size_t(s.M) * size_t(s.N) * (c_f32 ? 4 : 2);
-        float ms[kCandidates];
-        pick = fastest_candidate(impl_->handle, op, la, lb, lc, h, n, &alpha, &beta, A, B, C, c_bytes,
-                                 impl_->workspace, impl_->workspace_bytes, stream_, ms);
-        if (mode == GemmTune::kLog)
-          std::fprintf(stderr,
-                       "dflash gemm tune: M %ld N %ld K %ld trans_a %d trans_b %d %s beta %g: candidate %d of %d, "
-                       "%.1f us (heuristic's first %.1f us)\n",
-                       long(s.M), long(s.N), long(s.K), int(s.trans_a), int(s.trans_b), c_f32 ? "fp32" : "bf16",
-                       double(beta), pick, n, 1e3 * double(ms[pick]), 1e3 * double(ms[0]));
+      // Tuned: a choice already made for this M bucket, where cuBLASLt confirms it fits this M.
+      const AlgoKey bucket{m_bucket(s.M), s.N, s.K, s.trans_a, s.trans_b, c_f32, beta != 0.f, true, std::get<8>(key)};
+      bool have = false;
+      if (tune) {
+        std::lock_guard<std::mutex> lk(g_algo_mutex);
+        auto it = g_tuned.find(bucket);
+        if (it != g_tuned.end()) algo = it->second, have = true;
+      }
+      if (have) {
+        cublasLtMatmulHeuristicResult_t r{};
+        have = cublasLtMatmulAlgoCheck(impl_->handle, op, la, lb, lc, lc, &algo, &r) == CUBLAS_STATUS_SUCCESS &&
+               r.workspaceSize <= impl_->workspace_bytes;
+      }
+      if (!have) {
+        cublasLtMatmulHeuristicResult_t h[kCandidates]{};
+        int n = 0;
+        lt_check(cublasLtMatmulAlgoGetHeuristic(impl_->handle, op, la, lb, lc, lc, pref, tune ? kCandidates : 1, h, &n),
+                 "AlgoGetHeuristic");
+        if (n == 0)
+          throw std::runtime_error("cuBLASLt: no algorithm for M " + std::to_string(s.M) + " N " +
+                                   std::to_string(s.N) + " K " + std::to_string(s.K));
+        int pick = -1;
+        if (n > 1) {
+          const size_t c_bytes = size_t(s.M) * size_t(s.N) * (c_f32 ? 4 : 2);
+          float ms[kCandidates];
+          pick = fastest_candidate(impl_->handle, op, la, lb, lc, h, n, &alpha, &beta, A, B, C, c_bytes,
+                                   impl_->workspace, impl_->workspace_bytes, stream_, ms);
+          if (mode == GemmTune::kLog && pick >= 0)
+            std::fprintf(stderr,
+                         "dflash gemm tune: M %ld N %ld K %ld trans_a %d trans_b %d %s beta %g: candidate %d of %d, "
+                         "%.1f us (heuristic's first %.1f us)\n",
+                         long(s.M), long(s.N), long(s.K), int(s.trans_a), int(s.trans_b), c_f32 ? "fp32" : "bf16",
+                         double(beta), pick, n, 1e3 * double(ms[pick]), 1e3 * double(ms[0]));
+        }
+        algo = h[std::max(pick, 0)].algo;
+        if (pick >= 0) {
+          std::lock_guard<std::mutex> lk(g_algo_mutex);
+          algo = g_tuned.emplace(bucket, algo).first->second;  // a thread that tuned the same bucket first wins
+        }
       }
       std::lock_guard<std::mutex> lk(g_algo_mutex);
-      algo = g_algos.emplace(key, h[pick].algo).first->second;  // a thread that tuned the same key first wins
+      algo = g_algos.emplace(key, algo).first->second;
     }
     lt_check(cublasLtMatmul(impl_->handle, op, &alpha, B, la, A, lb, &beta, C, lc, C, lc, &algo, impl_->workspace,
                             impl_->workspace_bytes, stream_),
