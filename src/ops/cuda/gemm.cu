@@ -201,11 +201,22 @@ void GemmContext::run(const GemmShape& s, const bf16* A, const bf16* B, void* C,
       auto it = g_algos.find(key);
       if (it != g_algos.end()) algo = it->second, found = true;
     }
+    // cuBLASLt's best-ranked candidates for this shape, up to `want` of them, into h; their number.
+    auto heuristic = [&](int want, cublasLtMatmulHeuristicResult_t* h) {
+      if (!pref) {
+        lt_check(cublasLtMatmulPreferenceCreate(&pref), "PreferenceCreate");
+        lt_check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                      &impl_->workspace_bytes, sizeof(impl_->workspace_bytes)),
+                 "set workspace");
+      }
+      int n = 0;
+      lt_check(cublasLtMatmulAlgoGetHeuristic(impl_->handle, op, la, lb, lc, lc, pref, want, h, &n), "AlgoGetHeuristic");
+      if (n == 0)
+        throw std::runtime_error("cuBLASLt: no algorithm for M " + std::to_string(s.M) + " N " + std::to_string(s.N) +
+                                 " K " + std::to_string(s.K));
+      return n;
+    };
     if (!found) {
-      lt_check(cublasLtMatmulPreferenceCreate(&pref), "PreferenceCreate");
-      lt_check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                    &impl_->workspace_bytes, sizeof(impl_->workspace_bytes)),
-               "set workspace");
       // Tuned: a choice already made for this M bucket, where cuBLASLt confirms it fits this M.
       const AlgoKey bucket{m_bucket(s.M), s.N, s.K, s.trans_a, s.trans_b, c_f32, beta != 0.f, true, std::get<8>(key)};
       bool have = false;
@@ -221,12 +232,7 @@ void GemmContext::run(const GemmShape& s, const bf16* A, const bf16* B, void* C,
       }
       if (!have) {
         cublasLtMatmulHeuristicResult_t h[kCandidates]{};
-        int n = 0;
-        lt_check(cublasLtMatmulAlgoGetHeuristic(impl_->handle, op, la, lb, lc, lc, pref, tune ? kCandidates : 1, h, &n),
-                 "AlgoGetHeuristic");
-        if (n == 0)
-          throw std::runtime_error("cuBLASLt: no algorithm for M " + std::to_string(s.M) + " N " +
-                                   std::to_string(s.N) + " K " + std::to_string(s.K));
+        const int n = heuristic(tune ? kCandidates : 1, h);
         int pick = -1;
         if (n > 1) {
           const size_t c_bytes = size_t(s.M) * size_t(s.N) * (c_f32 ? 4 : 2);
@@ -249,9 +255,24 @@ void GemmContext::run(const GemmShape& s, const bf16* A, const bf16* B, void* C,
       std::lock_guard<std::mutex> lk(g_algo_mutex);
       algo = g_algos.emplace(key, algo).first->second;
     }
-    lt_check(cublasLtMatmul(impl_->handle, op, &alpha, B, la, A, lb, &beta, C, lc, C, lc, &algo, impl_->workspace,
-                            impl_->workspace_bytes, stream_),
-             "Matmul");
+    auto matmul = [&] {
+      return cublasLtMatmul(impl_->handle, op, &alpha, B, la, A, lb, &beta, C, lc, C, lc, &algo, impl_->workspace,
+                            impl_->workspace_bytes, stream_);
+    };
+    cublasStatus_t st = matmul();
+    if (st == CUBLAS_STATUS_NOT_SUPPORTED && tune) {
+      // A bucket's tuned choice that this M (or these pointers' alignment) does not support after all
+      // (AlgoCheck sees neither the data nor the pointers): cuBLASLt's first choice from now on.
+      cublasLtMatmulHeuristicResult_t h{};
+      heuristic(1, &h);
+      algo = h.algo;
+      {
+        std::lock_guard<std::mutex> lk(g_algo_mutex);
+        g_algos[key] = algo;
+      }
+      st = matmul();
+    }
+    lt_check(st, "Matmul");
   } catch (...) {
     cleanup();
     throw;
