@@ -53,7 +53,8 @@ int device_kind() {
   return kinds[device] = (major * 10 + minor) * 1000 + sms;
 }
 
-constexpr int kCandidates = 8;  // cuBLASLt heuristic candidates timed per shape
+constexpr int kCandidates = 8;      // cuBLASLt heuristic candidates timed per shape
+constexpr int64_t kTuneMinRows = 512;  // smaller products (decoding, small batches) keep the first choice
 constexpr int kTuneRounds = 4;  // round 0 warms up; the minimum of the others counts
 
 /// Index of the fastest of the n candidates h[0..n) for `op` on these very operands, timed by CUDA
@@ -192,7 +193,8 @@ void GemmContext::run(const GemmShape& s, const bf16* A, const bf16* B, void* C,
     lt_check(cublasLtMatrixLayoutCreate(&lc, ct, uint64_t(s.N), uint64_t(s.M), s.N), "layout C");
 
     const GemmTune mode = gemm_tune_mode();
-    const bool tune = mode == GemmTune::kOn || mode == GemmTune::kLog || (mode == GemmTune::kAuto && impl_->tune_by_default);
+    const bool tune = s.M >= kTuneMinRows && (mode == GemmTune::kOn || mode == GemmTune::kLog ||
+                                               (mode == GemmTune::kAuto && impl_->tune_by_default));
     const AlgoKey key{s.M, s.N, s.K, s.trans_a, s.trans_b, c_f32, beta != 0.f, tune, device_kind()};
     cublasLtMatmulAlgo_t algo;
     bool found = false;
