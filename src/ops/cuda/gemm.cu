@@ -196,7 +196,7 @@ void GemmContext::run(const GemmShape& s, const bf16* A, const bf16* B, void* C,
     const bool tune = s.M >= kTuneMinRows && (mode == GemmTune::kOn || mode == GemmTune::kLog ||
                                                (mode == GemmTune::kAuto && impl_->tune_by_default));
     const AlgoKey key{s.M, s.N, s.K, s.trans_a, s.trans_b, c_f32, beta != 0.f, tune, device_kind()};
-    cublasLtMatmulAlgo_t algo;
+    cublasLtMatmulAlgo_t algo{};
     bool found = false;
     {
       std::lock_guard<std::mutex> lk(g_algo_mutex);
@@ -251,7 +251,7 @@ void GemmContext::run(const GemmShape& s, const bf16* A, const bf16* B, void* C,
         algo = h[std::max(pick, 0)].algo;
         if (pick >= 0) {
           std::lock_guard<std::mutex> lk(g_algo_mutex);
-          algo = g_tuned.emplace(bucket, algo).first->second;  // a thread that tuned the same bucket first wins
+          g_tuned.emplace(bucket, algo);  // the bucket's first choice stays; this M keeps its own winner
         }
       }
       std::lock_guard<std::mutex> lk(g_algo_mutex);
