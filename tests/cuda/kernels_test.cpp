@@ -193,7 +193,8 @@ TEST(CudaGemm, TunedChoiceServesEveryRowCountOfItsBucket) {
   const auto B = rand_bf16_values(size_t(N * K), rng);
   auto dB = to_device_bf16(B, st.s);
   // (Fewer than 512 rows are never tuned: 100 prints nothing either.)
-  for (auto [M, prints] : {std::pair<int64_t, bool>{600, true}, {513, false}, {1000, false}, {1100, true}, {100, false}}) {
+  for (auto [M, prints] :
+       {std::pair<int64_t, bool>{600, true}, {513, false}, {1000, false}, {1100, true}, {100, false}}) {
     const cuda::GemmShape g{M, N, K, false, true};
     const auto A = rand_bf16_values(size_t(M * K), rng);
     auto dA = to_device_bf16(A, st.s);

@@ -212,7 +212,8 @@ void GemmContext::run(const GemmShape& s, const bf16* A, const bf16* B, void* C,
                  "set workspace");
       }
       int n = 0;
-      lt_check(cublasLtMatmulAlgoGetHeuristic(impl_->handle, op, la, lb, lc, lc, pref, want, h, &n), "AlgoGetHeuristic");
+      lt_check(cublasLtMatmulAlgoGetHeuristic(impl_->handle, op, la, lb, lc, lc, pref, want, h, &n),
+               "AlgoGetHeuristic");
       if (n == 0)
         throw std::runtime_error("cuBLASLt: no algorithm for M " + std::to_string(s.M) + " N " + std::to_string(s.N) +
                                  " K " + std::to_string(s.K));

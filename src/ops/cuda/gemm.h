@@ -24,15 +24,15 @@ struct GemmShape {
 ///   "1" (kOn): tuned everywhere; "log" (kLog): the same, printing each choice and its time to stderr;
 ///   "0" (kOff): cuBLASLt's first heuristic candidate everywhere (what PyTorch runs).
 /// Tuned (products of at least 512 rows M; smaller ones always take cuBLASLt's first candidate):
-/// the first call of a shape times cuBLASLt's top 8 heuristic candidates on its operands (4
-/// rounds, the first a warm-up; the stream is synchronized) and keeps the fastest for every M (rows) in
-/// the same power-of-two bucket, so that a packed forward's changing token count is tuned once per
-/// bucket (a choice cuBLASLt's AlgoCheck or the product itself refuses for some M falls back to its
-/// first candidate there; so does a shape whose timing fails, e.g. for want of memory for a copy of C). Measured on an H200
-/// at its 700 W cap (bench/results/2026-12-02_session12.md): the 27B target forward +5.6 %, the 27B
-/// drafter step -2.6 % (timed alone, at full clock, the tuned algorithms win there too). Tuned choices
-/// can differ between processes (timing noise), and so can the last bits of their products; within one
-/// process every GPU of a kind shares them. kOff is bitwise reproducible across processes.
+/// the first call of a shape times cuBLASLt's top 8 heuristic candidates on its operands (4 rounds,
+/// the first a warm-up; the stream is synchronized) and keeps the fastest for every M (rows) in the
+/// same power-of-two bucket, so that a packed forward's changing token count is tuned once per bucket
+/// (a choice cuBLASLt's AlgoCheck or the product itself refuses for some M falls back to its first
+/// candidate there; so does a shape whose timing fails, e.g. for want of memory for a copy of C).
+/// Measured on an H200 at its 700 W cap (bench/results/2026-12-02_session12.md): the 27B target
+/// forward +5.6 %, the 27B drafter step -2.6 % (timed alone, at full clock, the tuned algorithms win
+/// there too). Tuned choices can differ between processes (timing noise), and so can the last bits of
+/// their products; within one process every GPU of a kind shares them. kOff is bitwise reproducible across processes.
 enum class GemmTune { kAuto, kOff, kOn, kLog };
 /// The mode DFLASH_GEMM_TUNE names; std::invalid_argument for any other value than those above.
 GemmTune gemm_tune_mode();
