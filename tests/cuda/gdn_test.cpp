@@ -48,6 +48,15 @@ std::vector<float> host_f32(const cuda::DeviceArray<float>& d) {
   return h;
 }
 
+/// Rows of `cols` values (bf16-representable) placed at column `offset` of rows of `stride` bf16 on the
+/// device, the rest NaN: an input read in place from a wider GEMM output (in_proj's).
+cuda::DeviceArray<cuda::bf16> bf16_in_rows(const std::vector<float>& v, int64_t cols, int64_t stride, int64_t offset) {
+  const int64_t rows = int64_t(v.size()) / cols;
+  std::vector<float> wide(size_t(rows * stride), NAN);
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(v.begin() + r * cols, cols, wide.begin() + r * stride + offset);
+  return test::to_device_bf16(wide, nullptr);
+}
+
 std::vector<int64_t> cu_of(const std::vector<int64_t>& lens) {
   std::vector<int64_t> cu{0};
   for (int64_t n : lens) cu.push_back(cu.back() + n);
@@ -66,15 +75,18 @@ TEST(CudaGdn, Conv1dSiluMatchesTheReference) {
     x.data = test::rand_bf16_values(size_t(T * C), rng);
     w.data = test::rand_bf16_values(size_t(C * K), rng, 0.5f);
     const Tensor want = cpu::causal_conv1d_silu(x, w, cu);
-    auto dx = device_f32(x.data), dw = device_f32(w.data);
+    const int64_t stride = C + 5;  // the q | k | v columns of a wider bf16 row (in_proj's), read in place
+    auto dx = bf16_in_rows(x.data, C, stride, 0);
+    auto dw = device_f32(w.data);
     auto y = poisoned<float>(size_t(T * C));
     auto starts = cuda::upload(cuda::sequence_starts(cu), nullptr);
-    cuda::causal_conv1d_silu(dx.data(), dw.data(), starts.data(), T, C, K, y.data(), nullptr);
+    cuda::causal_conv1d_silu(dx.data(), stride, dw.data(), starts.data(), T, C, K, y.data(), nullptr);
     const std::vector<float> got = host_f32(y);
     ASSERT_TRUE(test::all_finite(got)) << "K " << K;
     EXPECT_LE(test::rel_l2(got, want.data), kTolF32) << "K " << K;
   }
-  EXPECT_THROW(cuda::causal_conv1d_silu(nullptr, nullptr, nullptr, 1, 1, 9, nullptr, nullptr), std::invalid_argument);
+  EXPECT_THROW(cuda::causal_conv1d_silu(nullptr, 1, nullptr, nullptr, 1, 1, 9, nullptr, nullptr), std::invalid_argument);
+  EXPECT_THROW(cuda::causal_conv1d_silu(nullptr, 3, nullptr, nullptr, 1, 4, 4, nullptr, nullptr), std::invalid_argument);
 }
 
 TEST(CudaGdn, PrepareMatchesTheReference) {
@@ -87,10 +99,19 @@ TEST(CudaGdn, PrepareMatchesTheReference) {
     const std::vector<float> b = test::rand_bf16_values(size_t(T * Hv), rng, 2.f), a = test::rand_bf16_values(size_t(T * Hv), rng, 4.f);
     const std::vector<float> A_log = test::rand_bf16_values(size_t(Hv), rng), dt_bias = test::rand_bf16_values(size_t(Hv), rng);
     auto d_qkv = device_f32(qkv);
-    auto d_b = device_f32(b), d_a = device_f32(a), d_A = device_f32(A_log), d_dt = device_f32(dt_bias);
+    // b and a read in place from in_proj's bf16 rows: [.. | b | a], here 3 columns before b.
+    std::vector<float> ba;
+    for (int64_t t = 0; t < T; ++t) {
+      ba.insert(ba.end(), b.begin() + t * Hv, b.begin() + (t + 1) * Hv);
+      ba.insert(ba.end(), a.begin() + t * Hv, a.begin() + (t + 1) * Hv);
+    }
+    const int64_t ba_stride = 2 * Hv + 3;
+    auto d_ba = bf16_in_rows(ba, 2 * Hv, ba_stride, 3);
+    const cuda::bf16 *d_b = d_ba.data() + 3, *d_a = d_b + Hv;
+    auto d_A = device_f32(A_log), d_dt = device_f32(dt_bias);
     auto q = poisoned<float>(size_t(T * Hk * dk)), k = poisoned<float>(size_t(T * Hk * dk)), v = poisoned<float>(size_t(T * Hv * dv));
     cuda::DeviceArray<float> g(size_t(T * Hv)), beta(size_t(T * Hv));
-    cuda::gdn_prepare(d_qkv.data(), d_b.data(), d_a.data(), d_A.data(), d_dt.data(), T, int(Hk), int(Hv), int(dk),
+    cuda::gdn_prepare(d_qkv.data(), d_b, d_a, ba_stride, d_A.data(), d_dt.data(), T, int(Hk), int(Hv), int(dk),
                       int(dv), scale, q.data(), k.data(), v.data(), g.data(), beta.data(), nullptr);
     // Reference: cpu::l2_norm (eps 1e-6) and the formulas of gated_deltanet_forward (src/models/qwen3_5.cpp).
     std::vector<float> wq, wk, wv, wg, wb;
@@ -116,7 +137,7 @@ TEST(CudaGdn, PrepareMatchesTheReference) {
     EXPECT_LE(test::rel_l2(host_f32(beta), wb), kTolF32);
     // Without v (the chunked rule reads it in place): the same q, k, g, beta.
     auto q2 = poisoned<float>(size_t(T * Hk * dk)), k2 = poisoned<float>(size_t(T * Hk * dk));
-    cuda::gdn_prepare(d_qkv.data(), d_b.data(), d_a.data(), d_A.data(), d_dt.data(), T, int(Hk), int(Hv), int(dk),
+    cuda::gdn_prepare(d_qkv.data(), d_b, d_a, ba_stride, d_A.data(), d_dt.data(), T, int(Hk), int(Hv), int(dk),
                       int(dv), scale, q2.data(), k2.data(), nullptr, g.data(), beta.data(), nullptr);
     EXPECT_EQ(host_f32(q2), host_f32(q));
     EXPECT_EQ(host_f32(k2), host_f32(k));
@@ -316,14 +337,16 @@ TEST(CudaGdn, Conv1dWithWindowsMatchesTheReference) {
       seq_of.insert(seq_of.end(), size_t(lens[q]), int32_t(q));
     }
     cu32.push_back(int32_t(T));
-    auto dx = device_f32(x.data), dw = device_f32(w.data), dwin = device_f32(window.data);
+    const int64_t stride = C + 3;  // read in place from wider bf16 rows
+    auto dx = bf16_in_rows(x.data, C, stride, 0);
+    auto dw = device_f32(w.data), dwin = device_f32(window.data);
     auto d_seq = cuda::upload(seq_of, nullptr), d_cu = cuda::upload(cu32, nullptr);
     auto y = poisoned<float>(size_t(T * C));
     auto hist = poisoned<float>(size_t((n * K1 + T) * C));
-    cuda::causal_conv1d_silu_window(dx.data(), dw.data(), dwin.data(), d_seq.data(), d_cu.data(), T, C, K, y.data(),
-                                    nullptr);
+    cuda::causal_conv1d_silu_window(dx.data(), stride, dw.data(), dwin.data(), d_seq.data(), d_cu.data(), T, C, K,
+                                    y.data(), nullptr);
     EXPECT_LE(test::rel_l2(host_f32(y), want.data), kTolF32) << "K " << K;
-    cuda::conv_window_advance(dwin.data(), dx.data(), d_cu.data(), int(n), T, C, K, hist.data(), nullptr);
+    cuda::conv_window_advance(dwin.data(), dx.data(), stride, d_cu.data(), int(n), T, C, K, hist.data(), nullptr);
     // Expected: per sequence, history = [old window ; its rows of x], the new window its last K-1 rows.
     std::vector<float> want_hist, want_win;
     for (int64_t q = 0; q < n; ++q) {
@@ -349,15 +372,20 @@ TEST(CudaGdn, GatedRmsNormAndOutputGateMatchTheReference) {
     z.data = test::rand_bf16_values(z.data.size(), rng);
     w.data = test::rand_bf16_values(w.data.size(), rng);
     auto dx = device_f32(x.data), dw = device_f32(w.data);
-    auto dz = test::to_device_bf16(z.data, nullptr);  // z's values are bf16 already: the same math as fp32
+    // z's values are bf16 already (the same math as fp32), read in place from in_proj's wider rows:
+    // 7 heads of n per token (rows = 43 tokens x 7 heads), 4 columns before them, 8 after.
+    const int64_t heads = 7, z_stride = heads * n + 12;
+    auto dz = bf16_in_rows(z.data, heads * n, z_stride, 4);
     auto y = poisoned<cuda::bf16>(size_t(rows * n));
-    cuda::gated_rms_norm(dx.data(), dz.data(), dw.data(), y.data(), rows, n, 1e-6, nullptr);
+    cuda::gated_rms_norm(dx.data(), dz.data() + 4, heads, z_stride, dw.data(), y.data(), rows, n, 1e-6, nullptr);
     Tensor want = x;
     cpu::gated_rms_norm(want, z, w, 1e-6);
     const std::vector<float> got = test::to_host_f32(y, nullptr);
     ASSERT_TRUE(test::all_finite(got)) << "n " << n;
     EXPECT_LE(test::rel_l2(got, want.data), kTolBf16Out) << "n " << n;
   }
+  EXPECT_THROW(cuda::gated_rms_norm(nullptr, nullptr, 7, 7 * 128 - 1, nullptr, nullptr, 7, 128, 1e-6, nullptr),
+               std::invalid_argument);
   const int64_t n = 256;
   // o *= sigmoid(gate) in bf16, an odd size (packed and scalar paths)
   auto ox = test::to_device_bf16(x.data, nullptr), oz = test::to_device_bf16(z.data, nullptr);

@@ -67,23 +67,24 @@ int run_gdn_bench(const GdnBenchOptions& o) {
   for (const auto& [name, lens] : shapes) {
     std::vector<int64_t> cu{0};
     for (int64_t n : lens) cu.push_back(cu.back() + n);
-    const int64_t T = cu.back(), C = 2 * Hk * dk + Hv * dv;
-    // Inputs as a GatedDeltaNet layer makes them: conv input, gates' projections, then prepared.
-    cuda::DeviceArray<float> pre(size_t(T * C)), conv(size_t(T * C)), q(size_t(T * Hk * dk)), k(size_t(T * Hk * dk)),
-        v(size_t(T * Hv * dv)), out(size_t(T * Hv * dv)), w(size_t(C * 4)), b(size_t(T * Hv)), a(size_t(T * Hv)), A_log{size_t(Hv)}, dt{size_t(Hv)},
-        g(size_t(T * Hv)), beta(size_t(T * Hv));
-    cuda::fill_normal(pre.data(), T * C, 1, 0.f, 1.f, s);
+    const int64_t T = cu.back(), C = 2 * Hk * dk + Hv * dv, Nin = C + Hv * dv + 2 * Hv;
+    // Inputs as a GatedDeltaNet layer makes them: in_proj's bf16 output (q | k | v | z | b | a), the
+    // conv, then prepared.
+    cuda::DeviceArray<cuda::bf16> pre(size_t(T * Nin));
+    cuda::DeviceArray<float> conv(size_t(T * C)), q(size_t(T * Hk * dk)), k(size_t(T * Hk * dk)), v(size_t(T * Hv * dv)),
+        out(size_t(T * Hv * dv)), w(size_t(C * 4)), A_log{size_t(Hv)}, dt{size_t(Hv)}, g(size_t(T * Hv)),
+        beta(size_t(T * Hv));
+    cuda::fill_normal(pre.data(), T * Nin, 1, 0.f, 1.f, s);
+    const cuda::bf16 *b = pre.data() + C + Hv * dv, *a = b + Hv;
     cuda::fill_normal(w.data(), C * 4, 2, 0.f, 0.3f, s);
-    cuda::fill_normal(b.data(), T * Hv, 3, 0.f, 1.f, s);
-    cuda::fill_normal(a.data(), T * Hv, 4, 0.f, 1.f, s);
     cuda::fill_normal(A_log.data(), Hv, 5, 0.f, 0.5f, s);
     cuda::fill_normal(dt.data(), Hv, 6, 0.f, 0.f, s);
     auto starts = cuda::upload(cuda::sequence_starts(cu), s);
     const float scale = 1.f / std::sqrt(float(dk));
-    auto conv_run = [&] { cuda::causal_conv1d_silu(pre.data(), w.data(), starts.data(), T, C, 4, conv.data(), s); };
+    auto conv_run = [&] { cuda::causal_conv1d_silu(pre.data(), Nin, w.data(), starts.data(), T, C, 4, conv.data(), s); };
     auto prep_run = [&] {
-      cuda::gdn_prepare(conv.data(), b.data(), a.data(), A_log.data(), dt.data(), T, Hk, Hv, dk, dv, scale, q.data(),
-                        k.data(), v.data(), g.data(), beta.data(), s);
+      cuda::gdn_prepare(conv.data(), b, a, Nin, A_log.data(), dt.data(), T, Hk, Hv, dk, dv, scale, q.data(), k.data(),
+                        v.data(), g.data(), beta.data(), s);
     };
     const cuda::GdnChunkPlan plan(cu, s);  // made once per batch, as a forward does
     auto rule_run = [&] {

@@ -12,7 +12,7 @@ namespace dflash::cuda {
 
 namespace {
 
-__global__ void conv1d_silu_window_kernel(const float* __restrict__ x, const float* __restrict__ w,
+__global__ void conv1d_silu_window_kernel(const bf16* __restrict__ x, int64_t x_stride, const float* __restrict__ w,
                                           const float* __restrict__ window, const int32_t* __restrict__ seq_of,
                                           const int32_t* __restrict__ cu, int64_t T, int64_t C, int K,
                                           float* __restrict__ y) {
@@ -23,7 +23,7 @@ __global__ void conv1d_silu_window_kernel(const float* __restrict__ x, const flo
     float acc = 0.f;
     for (int j = 0; j < K; ++j) {
       const int64_t src = t - K + 1 + j;  // >= start - (K - 1)
-      const float xv = src >= start ? x[src * C + c] : window[(int64_t(s) * (K - 1) + (K - 1) + (src - start)) * C + c];
+      const float xv = src >= start ? __bfloat162float(x[src * x_stride + c]) : window[(int64_t(s) * (K - 1) + (K - 1) + (src - start)) * C + c];
       acc += w[c * K + j] * xv;
     }
     y[i] = acc / (1.f + __expf(-acc));
@@ -31,13 +31,14 @@ __global__ void conv1d_silu_window_kernel(const float* __restrict__ x, const flo
 }
 
 /// hist rows of sequence s: [s * (K-1) + cu[s], (s + 1) * (K-1) + cu[s + 1]): old window, new inputs.
-__global__ void window_hist_kernel(const float* __restrict__ window, const float* __restrict__ x,
+__global__ void window_hist_kernel(const float* __restrict__ window, const bf16* __restrict__ x, int64_t x_stride,
                                    const int32_t* __restrict__ cu, int n_seq, int64_t C, int K, float* __restrict__ hist) {
   const int s = blockIdx.y;
   const int64_t rows = (K - 1) + (cu[s + 1] - cu[s]), base = int64_t(s) * (K - 1) + cu[s];
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * C; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / C, c = i % C;
-    hist[(base + r) * C + c] = r < K - 1 ? window[(int64_t(s) * (K - 1) + r) * C + c] : x[(cu[s] + r - (K - 1)) * C + c];
+    hist[(base + r) * C + c] = r < K - 1 ? window[(int64_t(s) * (K - 1) + r) * C + c]
+                                         : __bfloat162float(x[(cu[s] + r - (K - 1)) * x_stride + c]);
   }
 }
 
@@ -111,28 +112,29 @@ __global__ void __launch_bounds__(128) recurrent_kernel(const float* __restrict_
       if (c < ncol) st[int64_t(m) * dv + c0 + c] = S[c];
 }
 
-void check_conv(int K, int64_t C, const char* what) {
-  if (K < 1 || K > 8 || C <= 0)
+void check_conv(int K, int64_t C, int64_t x_stride, const char* what) {
+  if (K < 1 || K > 8 || C <= 0 || x_stride < C)
     throw std::invalid_argument(std::string(what) + ": kernel size " + std::to_string(K) + " (1..8), channels " +
-                                std::to_string(C));
+                                std::to_string(C) + ", input row stride " + std::to_string(x_stride) + " (>= channels)");
 }
 
 }  // namespace
 
-void causal_conv1d_silu_window(const float* x, const float* w, const float* window, const int32_t* seq_of,
-                               const int32_t* cu, int64_t T, int64_t C, int K, float* y, cudaStream_t stream) {
-  check_conv(K, C, "causal_conv1d_silu_window");
+void causal_conv1d_silu_window(const bf16* x, int64_t x_stride, const float* w, const float* window,
+                               const int32_t* seq_of, const int32_t* cu, int64_t T, int64_t C, int K, float* y,
+                               cudaStream_t stream) {
+  check_conv(K, C, x_stride, "causal_conv1d_silu_window");
   if (T <= 0) return;
-  conv1d_silu_window_kernel<<<grid_for(T * C), 256, 0, stream>>>(x, w, window, seq_of, cu, T, C, K, y);
+  conv1d_silu_window_kernel<<<grid_for(T * C), 256, 0, stream>>>(x, x_stride, w, window, seq_of, cu, T, C, K, y);
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
-void conv_window_advance(float* window, const float* x, const int32_t* cu, int n_seq, int64_t T, int64_t C, int K,
-                         float* hist, cudaStream_t stream) {
-  check_conv(K, C, "conv_window_advance");
+void conv_window_advance(float* window, const bf16* x, int64_t x_stride, const int32_t* cu, int n_seq, int64_t T,
+                         int64_t C, int K, float* hist, cudaStream_t stream) {
+  check_conv(K, C, x_stride, "conv_window_advance");
   if (n_seq <= 0 || K == 1) return;
   const unsigned blocks = unsigned(std::min<int64_t>((int64_t(K - 1 + T) * C + 255) / 256, 1024));
-  window_hist_kernel<<<dim3(blocks, unsigned(n_seq)), 256, 0, stream>>>(window, x, cu, n_seq, C, K, hist);
+  window_hist_kernel<<<dim3(blocks, unsigned(n_seq)), 256, 0, stream>>>(window, x, x_stride, cu, n_seq, C, K, hist);
   DFLASH_CUDA_CHECK_LAUNCH();
   window_from_hist_kernel<<<dim3(unsigned((int64_t(K - 1) * C + 255) / 256), unsigned(n_seq)), 256, 0, stream>>>(
       hist, cu, C, K, window);

@@ -16,8 +16,8 @@
 // its keys, queries and values once, in place in shared memory (split_rows_in_place), and
 // T diag(coef) in registers. The state and every stored activation stay fp32; bench gdn records the
 // output's error against the fp32 token recurrence. The substitution for T is fp32 SIMT. The
-// layer's activations between the projections' GEMMs (conv1d, q / k / v, o) are fp32 too; bf16
-// only feeds GEMMs, and the output gate z is in_proj_z's bf16 output (as transformers rounds it).
+// layer's activations between the projections' GEMMs (conv1d, q / k / v, o) are fp32 too; the
+// input projections are one GEMM's bf16 output (as transformers rounds each projection), read in place.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -46,7 +46,7 @@ constexpr int kConvRun = 16;  // tokens per thread in the conv: each input is re
 /// A thread per (channel, run of kConvRun tokens): the last K inputs of its channel slide through
 /// registers. Rows before row_start[t] count as zero (the same sum, term by term, as the CPU reference).
 template <int K>
-__global__ void conv1d_silu_kernel(const float* __restrict__ x, const float* __restrict__ w,
+__global__ void conv1d_silu_kernel(const bf16* __restrict__ x, int64_t x_stride, const float* __restrict__ w,
                                    const int32_t* __restrict__ row_start, int64_t T, int64_t C, float* __restrict__ y) {
   const int64_t c = blockIdx.y * int64_t(blockDim.x) + threadIdx.x, t0 = int64_t(blockIdx.x) * kConvRun;
   if (c >= C) return;
@@ -55,13 +55,13 @@ __global__ void conv1d_silu_kernel(const float* __restrict__ x, const float* __r
   for (int j = 0; j < K; ++j) {
     wk[j] = w[c * K + j];
     const int64_t src = t0 - K + j;
-    win[j] = src >= 0 ? x[src * C + c] : 0.f;
+    win[j] = src >= 0 ? __bfloat162float(x[src * x_stride + c]) : 0.f;
   }
   const int64_t t_end = t0 + kConvRun < T ? t0 + kConvRun : T;
   for (int64_t t = t0; t < t_end; ++t) {
 #pragma unroll
     for (int j = 0; j + 1 < K; ++j) win[j] = win[j + 1];
-    win[K - 1] = x[t * C + c];
+    win[K - 1] = __bfloat162float(x[t * x_stride + c]);
     const int64_t b = row_start[t];
     float acc = 0.f;
 #pragma unroll
@@ -78,9 +78,9 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 /// One block per token: a warp per q / k head (l2norm), then v and the gates.
-__global__ void gdn_prepare_kernel(const float* qkv, const float* b, const float* a, const float* A_log,
-                                   const float* dt_bias, int Hk, int Hv, int dk, int dv, float scale, float* q, float* k,
-                                   float* v, float* g, float* beta) {
+__global__ void gdn_prepare_kernel(const float* qkv, const bf16* b, const bf16* a, int64_t ba_stride,
+                                   const float* A_log, const float* dt_bias, int Hk, int Hv, int dk, int dv, float scale,
+                                   float* q, float* k, float* v, float* g, float* beta) {
   const int64_t t = blockIdx.x, C = 2 * int64_t(Hk) * dk + int64_t(Hv) * dv;
   const float* row = qkv + t * C;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
@@ -106,9 +106,9 @@ __global__ void gdn_prepare_kernel(const float* qkv, const float* b, const float
   if (v)
     for (int i = threadIdx.x; i < Hv * dv; i += blockDim.x) v[t * Hv * dv + i] = vs[i];
   for (int h = threadIdx.x; h < Hv; h += blockDim.x) {
-    const int64_t i = t * Hv + h;
-    beta[i] = 1.f / (1.f + expf(-b[i]));
-    const float x = a[i] + dt_bias[h];
+    const int64_t i = t * Hv + h, j = t * ba_stride + h;
+    beta[i] = 1.f / (1.f + expf(-__bfloat162float(b[j])));
+    const float x = __bfloat162float(a[j]) + dt_bias[h];
     const float sp = x > 20.f ? x : log1pf(expf(x));  // softplus (torch's threshold 20)
     g[i] = -expf(A_log[h]) * sp;
   }
@@ -859,25 +859,30 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split
 /// One output of the gated RMSNorm: w x s silu(z), s = rsqrt(mean(x^2) + eps) of the row.
 __device__ __forceinline__ float gated_norm(float w, float x, float s, float z) { return w * (x * s) * silu(z); }
 
+/// Row r's z (row r = token r / heads, head r % heads): token rows z_stride apart.
+__device__ __forceinline__ const bf16* z_row(const bf16* z, int64_t r, int heads, int64_t z_stride, int n) {
+  return z + (r / heads) * z_stride + (r % heads) * int64_t(n);
+}
+
 /// A warp per row of n values: y = w * x * rsqrt(mean(x^2) + eps) * silu(z).
-__global__ void gated_rms_norm_kernel(const float* x, const bf16* z, const float* w, bf16* y, int64_t rows, int n,
-                                      float eps) {
+__global__ void gated_rms_norm_kernel(const float* x, const bf16* z, int heads, int64_t z_stride, const float* w,
+                                      bf16* y, int64_t rows, int n, float eps) {
   const int64_t r = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (r >= rows) return;
   const float* xr = x + r * n;
+  const bf16* zr = z_row(z, r, heads, z_stride, n);
   float ss = 0.f;
   for (int i = lane; i < n; i += 32) ss += xr[i] * xr[i];
   const float s = rsqrtf(warp_sum(ss) / float(n) + eps);
-  for (int i = lane; i < n; i += 32)
-    y[r * n + i] = __float2bfloat16_rn(gated_norm(w[i], xr[i], s, __bfloat162float(z[r * n + i])));
+  for (int i = lane; i < n; i += 32) y[r * n + i] = __float2bfloat16_rn(gated_norm(w[i], xr[i], s, __bfloat162float(zr[i])));
 }
 
 /// The same for n = 128 V (x, w 16-byte aligned, z and y 8-byte): lane l holds columns 4 (l + 32 v)
 /// .. + 3 (v < V), x and z loaded at once (2 V loads in flight per lane), y written 8 bytes per lane.
 template <int V>
-__global__ void gated_rms_norm_vec_kernel(const float* x, const bf16* z, const float* w, bf16* y, int64_t rows,
-                                          float eps) {
+__global__ void gated_rms_norm_vec_kernel(const float* x, const bf16* z, int heads, int64_t z_stride, const float* w,
+                                          bf16* y, int64_t rows, float eps) {
   constexpr int n = 128 * V;
   const int64_t r = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -887,7 +892,7 @@ __global__ void gated_rms_norm_vec_kernel(const float* x, const bf16* z, const f
 #pragma unroll
   for (int v = 0; v < V; ++v) {
     xv[v] = reinterpret_cast<const float4*>(x + r * n)[lane + 32 * v];
-    zv[v] = reinterpret_cast<const uint2*>(z + r * n)[lane + 32 * v];
+    zv[v] = reinterpret_cast<const uint2*>(z_row(z, r, heads, z_stride, n))[lane + 32 * v];
   }
   float ss = 0.f;
 #pragma unroll
@@ -955,18 +960,18 @@ std::vector<int32_t> sequence_starts(const std::vector<int64_t>& cu) {
   return r;
 }
 
-void causal_conv1d_silu(const float* x, const float* w, const int32_t* row_start, int64_t T, int64_t C, int K, float* y,
-                        cudaStream_t stream) {
-  if (K < 1 || K > 8 || C <= 0 || T < 0)
+void causal_conv1d_silu(const bf16* x, int64_t x_stride, const float* w, const int32_t* row_start, int64_t T,
+                        int64_t C, int K, float* y, cudaStream_t stream) {
+  if (K < 1 || K > 8 || C <= 0 || T < 0 || x_stride < C)
     throw std::invalid_argument("causal_conv1d_silu: kernel size " + std::to_string(K) + " (1..8), channels " +
-                                std::to_string(C));
+                                std::to_string(C) + ", input row stride " + std::to_string(x_stride) + " (>= channels)");
   if (T == 0) return;
   if ((C + 255) / 256 > 65535) throw std::invalid_argument("causal_conv1d_silu: " + std::to_string(C) + " channels");
   const dim3 grid(unsigned((T + kConvRun - 1) / kConvRun), unsigned((C + 255) / 256));
   switch (K) {
 #define DFLASH_CONV_CASE(k) \
   case k:                   \
-    conv1d_silu_kernel<k><<<grid, 256, 0, stream>>>(x, w, row_start, T, C, y); \
+    conv1d_silu_kernel<k><<<grid, 256, 0, stream>>>(x, x_stride, w, row_start, T, C, y); \
     break;
     DFLASH_CONV_CASE(1) DFLASH_CONV_CASE(2) DFLASH_CONV_CASE(3) DFLASH_CONV_CASE(4)
     DFLASH_CONV_CASE(5) DFLASH_CONV_CASE(6) DFLASH_CONV_CASE(7) DFLASH_CONV_CASE(8)
@@ -975,14 +980,16 @@ void causal_conv1d_silu(const float* x, const float* w, const int32_t* row_start
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
-void gdn_prepare(const float* qkv, const float* b, const float* a, const float* A_log, const float* dt_bias, int64_t T,
-                 int Hk, int Hv, int dk, int dv, float scale, float* q, float* k, float* v, float* g, float* beta,
-                 cudaStream_t stream) {
-  if (Hk <= 0 || Hv % Hk != 0 || dk <= 0 || dk > 256 || dv <= 0)
+void gdn_prepare(const float* qkv, const bf16* b, const bf16* a, int64_t ba_stride, const float* A_log,
+                 const float* dt_bias, int64_t T, int Hk, int Hv, int dk, int dv, float scale, float* q, float* k,
+                 float* v, float* g, float* beta, cudaStream_t stream) {
+  if (Hk <= 0 || Hv % Hk != 0 || dk <= 0 || dk > 256 || dv <= 0 || ba_stride < Hv)
     throw std::invalid_argument("gdn_prepare: Hk " + std::to_string(Hk) + ", Hv " + std::to_string(Hv) + ", dk " +
-                                std::to_string(dk) + " (<= 256), dv " + std::to_string(dv));
+                                std::to_string(dk) + " (<= 256), dv " + std::to_string(dv) + ", b / a row stride " +
+                                std::to_string(ba_stride) + " (>= Hv)");
   if (T == 0) return;
-  gdn_prepare_kernel<<<unsigned(T), 256, 0, stream>>>(qkv, b, a, A_log, dt_bias, Hk, Hv, dk, dv, scale, q, k, v, g, beta);
+  gdn_prepare_kernel<<<unsigned(T), 256, 0, stream>>>(qkv, b, a, ba_stride, A_log, dt_bias, Hk, Hv, dk, dv, scale, q, k,
+                                                      v, g, beta);
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
@@ -1094,19 +1101,21 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
-void gated_rms_norm(const float* x, const bf16* z, const float* w, bf16* y, int64_t rows, int64_t n, double eps,
-                    cudaStream_t stream) {
-  if (n <= 0 || rows < 0) throw std::invalid_argument("gated_rms_norm: rows " + std::to_string(rows) + ", n " + std::to_string(n));
+void gated_rms_norm(const float* x, const bf16* z, int64_t heads, int64_t z_stride, const float* w, bf16* y,
+                    int64_t rows, int64_t n, double eps, cudaStream_t stream) {
+  if (n <= 0 || rows < 0 || heads <= 0 || heads > INT32_MAX || z_stride < heads * n)
+    throw std::invalid_argument("gated_rms_norm: rows " + std::to_string(rows) + ", n " + std::to_string(n) + ", heads " +
+                                std::to_string(heads) + ", z row stride " + std::to_string(z_stride) + " (>= heads n)");
   if (rows == 0) return;
   const unsigned blocks = unsigned((rows + 7) / 8);
   const bool aligned = (reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) % 16 == 0 &&
-                       (reinterpret_cast<uintptr_t>(z) | reinterpret_cast<uintptr_t>(y)) % 8 == 0;
+                       (reinterpret_cast<uintptr_t>(z) | reinterpret_cast<uintptr_t>(y)) % 8 == 0 && z_stride % 4 == 0;
   if (aligned && n == 128)
-    gated_rms_norm_vec_kernel<1><<<blocks, 256, 0, stream>>>(x, z, w, y, rows, float(eps));
+    gated_rms_norm_vec_kernel<1><<<blocks, 256, 0, stream>>>(x, z, int(heads), z_stride, w, y, rows, float(eps));
   else if (aligned && n == 256)
-    gated_rms_norm_vec_kernel<2><<<blocks, 256, 0, stream>>>(x, z, w, y, rows, float(eps));
+    gated_rms_norm_vec_kernel<2><<<blocks, 256, 0, stream>>>(x, z, int(heads), z_stride, w, y, rows, float(eps));
   else
-    gated_rms_norm_kernel<<<blocks, 256, 0, stream>>>(x, z, w, y, rows, int(n), float(eps));
+    gated_rms_norm_kernel<<<blocks, 256, 0, stream>>>(x, z, int(heads), z_stride, w, y, rows, int(n), float(eps));
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 

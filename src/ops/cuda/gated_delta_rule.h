@@ -3,9 +3,9 @@
 // depthwise conv1d + SiLU, the per-token inputs of the recurrence, the chunked gated delta rule
 // forward and the gated RMSNorm. References: src/ops/cpu/gated_delta_rule.cpp (causal_conv1d_silu,
 // gated_delta_rule_recurrent) and src/ops/cpu/norm.cpp (gated_rms_norm, l2_norm).
-// Activations fp32 (the projections' GEMMs write fp32 but for in_proj_z's bf16 output gate z;
-// out_proj's input is bf16), recurrent
-// state and gates fp32. Every function runs on `stream`, holds no state
+// The input projections (in_proj_qkv | in_proj_z | in_proj_b | in_proj_a, one GEMM) are bf16, as
+// transformers rounds each projection's output; the activations after them (conv1d, q / k / v, o)
+// fp32; out_proj's input bf16; recurrent state and gates fp32. Every function runs on `stream`, holds no state
 // and may be called from many threads and streams at once.
 #pragma once
 #include <cstdint>
@@ -21,21 +21,24 @@ std::vector<int32_t> sequence_starts(const std::vector<int64_t>& cu_seqlens);
 
 /// Causal depthwise conv1d + SiLU over packed sequences, zero left padding per sequence:
 /// y[t, c] = silu(sum_{j<K} w[c, j] * x[t - K + 1 + j, c]) where rows before row_start[t] count as
-/// zero. x [T, C] fp32, w [C, K] fp32 (K <= 8), row_start [T] int32 (device) -> y [T, C] fp32.
-/// Throws std::invalid_argument for K outside 1..8.
-void causal_conv1d_silu(const float* x, const float* w, const int32_t* row_start, int64_t T, int64_t C, int K, float* y,
-                        cudaStream_t stream);
+/// zero, in fp32. x: the first C columns of [T, x_stride] bf16 (in_proj's output, read in place),
+/// w [C, K] fp32 (K <= 8), row_start [T] int32 (device) -> y [T, C] fp32. Throws
+/// std::invalid_argument for K outside 1..8 or x_stride < C.
+void causal_conv1d_silu(const bf16* x, int64_t x_stride, const float* w, const int32_t* row_start, int64_t T,
+                        int64_t C, int K, float* y, cudaStream_t stream);
 
 /// The recurrence's inputs from a GatedDeltaNet layer's projections, per row t:
 ///   q = scale * l2norm(qkv[t, q part]), k = l2norm(qkv[t, k part])   [T, Hk, dk] fp32
 ///   v = qkv[t, v part]                                               [T, Hv, dv] fp32
 ///   beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)       [T, Hv] fp32
-/// qkv [T, 2*Hk*dk + Hv*dv] fp32 (q | k | v, the conv1d output), b and a [T, Hv] fp32, A_log and
+/// qkv [T, 2*Hk*dk + Hv*dv] fp32 (q | k | v, the conv1d output); b and a bf16, token t's Hv values at
+/// b + t ba_stride and a + t ba_stride (in_proj's output, read in place; ba_stride >= Hv); A_log and
 /// dt_bias [Hv] fp32. l2norm(x) = x / sqrt(sum x^2 + 1e-6) in fp32. dk <= 256. v may be null (not
 /// written): gated_delta_rule_chunked reads the values in place from qkv with v_row_stride.
-void gdn_prepare(const float* qkv, const float* b, const float* a, const float* A_log, const float* dt_bias, int64_t T,
-                 int Hk, int Hv, int dk, int dv, float scale, float* q, float* k, float* v, float* g, float* beta,
-                 cudaStream_t stream);
+/// Throws std::invalid_argument for bad head counts or dims.
+void gdn_prepare(const float* qkv, const bf16* b, const bf16* a, int64_t ba_stride, const float* A_log,
+                 const float* dt_bias, int64_t T, int Hk, int Hv, int dk, int dv, float scale, float* q, float* k,
+                 float* v, float* g, float* beta, cudaStream_t stream);
 
 /// One chunk of gated_delta_rule_chunked: first row, length (<= 64) and sequence.
 struct GdnChunk {
@@ -84,16 +87,19 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
 // each sequence's new tokens (it may have none).
 
 /// causal_conv1d_silu continuing cached windows: rows before a sequence's first new token come from
-/// its window (window[s][K-2-j] is the input j + 1 rows back). x [T, C], w [C, K], seq_of [T] and
-/// cu [n_seq + 1] int32 (device) -> y [T, C]. K <= 8 (std::invalid_argument).
-void causal_conv1d_silu_window(const float* x, const float* w, const float* window, const int32_t* seq_of,
-                               const int32_t* cu, int64_t T, int64_t C, int K, float* y, cudaStream_t stream);
+/// its window (window[s][K-2-j] is the input j + 1 rows back). x: the first C columns of [T, x_stride]
+/// bf16; window fp32; w [C, K], seq_of [T] and cu [n_seq + 1] int32 (device) -> y [T, C] fp32.
+/// K <= 8, x_stride >= C (std::invalid_argument).
+void causal_conv1d_silu_window(const bf16* x, int64_t x_stride, const float* w, const float* window,
+                               const int32_t* seq_of, const int32_t* cu, int64_t T, int64_t C, int K, float* y,
+                               cudaStream_t stream);
 
-/// After a cached forward: hist [n_seq * (K-1) + T, C] = per sequence s, from row s * (K-1) + cu[s],
-/// its old window then its new conv inputs (the CPU TargetCache's window_hist); then each window
-/// becomes the last K-1 rows of its history. window and hist must not overlap.
-void conv_window_advance(float* window, const float* x, const int32_t* cu, int n_seq, int64_t T, int64_t C, int K,
-                         float* hist, cudaStream_t stream);
+/// After a cached forward: hist [n_seq * (K-1) + T, C] fp32 = per sequence s, from row s * (K-1) +
+/// cu[s], its old window then its new conv inputs (x as in causal_conv1d_silu_window; the CPU
+/// TargetCache's window_hist); then each window becomes the last K-1 rows of its history. window and
+/// hist must not overlap.
+void conv_window_advance(float* window, const bf16* x, int64_t x_stride, const int32_t* cu, int n_seq, int64_t T,
+                         int64_t C, int K, float* hist, cudaStream_t stream);
 
 /// The gated delta rule token by token (as cpu::gated_delta_rule_recurrent, for q / k already
 /// normalized and scaled by gdn_prepare): per sequence s and token, S = exp(g) S; u = beta (v - S^T k);
@@ -108,9 +114,11 @@ void gated_delta_rule_recurrent(const float* q, const float* k, const float* v, 
                                 const std::vector<int64_t>& counts = {});
 
 /// Gated RMSNorm (Qwen3_5RMSNormGated): per row of n, y = w * (x * rsqrt(mean(x^2) + eps)) * silu(z),
-/// in fp32. x [rows, n] fp32, z [rows, n] bf16 (in_proj_z's output, bf16 as in transformers), w [n]
-/// fp32 -> y [rows, n] bf16 (out_proj's GEMM input).
-void gated_rms_norm(const float* x, const bf16* z, const float* w, bf16* y, int64_t rows, int64_t n, double eps,
-                    cudaStream_t stream);
+/// in fp32. x [rows, n] fp32 with row r = (token r / heads, head r % heads); z bf16 (in_proj_z's
+/// output, read in place from in_proj's), row r at z + (r / heads) z_stride + (r % heads) n
+/// (z_stride >= heads n); w [n] fp32 -> y [rows, n] bf16 (out_proj's GEMM input). Throws
+/// std::invalid_argument for bad sizes.
+void gated_rms_norm(const float* x, const bf16* z, int64_t heads, int64_t z_stride, const float* w, bf16* y,
+                    int64_t rows, int64_t n, double eps, cudaStream_t stream);
 
 }  // namespace dflash::cuda
