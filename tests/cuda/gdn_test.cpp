@@ -67,23 +67,24 @@ std::vector<int64_t> cu_of(const std::vector<int64_t>& lens) {
 TEST(CudaGdn, Conv1dSiluMatchesTheReference) {
   if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
   std::mt19937_64 rng(1);
-  const int64_t C = 37;
-  for (int K : {4, 2, 1, 8}) {
-    const std::vector<int64_t> cu = cu_of({1, 63, 64, 3, 65, 127});
-    const int64_t T = cu.back();
-    Tensor x({T, C}), w({C, int64_t(K)});
-    x.data = test::rand_bf16_values(size_t(T * C), rng);
-    w.data = test::rand_bf16_values(size_t(C * K), rng, 0.5f);
-    const Tensor want = cpu::causal_conv1d_silu(x, w, cu);
-    const int64_t stride = C + 5;  // the q | k | v columns of a wider bf16 row (in_proj's), read in place
-    auto dx = bf16_in_rows(x.data, C, stride, 0);
-    auto dw = device_f32(w.data);
-    auto y = poisoned<float>(size_t(T * C));
-    auto starts = cuda::upload(cuda::sequence_starts(cu), nullptr);
-    cuda::causal_conv1d_silu(dx.data(), stride, dw.data(), starts.data(), T, C, K, y.data(), nullptr);
-    const std::vector<float> got = host_f32(y);
-    ASSERT_TRUE(test::all_finite(got)) << "K " << K;
-    EXPECT_LE(test::rel_l2(got, want.data), kTolF32) << "K " << K;
+  for (int64_t C : {37, 40}) {  // one channel per thread; four (C and the row stride multiples of 4)
+    for (int K : {4, 2, 1, 8}) {
+      const std::vector<int64_t> cu = cu_of({1, 63, 64, 3, 65, 127});
+      const int64_t T = cu.back();
+      Tensor x({T, C}), w({C, int64_t(K)});
+      x.data = test::rand_bf16_values(size_t(T * C), rng);
+      w.data = test::rand_bf16_values(size_t(C * K), rng, 0.5f);
+      const Tensor want = cpu::causal_conv1d_silu(x, w, cu);
+      const int64_t stride = C + 4;  // the q | k | v columns of a wider bf16 row (in_proj's), read in place
+      auto dx = bf16_in_rows(x.data, C, stride, 0);
+      auto dw = device_f32(w.data);
+      auto y = poisoned<float>(size_t(T * C));
+      auto starts = cuda::upload(cuda::sequence_starts(cu), nullptr);
+      cuda::causal_conv1d_silu(dx.data(), stride, dw.data(), starts.data(), T, C, K, y.data(), nullptr);
+      const std::vector<float> got = host_f32(y);
+      ASSERT_TRUE(test::all_finite(got)) << "C " << C << " K " << K;
+      EXPECT_LE(test::rel_l2(got, want.data), kTolF32) << "C " << C << " K " << K;
+    }
   }
   EXPECT_THROW(cuda::causal_conv1d_silu(nullptr, 1, nullptr, nullptr, 1, 1, 9, nullptr, nullptr), std::invalid_argument);
   EXPECT_THROW(cuda::causal_conv1d_silu(nullptr, 3, nullptr, nullptr, 1, 4, 4, nullptr, nullptr), std::invalid_argument);

@@ -129,7 +129,9 @@ int64_t cross_entropy_row_chunk(int64_t V, int64_t rows, int64_t max_bytes) {
   return tiles <= cap ? tiles : (even + 15) / 16 * 16;
 }
 
-int64_t cross_entropy_workspace_bytes(int64_t row_chunk, int64_t V) { return row_chunk * V * (4 + 2); }
+int64_t cross_entropy_workspace_bytes(int64_t row_chunk, int64_t V, bool with_dh) {
+  return row_chunk * V * (with_dh ? 4 + 2 : 4);
+}
 
 void cross_entropy(GemmContext& gemm, const bf16* h, const bf16* W, int64_t rows, int64_t d, int64_t V,
                    const int32_t* targets, const float* coef, int64_t row_chunk, void* workspace, CeRowStats st,
@@ -157,7 +159,7 @@ std::vector<int32_t> lm_head_argmax(GemmContext& gemm, const bf16* h, const bf16
   cudaStream_t s = gemm.stream();
   // Row statistics against dummy targets (0): only the argmax is kept.
   const int64_t rc = cross_entropy_row_chunk(V, rows);
-  StreamBuffer<char> ws(size_t(cross_entropy_workspace_bytes(rc, V)), s);
+  StreamBuffer<char> ws(size_t(cross_entropy_workspace_bytes(rc, V, false)), s);  // no logit gradient
   StreamBuffer<int32_t> targets(size_t(rows), s), amax(size_t(rows), s);
   StreamBuffer<float> lse(size_t(rows), s), tl(size_t(rows), s);
   DFLASH_CUDA_CHECK(cudaMemsetAsync(targets.data(), 0, size_t(rows) * 4, s));

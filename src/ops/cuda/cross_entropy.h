@@ -22,10 +22,12 @@ struct CeRowStats {
 /// 128 rows (whole GEMM tiles; the last chunk takes the rest) where that still fits, else of 16.
 /// Throws std::invalid_argument for V <= 0 or rows <= 0.
 int64_t cross_entropy_row_chunk(int64_t V, int64_t rows, int64_t max_bytes = int64_t(1) << 30);
-/// Workspace (bytes) for `row_chunk` rows: fp32 logits + bf16 logit gradient.
-int64_t cross_entropy_workspace_bytes(int64_t row_chunk, int64_t V);
+/// Workspace (bytes) for `row_chunk` rows: fp32 logits, plus (with_dh: cross_entropy given dh) the
+/// bf16 logit gradient.
+int64_t cross_entropy_workspace_bytes(int64_t row_chunk, int64_t V, bool with_dh = true);
 
-/// logits = h [rows, d] @ W [V, d]^T, rows processed `row_chunk` at a time. Fills `stats`. When dh
+/// logits = h [rows, d] @ W [V, d]^T, rows processed `row_chunk` at a time, in `workspace`
+/// (cross_entropy_workspace_bytes(row_chunk, V, dh != nullptr)). Fills `stats`. When dh
 /// is non-null also the backward of loss = sum_r coef_r * CE_r (coef [rows] fp32 on the device, e.g.
 /// w_r / sum(w)): dh [rows, d] (bf16, overwritten) = (coef_r * (softmax_r - onehot(target_r))) @ W,
 /// the logit gradient rounded to bf16 before the product. targets [rows] int32, each in [0, V).
