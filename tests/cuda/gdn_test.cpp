@@ -67,7 +67,9 @@ std::vector<int64_t> cu_of(const std::vector<int64_t>& lens) {
 TEST(CudaGdn, Conv1dSiluMatchesTheReference) {
   if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
   std::mt19937_64 rng(1);
-  for (int64_t C : {37, 40}) {  // one channel per thread; four (C and the row stride multiples of 4)
+  // (C, row stride): one channel per thread (C odd; a row stride of 2 mod 4, as an odd Hv makes), four
+  // (C and the stride multiples of 4; 2052 channels: three blocks, the last partial).
+  for (auto [C, stride] : {std::pair<int64_t, int64_t>{37, 41}, {40, 42}, {40, 44}, {2052, 2056}}) {
     for (int K : {4, 2, 1, 8}) {
       const std::vector<int64_t> cu = cu_of({1, 63, 64, 3, 65, 127});
       const int64_t T = cu.back();
@@ -75,15 +77,14 @@ TEST(CudaGdn, Conv1dSiluMatchesTheReference) {
       x.data = test::rand_bf16_values(size_t(T * C), rng);
       w.data = test::rand_bf16_values(size_t(C * K), rng, 0.5f);
       const Tensor want = cpu::causal_conv1d_silu(x, w, cu);
-      const int64_t stride = C + 4;  // the q | k | v columns of a wider bf16 row (in_proj's), read in place
-      auto dx = bf16_in_rows(x.data, C, stride, 0);
+      auto dx = bf16_in_rows(x.data, C, stride, 0);  // the q | k | v columns of in_proj's rows, read in place
       auto dw = device_f32(w.data);
       auto y = poisoned<float>(size_t(T * C));
       auto starts = cuda::upload(cuda::sequence_starts(cu), nullptr);
       cuda::causal_conv1d_silu(dx.data(), stride, dw.data(), starts.data(), T, C, K, y.data(), nullptr);
       const std::vector<float> got = host_f32(y);
-      ASSERT_TRUE(test::all_finite(got)) << "C " << C << " K " << K;
-      EXPECT_LE(test::rel_l2(got, want.data), kTolF32) << "C " << C << " K " << K;
+      ASSERT_TRUE(test::all_finite(got)) << "C " << C << " stride " << stride << " K " << K;
+      EXPECT_LE(test::rel_l2(got, want.data), kTolF32) << "C " << C << " stride " << stride << " K " << K;
     }
   }
   EXPECT_THROW(cuda::causal_conv1d_silu(nullptr, 1, nullptr, nullptr, 1, 1, 9, nullptr, nullptr), std::invalid_argument);
@@ -142,6 +143,9 @@ TEST(CudaGdn, PrepareMatchesTheReference) {
                       int(dv), scale, q2.data(), k2.data(), nullptr, g.data(), beta.data(), nullptr);
     EXPECT_EQ(host_f32(q2), host_f32(q));
     EXPECT_EQ(host_f32(k2), host_f32(k));
+    EXPECT_THROW(cuda::gdn_prepare(d_qkv.data(), d_b, d_a, Hv - 1, d_A.data(), d_dt.data(), T, int(Hk), int(Hv),
+                                   int(dk), int(dv), scale, q2.data(), k2.data(), nullptr, g.data(), beta.data(), nullptr),
+                 std::invalid_argument);  // b / a rows overlapping
   }  // Hk 16, dk 128: each warp normalizes several heads
 }
 
@@ -323,7 +327,7 @@ TEST(CudaGdn, Conv1dWithWindowsMatchesTheReference) {
   if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
   std::mt19937_64 rng(3);
   const int64_t C = 20;
-  for (int K : {4, 2, 8}) {
+  for (int K : {4, 2, 8, 1}) {
     const std::vector<int64_t> lens{3, 0, 1, 12};
     const std::vector<int64_t> cu = cu_of(lens);
     const int64_t T = cu.back(), n = int64_t(lens.size()), K1 = K - 1;
@@ -356,9 +360,15 @@ TEST(CudaGdn, Conv1dWithWindowsMatchesTheReference) {
       want_hist.insert(want_hist.end(), h.begin(), h.end());
       want_win.insert(want_win.end(), h.end() - K1 * C, h.end());
     }
-    EXPECT_EQ(host_f32(hist), want_hist) << "K " << K;
-    EXPECT_EQ(host_f32(dwin), want_win) << "K " << K;
+    if (K > 1) {  // K 1: no window to keep (nothing written)
+      EXPECT_EQ(host_f32(hist), want_hist) << "K " << K;
+      EXPECT_EQ(host_f32(dwin), want_win) << "K " << K;
+    }
   }
+  EXPECT_THROW(cuda::causal_conv1d_silu_window(nullptr, 19, nullptr, nullptr, nullptr, nullptr, 1, 20, 4, nullptr, nullptr),
+               std::invalid_argument);
+  EXPECT_THROW(cuda::conv_window_advance(nullptr, nullptr, 19, nullptr, 1, 1, 20, 4, nullptr, nullptr),
+               std::invalid_argument);
 }
 
 TEST(CudaGdn, GatedRmsNormAndOutputGateMatchTheReference) {
@@ -366,7 +376,9 @@ TEST(CudaGdn, GatedRmsNormAndOutputGateMatchTheReference) {
   std::mt19937_64 rng(3);
   const int64_t rows = 301;
   Tensor x, z;
-  for (int64_t n : {48, 128, 256}) {  // the scalar kernel, and the float4 kernel's two widths
+  // The scalar kernel (n 48; n 128 with a z row stride of 2 mod 4, as an odd Hv makes), the float4
+  // kernel's two widths.
+  for (auto [n, pad] : {std::pair<int64_t, int64_t>{48, 12}, {128, 10}, {128, 12}, {256, 12}}) {
     x = Tensor({rows, n}), z = Tensor({rows, n});
     Tensor w({n});
     x.data = test::rand_bf16_values(x.data.size(), rng);
@@ -374,8 +386,8 @@ TEST(CudaGdn, GatedRmsNormAndOutputGateMatchTheReference) {
     w.data = test::rand_bf16_values(w.data.size(), rng);
     auto dx = device_f32(x.data), dw = device_f32(w.data);
     // z's values are bf16 already (the same math as fp32), read in place from in_proj's wider rows:
-    // 7 heads of n per token (rows = 43 tokens x 7 heads), 4 columns before them, 8 after.
-    const int64_t heads = 7, z_stride = heads * n + 12;
+    // 7 heads of n per token (rows = 43 tokens x 7 heads), 4 columns before them, pad - 4 after.
+    const int64_t heads = 7, z_stride = heads * n + pad;
     auto dz = bf16_in_rows(z.data, heads * n, z_stride, 4);
     auto y = poisoned<cuda::bf16>(size_t(rows * n));
     cuda::gated_rms_norm(dx.data(), dz.data() + 4, heads, z_stride, dw.data(), y.data(), rows, n, 1e-6, nullptr);

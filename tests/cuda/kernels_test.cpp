@@ -208,6 +208,35 @@ TEST(CudaGemm, TunedChoiceServesEveryRowCountOfItsBucket) {
   }
 }
 
+TEST(CudaGemm, TunedChoiceRefusedForMisalignedOperandsFallsBack) {
+  // A choice tuned on 16-byte aligned operands may be refused (NOT_SUPPORTED) for operands 2 bytes
+  // off (TMA-based kernels need 16-byte addresses): the same shape, and another row count of its
+  // bucket, must then run cuBLASLt's first candidate for them and still compute the product.
+  REQUIRE_GPU();
+  TuneEnv env;
+  env.set("1");
+  Stream st;
+  cuda::GemmContext ctx(st.s);
+  std::mt19937_64 rng(7);
+  const int64_t N = 160, K = 288;
+  const auto B = rand_bf16_values(size_t(N * K), rng);
+  auto dB = to_device_bf16(B, st.s);
+  for (auto [M, offset] : {std::pair<int64_t, int64_t>{640, 0}, {640, 1}, {700, 1}, {640, 0}}) {
+    const cuda::GemmShape g{M, N, K, false, true};
+    const auto A = rand_bf16_values(size_t(M * K), rng);
+    std::vector<float> A_off(size_t(offset), 0.f);  // A starts `offset` elements into its buffer
+    A_off.insert(A_off.end(), A.begin(), A.end());
+    auto dA = to_device_bf16(A_off, st.s);
+    DeviceArray<float> dC{size_t(M * N + offset)};
+    dC.fill_bytes(0xFF, st.s);
+    ctx.gemm(g, dA.data() + offset, dB.data(), dC.data() + offset);
+    const auto all = dC.to_host(st.s);
+    const std::vector<float> got(all.begin() + offset, all.end());
+    EXPECT_TRUE(all_finite(got)) << "M " << M << " offset " << offset;
+    EXPECT_LE(test::rel_l2(got, ref_gemm(g, A, B)), kTolF32Out) << "M " << M << " offset " << offset;
+  }
+}
+
 TEST(CudaGemm, ManyThreadsOwnStreamsAtOnce) {
   // The PyTorch stack's torch.compile race is what users hit: here every thread has its own stream
   // and context and shares the algorithm cache.

@@ -369,7 +369,7 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
     auto d_ul = upload(used_labels, s);
     auto d_coef = upload(coef, s);
     const int64_t rc = cuda::cross_entropy_row_chunk(I.V, Qc, opt.ce_chunk_bytes);
-    StreamBuffer<char> ce_ws(size_t(cuda::cross_entropy_workspace_bytes(rc, I.V)), s);
+    StreamBuffer<char> ce_ws(size_t(cuda::cross_entropy_workspace_bytes(rc, I.V, true)), s);
     StreamBuffer<float> lse(size_t(Qc), s), tl(size_t(Qc), s);
     StreamBuffer<int32_t> amax(size_t(Qc), s);
     cuda::cross_entropy(I.gemm, hf.data(), I.lm_head.data(), Qc, d, I.V, d_ul.data(), d_coef.data(), rc,

@@ -24,7 +24,7 @@ struct CeRowStats {
 int64_t cross_entropy_row_chunk(int64_t V, int64_t rows, int64_t max_bytes = int64_t(1) << 30);
 /// Workspace (bytes) for `row_chunk` rows: fp32 logits, plus (with_dh: cross_entropy given dh) the
 /// bf16 logit gradient.
-int64_t cross_entropy_workspace_bytes(int64_t row_chunk, int64_t V, bool with_dh = true);
+int64_t cross_entropy_workspace_bytes(int64_t row_chunk, int64_t V, bool with_dh);
 
 /// logits = h [rows, d] @ W [V, d]^T, rows processed `row_chunk` at a time, in `workspace`
 /// (cross_entropy_workspace_bytes(row_chunk, V, dh != nullptr)). Fills `stats`. When dh

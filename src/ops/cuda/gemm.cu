@@ -9,6 +9,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <tuple>
 #include <vector>
 
@@ -203,13 +204,23 @@ void GemmContext::run(const GemmShape& s, const bf16* A, const bf16* B, void* C,
       auto it = g_algos.find(key);
       if (it != g_algos.end()) algo = it->second, found = true;
     }
-    // cuBLASLt's best-ranked candidates for this shape, up to `want` of them, into h; their number.
+    // cuBLASLt's best-ranked candidates for this shape and these pointers' alignment, up to `want` of
+    // them, into h; their number.
     auto heuristic = [&](int want, cublasLtMatmulHeuristicResult_t* h) {
       if (!pref) {
         lt_check(cublasLtMatmulPreferenceCreate(&pref), "PreferenceCreate");
         lt_check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                       &impl_->workspace_bytes, sizeof(impl_->workspace_bytes)),
                  "set workspace");
+        // cuBLAS's A is our B, its B our A (see above); C is also D.
+        for (auto [attr, p] : {std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, static_cast<const void*>(B)},
+                               std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, static_cast<const void*>(A)},
+                               std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, static_cast<const void*>(C)},
+                               std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, static_cast<const void*>(C)}}) {
+          uint32_t align = 256;
+          while (align > 1 && reinterpret_cast<uintptr_t>(p) % align != 0) align /= 2;
+          lt_check(cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align)), "set alignment");
+        }
       }
       int n = 0;
       lt_check(cublasLtMatmulAlgoGetHeuristic(impl_->handle, op, la, lb, lc, lc, pref, want, h, &n),
@@ -263,9 +274,10 @@ void GemmContext::run(const GemmShape& s, const bf16* A, const bf16* B, void* C,
                             impl_->workspace_bytes, stream_);
     };
     cublasStatus_t st = matmul();
-    if (st == CUBLAS_STATUS_NOT_SUPPORTED && tune) {
-      // A bucket's tuned choice that this M (or these pointers' alignment) does not support after all
-      // (AlgoCheck sees neither the data nor the pointers): cuBLASLt's first choice from now on.
+    if (st == CUBLAS_STATUS_NOT_SUPPORTED) {
+      // A choice made for other pointers (a shape's first call; or a bucket's tuned choice, which
+      // AlgoCheck confirmed for this M without seeing the pointers) that these pointers' alignment
+      // does not support: cuBLASLt's first choice for this alignment from now on.
       cublasLtMatmulHeuristicResult_t h{};
       heuristic(1, &h);
       algo = h.algo;

@@ -29,6 +29,8 @@ struct GemmShape {
 /// same power-of-two bucket, so that a packed forward's changing token count is tuned once per bucket
 /// (a choice cuBLASLt's AlgoCheck or the product itself refuses for some M falls back to its first
 /// candidate there; so does a shape whose timing fails, e.g. for want of memory for a copy of C).
+/// Candidates are asked for the operands' actual alignment; a choice made for other pointers that
+/// these refuse (NOT_SUPPORTED, e.g. 2-byte aligned rows) is replaced by the first candidate for them.
 /// Measured on an H200 at its 700 W cap (bench/results/2026-12-02_session12.md): the 27B target
 /// forward +5.6 %, the 27B drafter step -2.6 % (timed alone, at full clock, the tuned algorithms win
 /// there too). Tuned choices can differ between processes (timing noise), and so can the last bits of
