@@ -124,6 +124,7 @@ int run_target_forward_gpu_bench(const TargetForwardGpuOptions& o) {
   const double gemm_peak = gemm_peak_tflops(s);
   PeakMemory mem;
   double with_head_ms = 0, taps_ms = 0, peak_gb = 0;
+  std::vector<double> head_runs, taps_runs;  // ms of each timed forward
   nlohmann::json stages, taps_stages;
   {
     TargetGpu gpu(spec, 7, s);
@@ -134,8 +135,9 @@ int run_target_forward_gpu_bench(const TargetForwardGpuOptions& o) {
     for (auto& t : ids) t = int32_t(rng() % uint32_t(spec.vocab_size));
     ForwardOptions fo;
     fo.logits = false;
-    with_head_ms = median(time_runs(s, o.warmup, o.repeat, [&] { gpu.forward(ids, {0, T}, fo, &amax); }));
-    taps_ms = median(time_runs(s, o.warmup, o.repeat, [&] { gpu.forward_taps(ids, {0, T}, taps, tap_out.data()); }));
+    head_runs = time_runs(s, o.warmup, o.repeat, [&] { gpu.forward(ids, {0, T}, fo, &amax); });
+    taps_runs = time_runs(s, o.warmup, o.repeat, [&] { gpu.forward_taps(ids, {0, T}, taps, tap_out.data()); });
+    with_head_ms = median(head_runs), taps_ms = median(taps_runs);
     peak_gb = mem.peak_gb();
     // One more of each with CUDA events around the stages (where the time goes).
     gpu.time_stages(true);
@@ -151,7 +153,12 @@ int run_target_forward_gpu_bench(const TargetForwardGpuOptions& o) {
   const int64_t gdn = std::count(spec.layer_types.begin(), spec.layer_types.end(), LayerKind::GatedDeltaNet);
   const nlohmann::json extra = {
       {"tokens", T}, {"layers", L}, {"gated_deltanet_layers", gdn}, {"taps", taps}, {"layers_run_for_taps", deepest},
-      {"forward_ms", with_head_ms}, {"taps_ms", taps_ms}, {"gemm_tflops_achieved", tf_head},
+      {"forward_ms", with_head_ms}, {"taps_ms", taps_ms}, {"repeat", o.repeat},
+      {"forward_ms_range", {*std::min_element(head_runs.begin(), head_runs.end()),
+                            *std::max_element(head_runs.begin(), head_runs.end())}},
+      {"taps_ms_range", {*std::min_element(taps_runs.begin(), taps_runs.end()),
+                         *std::max_element(taps_runs.begin(), taps_runs.end())}},
+      {"gemm_tflops_achieved", tf_head},
       {"gemm_peak_tflops_8192", gemm_peak}, {"of_gemm_peak", tf_head / gemm_peak}, {"taps_of_gemm_peak", tf_taps / gemm_peak},
       {"peak_gb", peak_gb}, {"device_kind", "cuda"}, {"stage_ms", stages}, {"taps_stage_ms", taps_stages},
       {"path", "TargetGpu bf16: cuBLASLt GEMMs, masked_attention_forward, gated_delta_rule_chunked; random weights"}};
