@@ -87,8 +87,10 @@ TEST(CudaGdn, Conv1dSiluMatchesTheReference) {
       EXPECT_LE(test::rel_l2(got, want.data), kTolF32) << "C " << C << " stride " << stride << " K " << K;
     }
   }
-  EXPECT_THROW(cuda::causal_conv1d_silu(nullptr, 1, nullptr, nullptr, 1, 1, 9, nullptr, nullptr), std::invalid_argument);
-  EXPECT_THROW(cuda::causal_conv1d_silu(nullptr, 3, nullptr, nullptr, 1, 4, 4, nullptr, nullptr), std::invalid_argument);
+  EXPECT_THROW(cuda::causal_conv1d_silu(nullptr, 1, nullptr, nullptr, 1, 1, 9, nullptr, nullptr),
+               std::invalid_argument);  // kernel size 9
+  EXPECT_THROW(cuda::causal_conv1d_silu(nullptr, 3, nullptr, nullptr, 1, 4, 4, nullptr, nullptr),
+               std::invalid_argument);  // row stride 3 < 4 channels
 }
 
 TEST(CudaGdn, PrepareMatchesTheReference) {
@@ -144,7 +146,8 @@ TEST(CudaGdn, PrepareMatchesTheReference) {
     EXPECT_EQ(host_f32(q2), host_f32(q));
     EXPECT_EQ(host_f32(k2), host_f32(k));
     EXPECT_THROW(cuda::gdn_prepare(d_qkv.data(), d_b, d_a, Hv - 1, d_A.data(), d_dt.data(), T, int(Hk), int(Hv),
-                                   int(dk), int(dv), scale, q2.data(), k2.data(), nullptr, g.data(), beta.data(), nullptr),
+                                   int(dk), int(dv), scale, q2.data(), k2.data(), nullptr, g.data(), beta.data(),
+                                   nullptr),
                  std::invalid_argument);  // b / a rows overlapping
   }  // Hk 16, dk 128: each warp normalizes several heads
 }
@@ -365,8 +368,9 @@ TEST(CudaGdn, Conv1dWithWindowsMatchesTheReference) {
       EXPECT_EQ(host_f32(dwin), want_win) << "K " << K;
     }
   }
-  EXPECT_THROW(cuda::causal_conv1d_silu_window(nullptr, 19, nullptr, nullptr, nullptr, nullptr, 1, 20, 4, nullptr, nullptr),
-               std::invalid_argument);
+  EXPECT_THROW(
+      cuda::causal_conv1d_silu_window(nullptr, 19, nullptr, nullptr, nullptr, nullptr, 1, 20, 4, nullptr, nullptr),
+      std::invalid_argument);
   EXPECT_THROW(cuda::conv_window_advance(nullptr, nullptr, 19, nullptr, 1, 1, 20, 4, nullptr, nullptr),
                std::invalid_argument);
 }

@@ -71,9 +71,9 @@ int run_gdn_bench(const GdnBenchOptions& o) {
     // Inputs as a GatedDeltaNet layer makes them: in_proj's bf16 output (q | k | v | z | b | a), the
     // conv, then prepared.
     cuda::DeviceArray<cuda::bf16> pre(size_t(T * Nin));
-    cuda::DeviceArray<float> conv(size_t(T * C)), q(size_t(T * Hk * dk)), k(size_t(T * Hk * dk)), v(size_t(T * Hv * dv)),
-        out(size_t(T * Hv * dv)), w(size_t(C * 4)), A_log{size_t(Hv)}, dt{size_t(Hv)}, g(size_t(T * Hv)),
-        beta(size_t(T * Hv));
+    cuda::DeviceArray<float> conv(size_t(T * C)), q(size_t(T * Hk * dk)), k(size_t(T * Hk * dk)),
+        v(size_t(T * Hv * dv)), out(size_t(T * Hv * dv)), w(size_t(C * 4)), A_log{size_t(Hv)}, dt{size_t(Hv)},
+        g(size_t(T * Hv)), beta(size_t(T * Hv));
     cuda::fill_normal(pre.data(), T * Nin, 1, 0.f, 1.f, s);
     const cuda::bf16 *b = pre.data() + C + Hv * dv, *a = b + Hv;
     cuda::fill_normal(w.data(), C * 4, 2, 0.f, 0.3f, s);
@@ -81,7 +81,9 @@ int run_gdn_bench(const GdnBenchOptions& o) {
     cuda::fill_normal(dt.data(), Hv, 6, 0.f, 0.f, s);
     auto starts = cuda::upload(cuda::sequence_starts(cu), s);
     const float scale = 1.f / std::sqrt(float(dk));
-    auto conv_run = [&] { cuda::causal_conv1d_silu(pre.data(), Nin, w.data(), starts.data(), T, C, 4, conv.data(), s); };
+    auto conv_run = [&] {
+      cuda::causal_conv1d_silu(pre.data(), Nin, w.data(), starts.data(), T, C, 4, conv.data(), s);
+    };
     auto prep_run = [&] {
       cuda::gdn_prepare(conv.data(), b, a, Nin, A_log.data(), dt.data(), T, Hk, Hv, dk, dv, scale, q.data(), k.data(),
                         v.data(), g.data(), beta.data(), s);
@@ -151,13 +153,14 @@ int run_target_forward_gpu_bench(const TargetForwardGpuOptions& o) {
   const double tf_head = forward_flops(spec, T, L, true) / (with_head_ms * 1e-3) / 1e12;
   const double tf_taps = forward_flops(spec, T, deepest, false) / (taps_ms * 1e-3) / 1e12;
   const int64_t gdn = std::count(spec.layer_types.begin(), spec.layer_types.end(), LayerKind::GatedDeltaNet);
+  auto range = [](const std::vector<double>& v) {  // [fastest, slowest]
+    const auto [lo, hi] = std::minmax_element(v.begin(), v.end());
+    return nlohmann::json::array({*lo, *hi});
+  };
   const nlohmann::json extra = {
       {"tokens", T}, {"layers", L}, {"gated_deltanet_layers", gdn}, {"taps", taps}, {"layers_run_for_taps", deepest},
       {"forward_ms", with_head_ms}, {"taps_ms", taps_ms}, {"repeat", o.repeat},
-      {"forward_ms_range", {*std::min_element(head_runs.begin(), head_runs.end()),
-                            *std::max_element(head_runs.begin(), head_runs.end())}},
-      {"taps_ms_range", {*std::min_element(taps_runs.begin(), taps_runs.end()),
-                         *std::max_element(taps_runs.begin(), taps_runs.end())}},
+      {"forward_ms_range", range(head_runs)}, {"taps_ms_range", range(taps_runs)},
       {"gemm_tflops_achieved", tf_head},
       {"gemm_peak_tflops_8192", gemm_peak}, {"of_gemm_peak", tf_head / gemm_peak}, {"taps_of_gemm_peak", tf_taps / gemm_peak},
       {"peak_gb", peak_gb}, {"device_kind", "cuda"}, {"stage_ms", stages}, {"taps_stage_ms", taps_stages},

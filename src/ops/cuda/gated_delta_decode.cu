@@ -23,7 +23,8 @@ __global__ void conv1d_silu_window_kernel(const bf16* __restrict__ x, int64_t x_
     float acc = 0.f;
     for (int j = 0; j < K; ++j) {
       const int64_t src = t - K + 1 + j;  // >= start - (K - 1)
-      const float xv = src >= start ? __bfloat162float(x[src * x_stride + c]) : window[(int64_t(s) * (K - 1) + (K - 1) + (src - start)) * C + c];
+      const float xv = src >= start ? __bfloat162float(x[src * x_stride + c])
+                                    : window[(int64_t(s) * (K - 1) + (K - 1) + (src - start)) * C + c];
       acc += w[c * K + j] * xv;
     }
     y[i] = acc / (1.f + __expf(-acc));
@@ -115,7 +116,8 @@ __global__ void __launch_bounds__(128) recurrent_kernel(const float* __restrict_
 void check_conv(int K, int64_t C, int64_t x_stride, const char* what) {
   if (K < 1 || K > 8 || C <= 0 || x_stride < C)
     throw std::invalid_argument(std::string(what) + ": kernel size " + std::to_string(K) + " (1..8), channels " +
-                                std::to_string(C) + ", input row stride " + std::to_string(x_stride) + " (>= channels)");
+                                std::to_string(C) + ", input row stride " + std::to_string(x_stride) +
+                                " (>= channels)");
 }
 
 }  // namespace

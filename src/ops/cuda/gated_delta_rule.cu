@@ -25,6 +25,7 @@
 #include "ops/cuda/fast_math.cuh"
 #include "ops/cuda/gated_delta_rule.h"
 #include "ops/cuda/mma.cuh"
+#include "ops/cuda/vec.cuh"
 
 namespace dflash::cuda {
 
@@ -43,18 +44,14 @@ __device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); 
 
 constexpr int kConvRun = 16;  // tokens per thread in the conv: each input is read from memory once
 
-/// V consecutive bf16 (V = 4: one 8-byte load) as floats.
+/// V = 1 or 4 consecutive bf16 as floats (V = 4: one 8-byte load, vec.cuh's load4).
 template <int V>
 __device__ __forceinline__ void load_bf16(const bf16* p, float (&out)[V]) {
-  if constexpr (V == 4) {
-    const uint2 u = *reinterpret_cast<const uint2*>(p);
-    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
-    const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
-    out[0] = a.x, out[1] = a.y, out[2] = b.x, out[3] = b.y;
-  } else {
-#pragma unroll
-    for (int v = 0; v < V; ++v) out[v] = __bfloat162float(p[v]);
-  }
+  static_assert(V == 1 || V == 4, "one channel or four");
+  if constexpr (V == 4)
+    load4(p, out);
+  else
+    out[0] = __bfloat162float(*p);
 }
 
 /// A thread per (V channels, run of kConvRun tokens): the last K inputs of its channels slide through
@@ -114,8 +111,8 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 /// One block per token: a warp per q / k head (l2norm), then v and the gates.
 __global__ void gdn_prepare_kernel(const float* qkv, const bf16* b, const bf16* a, int64_t ba_stride,
-                                   const float* A_log, const float* dt_bias, int Hk, int Hv, int dk, int dv, float scale,
-                                   float* q, float* k, float* v, float* g, float* beta) {
+                                   const float* A_log, const float* dt_bias, int Hk, int Hv, int dk, int dv,
+                                   float scale, float* q, float* k, float* v, float* g, float* beta) {
   const int64_t t = blockIdx.x, C = 2 * int64_t(Hk) * dk + int64_t(Hv) * dv;
   const float* row = qkv + t * C;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
@@ -910,7 +907,8 @@ __global__ void gated_rms_norm_kernel(const float* x, const bf16* z, int heads, 
   float ss = 0.f;
   for (int i = lane; i < n; i += 32) ss += xr[i] * xr[i];
   const float s = rsqrtf(warp_sum(ss) / float(n) + eps);
-  for (int i = lane; i < n; i += 32) y[r * n + i] = __float2bfloat16_rn(gated_norm(w[i], xr[i], s, __bfloat162float(zr[i])));
+  for (int i = lane; i < n; i += 32)
+    y[r * n + i] = __float2bfloat16_rn(gated_norm(w[i], xr[i], s, __bfloat162float(zr[i])));
 }
 
 /// The same for n = 128 V (x, w 16-byte aligned, z and y 8-byte): lane l holds columns 4 (l + 32 v)
@@ -999,11 +997,11 @@ void causal_conv1d_silu(const bf16* x, int64_t x_stride, const float* w, const i
                         int64_t C, int K, float* y, cudaStream_t stream) {
   if (K < 1 || K > 8 || C <= 0 || T < 0 || x_stride < C)
     throw std::invalid_argument("causal_conv1d_silu: kernel size " + std::to_string(K) + " (1..8), channels " +
-                                std::to_string(C) + ", input row stride " + std::to_string(x_stride) + " (>= channels)");
+                                std::to_string(C) + ", input row stride " + std::to_string(x_stride) +
+                                " (>= channels)");
   if (T == 0) return;
   // Four channels per thread (8-byte loads, 16-byte stores) where the layout allows.
-  const bool vec4 = C % 4 == 0 && x_stride % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 8 == 0 &&
-                    reinterpret_cast<uintptr_t>(y) % 16 == 0;
+  const bool vec4 = C % 4 == 0 && x_stride % 4 == 0 && aligned_to(8, x) && aligned_to(16, y);
   const int64_t per_block = vec4 ? 1024 : 256;
   if ((C + per_block - 1) / per_block > 65535)
     throw std::invalid_argument("causal_conv1d_silu: " + std::to_string(C) + " channels");
@@ -1148,8 +1146,9 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
 void gated_rms_norm(const float* x, const bf16* z, int64_t heads, int64_t z_stride, const float* w, bf16* y,
                     int64_t rows, int64_t n, double eps, cudaStream_t stream) {
   if (n <= 0 || rows < 0 || heads <= 0 || heads > INT32_MAX || z_stride < heads * n)
-    throw std::invalid_argument("gated_rms_norm: rows " + std::to_string(rows) + ", n " + std::to_string(n) + ", heads " +
-                                std::to_string(heads) + ", z row stride " + std::to_string(z_stride) + " (>= heads n)");
+    throw std::invalid_argument("gated_rms_norm: rows " + std::to_string(rows) + ", n " + std::to_string(n) +
+                                ", heads " + std::to_string(heads) + ", z row stride " + std::to_string(z_stride) +
+                                " (>= heads n)");
   if (rows == 0) return;
   const unsigned blocks = unsigned((rows + 7) / 8);
   const bool aligned = (reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) % 16 == 0 &&

@@ -9,8 +9,8 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
-#include <utility>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "ops/cuda/gemm.h"
