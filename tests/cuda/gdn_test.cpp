@@ -93,6 +93,57 @@ TEST(CudaGdn, Conv1dSiluMatchesTheReference) {
                std::invalid_argument);  // row stride 3 < 4 channels
 }
 
+TEST(CudaGdn, Conv1dSiluWithQueryKeyNormMatchesTheReference) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  std::mt19937_64 rng(4);
+  // (Hk, dk, Hv, dv, row stride past C): normalized in the conv kernel with heads of 32 lanes (the
+  // real dims; one query head, the last warp's lanes past C idle), 2 lanes (the fixtures' dk 8), 1
+  // lane; by the second kernel for dk 12 (not a power of two) and for a row stride of 2 mod 4 (one
+  // channel per thread).
+  struct Case {
+    int64_t Hk, dk, Hv, dv, pad;
+  };
+  for (const Case& cs : {Case{16, 128, 48, 128, 6240}, Case{1, 128, 3, 36, 8}, Case{2, 8, 4, 12, 4}, Case{3, 4, 2, 8, 0},
+                         Case{2, 12, 3, 16, 4}, Case{2, 16, 3, 12, 2}}) {
+    const std::vector<int64_t> cu = cu_of({1, 63, 64, 3, 65, 127});
+    const int64_t T = cu.back(), C = 2 * cs.Hk * cs.dk + cs.Hv * cs.dv, stride = C + cs.pad, K = 4, qc = cs.Hk * cs.dk;
+    const float scale = 1.f / std::sqrt(float(cs.dk));
+    Tensor x({T, C}), w({C, K});
+    x.data = test::rand_bf16_values(size_t(T * C), rng);
+    w.data = test::rand_bf16_values(size_t(C * K), rng, 0.5f);
+    const Tensor conv = cpu::causal_conv1d_silu(x, w, cu);
+    std::vector<float> want_q, want_k, want_v, got_v;
+    for (int64_t t = 0; t < T; ++t) {
+      const float* r = conv.ptr() + t * C;
+      std::vector<float> qt(r, r + qc), kt(r + qc, r + 2 * qc);
+      cpu::l2_norm(qt.data(), cs.Hk, cs.dk);
+      cpu::l2_norm(kt.data(), cs.Hk, cs.dk);
+      for (float& e : qt) e *= scale;
+      want_q.insert(want_q.end(), qt.begin(), qt.end());
+      want_k.insert(want_k.end(), kt.begin(), kt.end());
+      want_v.insert(want_v.end(), r + 2 * qc, r + C);
+    }
+    auto dx = bf16_in_rows(x.data, C, stride, 0);
+    auto dw = device_f32(w.data);
+    auto y = poisoned<float>(size_t(T * C)), q = poisoned<float>(size_t(T * qc)), k = poisoned<float>(size_t(T * qc));
+    auto starts = cuda::upload(cuda::sequence_starts(cu), nullptr);
+    const cuda::ConvQkNorm qk{int(cs.Hk), int(cs.dk), scale, q.data(), k.data()};
+    cuda::causal_conv1d_silu(dx.data(), stride, dw.data(), starts.data(), T, C, int(K), y.data(), nullptr, &qk);
+    const std::vector<float> all = host_f32(y);
+    for (int64_t t = 0; t < T; ++t) got_v.insert(got_v.end(), all.begin() + t * C + 2 * qc, all.begin() + (t + 1) * C);
+    const std::string what = "Hk " + std::to_string(cs.Hk) + " dk " + std::to_string(cs.dk) + " pad " + std::to_string(cs.pad);
+    const std::vector<float> gq = host_f32(q), gk = host_f32(k);
+    ASSERT_TRUE(test::all_finite(gq) && test::all_finite(gk) && test::all_finite(got_v)) << what;
+    EXPECT_LE(test::rel_l2(gq, want_q), kTolF32) << what;
+    EXPECT_LE(test::rel_l2(gk, want_k), kTolF32) << what;
+    EXPECT_LE(test::rel_l2(got_v, want_v), kTolF32) << what;
+  }
+  float* p = nullptr;
+  const cuda::ConvQkNorm wide{3, 8, 1.f, p, p};
+  EXPECT_THROW(cuda::causal_conv1d_silu(nullptr, 40, nullptr, nullptr, 1, 40, 4, nullptr, nullptr, &wide),
+               std::invalid_argument);  // 2 Hk dk = 48 > 40 channels (and no q / k)
+}
+
 TEST(CudaGdn, PrepareMatchesTheReference) {
   if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
   std::mt19937_64 rng(2);
@@ -145,6 +196,15 @@ TEST(CudaGdn, PrepareMatchesTheReference) {
                       int(dv), scale, q2.data(), k2.data(), nullptr, g.data(), beta.data(), nullptr);
     EXPECT_EQ(host_f32(q2), host_f32(q));
     EXPECT_EQ(host_f32(k2), host_f32(k));
+    // Without q and k (the conv normalized them: ConvQkNorm): the same gates.
+    cuda::DeviceArray<float> g3(size_t(T * Hv)), beta3(size_t(T * Hv));
+    cuda::gdn_prepare(d_qkv.data(), d_b, d_a, ba_stride, d_A.data(), d_dt.data(), T, int(Hk), int(Hv), int(dk),
+                      int(dv), scale, nullptr, nullptr, nullptr, g3.data(), beta3.data(), nullptr);
+    EXPECT_EQ(host_f32(g3), host_f32(g));
+    EXPECT_EQ(host_f32(beta3), host_f32(beta));
+    EXPECT_THROW(cuda::gdn_prepare(d_qkv.data(), d_b, d_a, ba_stride, d_A.data(), d_dt.data(), T, int(Hk), int(Hv),
+                                   int(dk), int(dv), scale, q2.data(), nullptr, nullptr, g.data(), beta.data(), nullptr),
+                 std::invalid_argument);  // q without k
     EXPECT_THROW(cuda::gdn_prepare(d_qkv.data(), d_b, d_a, Hv - 1, d_A.data(), d_dt.data(), T, int(Hk), int(Hv),
                                    int(dk), int(dv), scale, q2.data(), k2.data(), nullptr, g.data(), beta.data(),
                                    nullptr),
@@ -153,13 +213,19 @@ TEST(CudaGdn, PrepareMatchesTheReference) {
 }
 
 namespace {
+constexpr int kNormOff = 0, kNormStaged = 1, kNormDirect = 2;  // check_chunked's fused gated RMSNorm
+
 /// One chunked-vs-recurrent comparison: random normalized q / k, v, g = -20 u^4 (u uniform:
 /// mostly mild decays, some down to -20; with `mild`, g = -0.05 u, so that tokens a whole chunk apart
 /// still interact), beta uniform in [0, 1], an optional random initial state.
-/// With v_pad > 0 the values sit in rows of Hv dv + v_pad floats (v_row_stride; the rest NaN).
+/// With v_pad > 0 the values sit in rows of Hv dv + v_pad floats (v_row_stride; the rest NaN). With
+/// `norm` the output goes through the fused gated RMSNorm (random w; random z read from wider rows,
+/// kNormStaged: 16-byte aligned rows, which chunk_out stages in shared memory, kNormDirect: rows at
+/// an odd offset and stride, read by each thread) and is checked against cpu::gated_rms_norm of the
+/// recurrence's output.
 void check_chunked(const std::vector<int64_t>& lens, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, bool init,
                    uint64_t seed, bool recurrent = false, size_t shared_limit = 0, bool mild = false,
-                   int64_t v_pad = 0) {
+                   int64_t v_pad = 0, int norm = kNormOff) {
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<float> uni(0.f, 1.f);
   const std::vector<int64_t> cu = cu_of(lens);
@@ -186,6 +252,30 @@ void check_chunked(const std::vector<int64_t>& lens, int64_t Hk, int64_t Hv, int
   if (recurrent) {  // the state in place: s0 (zeros without init) in, the final state out
     cuda::gated_delta_rule_recurrent(dq.data(), dk_.data(), dv_.data(), dg.data(), db.data(), cu, int(Hk), int(Hv),
                                      int(dk), int(dv), ds0.data(), tokens.data(), o.data(), nullptr);
+  } else if (norm != kNormOff) {  // z in wider rows, columns before and after, as in in_proj's output
+    const int64_t z_off = norm == kNormStaged ? 8 : 3, z_stride = Hv * dv + 2 * z_off;
+    Tensor z({T, Hv, dv}), w({dv});
+    z.data = test::rand_bf16_values(z.data.size(), rng);
+    w.data = test::rand_bf16_values(w.data.size(), rng);
+    auto dz = bf16_in_rows(z.data, Hv * dv, z_stride, z_off);
+    auto dw = device_f32(w.data);
+    auto y = poisoned<cuda::bf16>(size_t(T * Hv * dv));
+    const cuda::GatedNormOut out{dz.data() + z_off, z_stride, dw.data(), 1e-6f, y.data()};
+    cuda::gated_delta_rule_chunked(dq.data(), dk_.data(), dv_.data(), dg.data(), db.data(), cuda::GdnChunkPlan(cu, nullptr),
+                                   int(Hk), int(Hv), int(dk), int(dv), init ? ds0.data() : nullptr, fs.data(), nullptr,
+                                   nullptr, 0, 0, &out);
+    Tensor want_y = want;
+    cpu::gated_rms_norm(want_y, z, w, 1e-6);
+    const std::vector<float> got_y = test::to_host_f32(y, nullptr);
+    ASSERT_TRUE(test::all_finite(got_y)) << "gated RMSNorm output, T " << T << " dv " << dv;
+    EXPECT_LE(test::rel_l2(got_y, want_y.data), kTolBf16Out) << "gated RMSNorm output, T " << T << " dv " << dv;
+    EXPECT_LE(test::rel_l2(host_f32(fs), want_state.data), kTolChunked) << "final state, T " << T << " dv " << dv;
+    const cuda::GatedNormOut narrow{dz.data() + z_off, Hv * dv - 1, dw.data(), 1e-6f, y.data()};
+    EXPECT_THROW(cuda::gated_delta_rule_chunked(dq.data(), dk_.data(), dv_.data(), dg.data(), db.data(),
+                                                cuda::GdnChunkPlan(cu, nullptr), int(Hk), int(Hv), int(dk), int(dv),
+                                                nullptr, nullptr, nullptr, nullptr, 0, 0, &narrow),
+                 std::invalid_argument);  // z rows overlapping
+    return;
   } else if (v_pad) {
     const int64_t stride = Hv * dv + v_pad;
     std::vector<float> wide(size_t(T * stride), std::nanf(""));
@@ -252,6 +342,18 @@ TEST(CudaGdn, ChunkedMatchesTheRecurrence) {
   // The values read in place from wider rows (the conv output: q | k | v), as the target does.
   check_chunked({3, 64, 130}, 2, 4, 24, 40, true, ++seed, false, 0, false, 4 * 24 + 12);
   check_chunked({300}, 16, 48, 128, 128, true, ++seed, false, 0, false, 2 * 16 * 128);
+}
+
+TEST(CudaGdn, ChunkedWithTheGatedNormMatchesTheReference) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  uint64_t seed = 40;
+  for (int norm : {kNormStaged, kNormDirect}) {
+    check_chunked({3, 64, 1, 65, 130}, 2, 4, 24, 40, true, ++seed, false, 0, false, 0, norm);  // one pass of columns
+    check_chunked({200, 63}, 16, 48, 128, 128, true, ++seed, false, 0, false, 0, norm);       // the real head dims
+    check_chunked({130}, 1, 2, 32, 104, false, ++seed, false, 0, true, 0, norm);  // a partial second pass, mild decays
+    check_chunked({70}, 1, 3, 8, 72, true, ++seed, false, 0, false, 0, norm);     // a second pass of 8 columns, tiny dk
+  }
+  check_chunked({70}, 1, 3, 8, 68, true, ++seed, false, 0, false, 0, kNormDirect);  // dv % 8 != 0: never staged
   EXPECT_THROW(cuda::gated_delta_rule_chunked(nullptr, nullptr, nullptr, nullptr, nullptr, {0, 1}, 2, 3, 32, 32, nullptr,
                                               nullptr, nullptr, nullptr),
                std::invalid_argument);  // Hv % Hk != 0

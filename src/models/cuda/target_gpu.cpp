@@ -360,13 +360,14 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
   }
   auto d_seq_of = cuda::upload(seq_of, s), d_cu32 = cuda::upload(cu32, s);
   const int Kc = int(sp.linear_conv_kernel_dim);
+  const float q_scale = float(1.0 / std::sqrt(double(dk)));
   const int64_t state_elems = Hv * dk * dv;
   auto gbuf = [&](int64_t n) { return StreamBuffer<float>(hybrid ? size_t(n) : 0, s); };  // fp32 activations
   // The chunked rule reads the values in place from the conv output (row stride Cg); the
   // token-by-token path and the rollback copy take them copied into gv.
   const bool v_copy = token_by_token || (cached && keep_rollback);
   StreamBuffer<float> gconv = gbuf(T * Cg), gq = gbuf(T * Hk * dk), gk = gbuf(T * Hk * dk),
-                      gv = gbuf(v_copy ? T * Hv * dv : 0), go = gbuf(T * Hv * dv), gg = gbuf(T * Hv),
+                      gv = gbuf(v_copy ? T * Hv * dv : 0), go = gbuf(token_by_token ? T * Hv * dv : 0), gg = gbuf(T * Hv),
                       gbeta = gbuf(T * Hv);
   StreamBuffer<bf16> gin(hybrid ? size_t(T * Nin) : 0, s);          // in_proj's output (bf16, as in transformers)
   StreamBuffer<bf16> gnormed(hybrid ? size_t(T * Hv * dv) : 0, s);  // out_proj's input
@@ -394,12 +395,13 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
         StreamBuffer<float> tmp(keep_rollback ? 0 : hist_rows * size_t(Cg), s);
         cuda::conv_window_advance(gc->window.data(), gin.data(), Nin, d_cu32.data(), C.n, T, Cg, Kc,
                                   keep_rollback ? gc->hist.data() : tmp.data(), s);
-      } else {
-        cuda::causal_conv1d_silu(gin.data(), Nin, l.conv.data(), d_start.data(), T, Cg, Kc, gconv.data(), s);
+      } else {  // the queries and keys l2-normalized by the conv kernel
+        const cuda::ConvQkNorm qk{int(Hk), int(dk), q_scale, gq.data(), gk.data()};
+        cuda::causal_conv1d_silu(gin.data(), Nin, l.conv.data(), d_start.data(), T, Cg, Kc, gconv.data(), s, &qk);
       }
       cuda::gdn_prepare(gconv.data(), gb, ga, Nin, l.A_log.data(), l.dt_bias.data(), T, int(Hk), int(Hv), int(dk),
-                        int(dv), float(1.0 / std::sqrt(double(dk))), gq.data(), gk.data(), v_copy ? gv.data() : nullptr,
-                        gg.data(), gbeta.data(), s);
+                        int(dv), q_scale, gc ? gq.data() : nullptr, gc ? gk.data() : nullptr,
+                        v_copy ? gv.data() : nullptr, gg.data(), gbeta.data(), s);
       if (gc && keep_rollback) {  // keep the state before and every token's inputs
         const size_t n_state = size_t(C.n * state_elems);
         if (gc->state_before.size() < n_state) gc->state_before = DeviceArray<float>(n_state);
@@ -415,13 +417,15 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
       if (token_by_token) {
         cuda::gated_delta_rule_recurrent(gq.data(), gk.data(), gv.data(), gg.data(), gbeta.data(), cu, int(Hk), int(Hv),
                                          int(dk), int(dv), gc->state.data(), nullptr, go.data(), s);
-      } else {  // the cached state in and out (in place: each block reads its slice before writing it)
+        cuda::gated_rms_norm(go.data(), gz, Hv, Nin, l.gnorm.data(), gnormed.data(), T * Hv, dv, sp.rms_norm_eps, s);
+      } else {  // the cached state in and out (in place: each block reads its slice before writing it); the
+                // gated RMSNorm applied to the output inside the kernel
+        const cuda::GatedNormOut norm{gz, Nin, l.gnorm.data(), float(sp.rms_norm_eps), gnormed.data()};
         cuda::gated_delta_rule_chunked(gq.data(), gk.data(), v_copy ? gv.data() : gconv.data() + 2 * Hk * dk,
                                        gg.data(), gbeta.data(), *gdn_chunks, int(Hk), int(Hv), int(dk), int(dv),
-                                       gc ? gc->state.data() : nullptr, gc ? gc->state.data() : nullptr, go.data(), s,
-                                       0, v_copy ? 0 : Cg);
+                                       gc ? gc->state.data() : nullptr, gc ? gc->state.data() : nullptr, nullptr, s,
+                                       0, v_copy ? 0 : Cg, &norm);
       }
-      cuda::gated_rms_norm(go.data(), gz, Hv, Nin, l.gnorm.data(), gnormed.data(), T * Hv, dv, sp.rms_norm_eps, s);
       linear(gnormed.data(), D, Hv * dv, l.out, x.data(), 1.f);  // x += out_proj(o)
     } else {
       linear(h.data(), H * Dh, D, l.q, q.data(), 0.f);

@@ -9,7 +9,7 @@
 // chunk_prepare runs every (chunk, key head) in parallel, the value heads of the key head in turn;
 // chunk_state walks the chunks of one sequence in order, per (sequence, value head, 32 or 64 state
 // columns), and keeps only the sequential part (U and the state before each chunk); chunk_out
-// computes O for every chunk in parallel.
+// computes O for every chunk in parallel (and, for a layer, its gated RMSNorm: GatedNormOut).
 // Every matrix product runs on tensor cores in 3xBF16 (mma_3xbf16: fp32 values as bf16 pairs
 // hi + lo, ~2^-16 relative per product; half the mma instructions of 3xTF32). chunk_state's and
 // chunk_out's operands are split once, by the kernel that makes them (Split); chunk_prepare splits
@@ -56,21 +56,27 @@ __device__ __forceinline__ void load_bf16(const bf16* p, float (&out)[V]) {
 
 /// A thread per (V channels, run of kConvRun tokens): the last K inputs of its channels slide through
 /// registers. Rows before row_start[t] count as zero (the same sum, term by term, as the CPU
-/// reference). V = 4 needs C and x_stride multiples of 4, x 8-byte and y 16-byte aligned.
-template <int K, int V>
+/// reference). V = 4 needs C and x_stride multiples of 4, x 8-byte and y 16-byte aligned. kNorm (V =
+/// 4, qk.dk / 4 a power of two <= 32: a head is an aligned group of lanes, every lane of the warp
+/// taking part in the sums): the query / key heads' outputs l2-normalized to qk.q / qk.k instead of y.
+template <int K, int V, bool kNorm>
 __global__ void conv1d_silu_kernel(const bf16* __restrict__ x, int64_t x_stride, const float* __restrict__ w,
-                                   const int32_t* __restrict__ row_start, int64_t T, int64_t C, float* __restrict__ y) {
+                                   const int32_t* __restrict__ row_start, int64_t T, int64_t C, float* __restrict__ y,
+                                   ConvQkNorm qk) {
+  static_assert(!kNorm || V == 4, "the fused l2norm takes four channels per lane");
   const int64_t c = (blockIdx.y * int64_t(blockDim.x) + threadIdx.x) * V, t0 = int64_t(blockIdx.x) * kConvRun;
-  if (c >= C) return;
+  const bool live = c < C;
+  if (!kNorm && !live) return;  // (kNorm: every lane stays for the sums)
+  const int64_t q_ch = int64_t(qk.Hk) * qk.dk;
   float wk[V][K], win[K][V];  // at token t: win[j] = x[t - K + 1 + j, c ..]; before the first, x[t0 - K + j, c ..]
 #pragma unroll
   for (int v = 0; v < V; ++v)
 #pragma unroll
-    for (int j = 0; j < K; ++j) wk[v][j] = w[(c + v) * K + j];
+    for (int j = 0; j < K; ++j) wk[v][j] = live ? w[(c + v) * K + j] : 0.f;
 #pragma unroll
   for (int j = 0; j < K; ++j) {
     const int64_t src = t0 - K + j;
-    if (src >= 0) {
+    if (src >= 0 && live) {
       load_bf16<V>(x + src * x_stride + c, win[j]);
     } else {
 #pragma unroll
@@ -83,7 +89,7 @@ __global__ void conv1d_silu_kernel(const bf16* __restrict__ x, int64_t x_stride,
     for (int j = 0; j + 1 < K; ++j)
 #pragma unroll
       for (int v = 0; v < V; ++v) win[j][v] = win[j + 1][v];
-    load_bf16<V>(x + t * x_stride + c, win[K - 1]);
+    if (live) load_bf16<V>(x + t * x_stride + c, win[K - 1]);
     const int64_t b = row_start[t];
     float out[V];
 #pragma unroll
@@ -93,6 +99,18 @@ __global__ void conv1d_silu_kernel(const bf16* __restrict__ x, int64_t x_stride,
       for (int j = 0; j < K; ++j)
         if (t - K + 1 + j >= b) acc += wk[v][j] * win[j][v];
       out[v] = silu(acc);
+    }
+    if constexpr (kNorm) {  // the head's sum of squares over its lanes (a head's lanes are aligned)
+      float ss = out[0] * out[0] + out[1] * out[1] + out[2] * out[2] + out[3] * out[3];
+      for (int o = 1; o < qk.dk / 4; o <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      if (c < 2 * q_ch) {
+        const bool is_q = c < q_ch;
+        const float sc = rsqrtf(ss + 1e-6f) * (is_q ? qk.q_scale : 1.f);
+        float* dst = is_q ? qk.q + t * q_ch + c : qk.k + t * q_ch + (c - q_ch);
+        *reinterpret_cast<float4*>(dst) = make_float4(out[0] * sc, out[1] * sc, out[2] * sc, out[3] * sc);
+        continue;
+      }
+      if (!live) continue;
     }
     if constexpr (V == 4) {
       *reinterpret_cast<float4*>(y + t * C + c) = make_float4(out[0], out[1], out[2], out[3]);
@@ -109,12 +127,10 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-/// One block per token: a warp per q / k head (l2norm), then v and the gates.
-__global__ void gdn_prepare_kernel(const float* qkv, const bf16* b, const bf16* a, int64_t ba_stride,
-                                   const float* A_log, const float* dt_bias, int Hk, int Hv, int dk, int dv,
-                                   float scale, float* q, float* k, float* v, float* g, float* beta) {
-  const int64_t t = blockIdx.x, C = 2 * int64_t(Hk) * dk + int64_t(Hv) * dv;
-  const float* row = qkv + t * C;
+/// Token t's query and key heads of row (q | k ..., fp32), a warp per head of the block:
+/// q = scale l2norm, k = l2norm into q / k [T, Hk, dk] (dk <= 256).
+__device__ __forceinline__ void l2norm_heads(const float* row, int64_t t, int Hk, int dk, float scale, float* q,
+                                             float* k) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
   for (int r = warp; r < 2 * Hk; r += nwarps) {  // r < Hk: q head r; else k head r - Hk
     const float* src = row + int64_t(r) * dk;
@@ -134,6 +150,20 @@ __global__ void gdn_prepare_kernel(const float* qkv, const bf16* b, const bf16* 
       if (i < dk) dst[i] = x[e] * s;
     }
   }
+}
+
+/// One block per token of a [T, C] conv output: l2norm_heads (the unfused ConvQkNorm).
+__global__ void qk_l2norm_kernel(const float* y, int64_t C, ConvQkNorm qk) {
+  l2norm_heads(y + blockIdx.x * C, blockIdx.x, qk.Hk, qk.dk, qk.q_scale, qk.q, qk.k);
+}
+
+/// One block per token: the q / k heads (l2norm_heads, unless q is null), then v and the gates.
+__global__ void gdn_prepare_kernel(const float* qkv, const bf16* b, const bf16* a, int64_t ba_stride,
+                                   const float* A_log, const float* dt_bias, int Hk, int Hv, int dk, int dv,
+                                   float scale, float* q, float* k, float* v, float* g, float* beta) {
+  const int64_t t = blockIdx.x, C = 2 * int64_t(Hk) * dk + int64_t(Hv) * dv;
+  const float* row = qkv + t * C;
+  if (q) l2norm_heads(row, t, Hk, dk, scale, q, k);
   const float* vs = row + 2 * int64_t(Hk) * dk;
   if (v)
     for (int i = threadIdx.x; i < Hv * dv; i += blockDim.x) v[t * Hv * dv + i] = vs[i];
@@ -815,81 +845,190 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(Split k_s, Spl
       }
 }
 
-/// Shared memory of chunk_out_kernel at key dim dk, in bytes: split Q [64][dkp + 8], S0
-/// [dkp][72], U [64][72] and P [64][72], two bf16 parts each.
-constexpr size_t chunk_out_smem(int dk) {
-  const int dkp = state_rows(dk);
-  return size_t(2 * (kChunk * (dkp + 8) + dkp * 72 + 2 * kChunk * 72)) * sizeof(bf16);
+/// One output of the gated RMSNorm: w x s silu(z), s = rsqrt(mean(x^2) + eps) of the row.
+__device__ __forceinline__ float gated_norm(float w, float x, float s, float z) { return w * (x * s) * silu(z); }
+
+constexpr int kZld = 128 + 8;  // bf16 row stride of chunk_out's z tile (conflict-free bf16x2 reads)
+
+/// bf16 elements of chunk_out_kernel's front region: split Q [64][dkp + 8] and S0 [dkp][72] (two
+/// parts each), which the gated RMSNorm's z tile [64][kZld] and w [128] fp32 reuse once the last
+/// product with S0 is done (at least that much).
+__host__ __device__ constexpr int chunk_out_front(int dkp) {
+  const int qs = 2 * (kChunk * (dkp + 8) + dkp * 72), zw = kChunk * kZld + 2 * 128;
+  return qs > zw ? qs : zw;
 }
 
-/// One block per (chunk and 64 value columns, value head): O = diag(exp(G)) Q S0 + P U from the saved
-/// state S0 = H[chunk] and U, all chunks in parallel, on tensor cores in 3xBF16 from the split
-/// operands (q_s [T, Hk, dkp], H_s [chunks, Hv, dkp, dv8], U_s [T, Hv, dv8], P_s [chunks, Hv, 64, 64]).
-/// Warp w computes rows 16 (w / 2) .. + 15 x columns 32 (w % 2) .. + 31.
+/// Shared memory of chunk_out_kernel at key dim dk, in bytes: the front region, then split U [64][72]
+/// and P [64][72] (S0 and U hold 64 value columns at a time).
+constexpr size_t chunk_out_smem(int dk) {
+  return size_t(chunk_out_front(state_rows(dk)) + 2 * 2 * kChunk * 72) * sizeof(bf16);
+}
+
+/// One block per (chunk, value head): O = diag(exp(G)) Q S0 + P U from the saved state S0 = H[chunk]
+/// and U, all chunks in parallel, on tensor cores in 3xBF16 from the split operands (q_s [T, Hk,
+/// dkp], H_s [chunks, Hv, dkp, dv8], U_s [T, Hv, dv8], P_s [chunks, Hv, 64, 64]), in passes of 64
+/// value columns (dv <= 128: one or two; Q and P load once). Warp w computes rows 16 (w / 2) .. + 15
+/// x columns 32 (w % 2) .. + 31 of each pass. kNorm: the rows then go through the gated RMSNorm (a
+/// row's sum of squares over its quad, both passes and the warp pair) to norm.y (bf16); otherwise to
+/// o (fp32 [T, Hv, dv]). Where 16-byte copies fit (z, w and y 16-byte aligned, z_stride and dv
+/// multiples of 8) the norm's z and w load into shared memory (cp.async, behind the last product) and
+/// y leaves from there in whole rows; else each thread reads and writes its own in memory.
+template <bool kNorm>
 __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split H_s, Split U_s, Split P_s,
                                                              const float* G_in, const Chunk* chunks, int Hk, int Hv,
-                                                             int dk, int dv, float* o) {
+                                                             int dk, int dv, float* o, GatedNormOut norm) {
   extern __shared__ float4 sm4[];
   constexpr int kOut = 64, ldc = kOut + 8;
   const int dkp = state_rows(dk), dv8 = value_cols(dv), ldq = dkp + 8;
   bf16* Qs = reinterpret_cast<bf16*>(sm4);  // {hi, lo} x [64][ldq]
-  bf16* Ss = Qs + 2 * kChunk * ldq;         // {hi, lo} x [dkp][ldc] state columns c0 .. c0 + 63
-  bf16* Us = Ss + 2 * dkp * ldc;            // {hi, lo} x [64][ldc]
+  bf16* Ss = Qs + 2 * kChunk * ldq;         // {hi, lo} x [dkp][ldc] state columns of the pass
+  bf16* Us = Qs + chunk_out_front(dkp);     // {hi, lo} x [64][ldc]
   bf16* Ps = Us + 2 * kChunk * ldc;         // {hi, lo} x [64][ldc]
-  const int blocks = (dv + kOut - 1) / kOut, chunk = blockIdx.x / blocks;  // a chunk's column blocks in turn
-  const Chunk ch = chunks[chunk];
-  const int h = blockIdx.y, c0 = (blockIdx.x - chunk * blocks) * kOut, kh = h / (Hv / Hk), L = ch.len, tid = threadIdx.x;
-  const int ncol = min(kOut, dv - c0), ncol8 = min(kOut, dv8 - c0);
-  // Two cp.async groups: Q and S0, then U and P, which land while Q S0 is computed. What the products
-  // read past the data is zero.
-  const int64_t H0 = (int64_t(chunk) * Hv + h) * dkp * dv8, P0 = (int64_t(chunk) * Hv + h) * kChunk * kChunk;
+  bf16* Zs = Qs;                            // [64][kZld] z, then w [dv] fp32: after the last Q S0
+  float* Ws = reinterpret_cast<float*>(Zs + kChunk * kZld);
+  const Chunk ch = chunks[blockIdx.x];
+  const int h = blockIdx.y, kh = h / (Hv / Hk), L = ch.len, tid = threadIdx.x, passes = (dv + kOut - 1) / kOut;
+  // cp.async groups: Q and the first S0 columns, then U's and P; later each pass's next S0 (U) columns
+  // load once the pass is done reading S0 (U). What the products read past the data is zero.
+  const int64_t H0 = (int64_t(blockIdx.x) * Hv + h) * dkp * dv8, P0 = (int64_t(blockIdx.x) * Hv + h) * kChunk * kChunk;
+  auto load_state = [&](int p) {
+    load_split_async(Ss, ldc, dkp * ldc, H_s, dv8, H0 + p * kOut, dkp, min(kOut, dv8 - p * kOut), kOut, dkp);
+  };
+  auto load_values = [&](int p) {
+    load_split_async(Us, ldc, kChunk * ldc, U_s, int64_t(Hv) * dv8, (int64_t(ch.start) * Hv + h) * dv8 + p * kOut, L,
+                     min(kOut, dv8 - p * kOut), kOut, kChunk);
+  };
   load_split_async(Qs, ldq, kChunk * ldq, q_s, int64_t(Hk) * dkp, (int64_t(ch.start) * Hk + kh) * dkp, L, dkp, dkp, kChunk);
-  load_split_async(Ss, ldc, dkp * ldc, H_s, dv8, H0 + c0, dkp, ncol8, kOut, dkp);
+  load_state(0);
   mma::cp_async_commit();
-  load_split_async(Us, ldc, kChunk * ldc, U_s, int64_t(Hv) * dv8, (int64_t(ch.start) * Hv + h) * dv8 + c0, L, ncol8, kOut,
-                   kChunk);
+  const bool stage = kNorm && reinterpret_cast<uintptr_t>(norm.z) % 16 == 0 && norm.z_stride % 8 == 0 && dv % 8 == 0 &&
+                     reinterpret_cast<uintptr_t>(norm.w) % 16 == 0 && reinterpret_cast<uintptr_t>(norm.y) % 16 == 0;
+  auto load_norm = [&] {  // z rows of the chunk (zero past L), w
+    const int per_row = dv / 8;
+    for (int e = tid; e < kChunk * per_row; e += kThreads) {
+      const int r = e / per_row, c = 8 * (e - r * per_row);
+      mma::cp_async16(Zs + r * kZld + c, norm.z + (int64_t(ch.start) + min(r, L - 1)) * norm.z_stride + int64_t(h) * dv + c,
+                      r < L);
+    }
+    for (int c = 4 * tid; c < dv; c += 4 * kThreads) mma::cp_async16(Ws + c, norm.w + c, true);
+  };
+  load_values(0);
   load_split_async(Ps, ldc, kChunk * ldc, P_s, kChunk, P0, kChunk, kChunk, kChunk, kChunk);
   mma::cp_async_commit();
   const int lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
   const int mt = 16 * (warp / 2), nc = 32 * (warp % 2);
   const int r0 = mt + g, r1 = r0 + 8;
-  const float G0 = r0 < L ? G_in[int64_t(ch.start + r0) * Hv + h] : 0.f;
-  const float G1 = r1 < L ? G_in[int64_t(ch.start + r1) * Hv + h] : 0.f;
-  mma::cp_async_wait<1>();
-  __syncthreads();
-  float acc[4][4] = {}, lo[4][4] = {};  // the product is acc + lo (mma_3xbf16's small terms in lo)
-  // acc += A B over k < K: A [16 rows from mt][k] row-major (its low part 64 rows on), B [k][32
-  // columns from nc] row-major (its low part b_rows rows on).
-  auto product = [&](const bf16* A, int lda, const bf16* B, int b_rows, int K) {
+  const float e0 = r0 < L ? __expf(G_in[int64_t(ch.start + r0) * Hv + h]) : 0.f;
+  const float e1 = r1 < L ? __expf(G_in[int64_t(ch.start + r1) * Hv + h]) : 0.f;
+  // acc[p] += A B over k < K: A [16 rows from mt][k] row-major (its low part 64 rows on), B [k][32
+  // columns from nc] row-major (its low part b_rows rows on); mma_3xbf16's small terms go to lo.
+  float acc[2][4][4] = {};
+  auto product = [&](float (&out)[4][4], const bf16* A, int lda, const bf16* B, int b_rows, int K) {
+    float lo[4][4] = {};
 #pragma unroll 2
     for (int k0 = 0; k0 < K; k0 += 16)
-      mma::mma_step_3xbf16<2>(acc, lo, A, lda, kChunk * lda, mt, B, ldc, b_rows * ldc, nc, k0, lane);
+      mma::mma_step_3xbf16<2>(out, lo, A, lda, kChunk * lda, mt, B, ldc, b_rows * ldc, nc, k0, lane);
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) out[nt][e] += lo[nt][e];
   };
-  product(Qs, ldq, Ss, dkp, dkp);  // Q S0
-  const float e0 = r0 < L ? __expf(G0) : 0.f, e1 = r1 < L ? __expf(G1) : 0.f;
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt) {
-    acc[nt][0] = e0 * (acc[nt][0] + lo[nt][0]), acc[nt][1] = e0 * (acc[nt][1] + lo[nt][1]);
-    acc[nt][2] = e1 * (acc[nt][2] + lo[nt][2]), acc[nt][3] = e1 * (acc[nt][3] + lo[nt][3]);
+  for (int p = 0; p < 2; ++p) {
+    if (p == passes) break;
+    mma::cp_async_wait<1>();  // Q and this pass's S0
+    __syncthreads();
+    product(acc[p], Qs, ldq, Ss, dkp, dkp);  // Q S0
 #pragma unroll
-    for (int e = 0; e < 4; ++e) lo[nt][e] = 0.f;
+    for (int nt = 0; nt < 4; ++nt) {
+      acc[p][nt][0] *= e0, acc[p][nt][1] *= e0;
+      acc[p][nt][2] *= e1, acc[p][nt][3] *= e1;
+    }
+    __syncthreads();  // every warp is done with S0 (and, after the last pass's, with Q)
+    if (p + 1 < passes)
+      load_state(p + 1);
+    else if (stage)
+      load_norm();
+    mma::cp_async_commit();
+    mma::cp_async_wait<1>();  // this pass's U (and P)
+    __syncthreads();
+    product(acc[p], Ps, ldc, Us, kChunk, min((L + 15) / 16 * 16, mt + 16));  // + P U (P lower triangular; U's rows past L zero)
+    __syncthreads();  // every warp is done with U
+    if (p + 1 < passes) load_values(p + 1);
+    mma::cp_async_commit();
   }
-  mma::cp_async_wait<0>();
-  __syncthreads();
-  product(Ps, ldc, Us, kChunk, min((L + 15) / 16 * 16, mt + 16));  // + P U (P is lower triangular; U's rows past L zero)
+  if constexpr (kNorm) {
+    // Rows r0 and r1: sums of squares over this lane's columns, its quad, then the warp pair.
+    float ss[2] = {0.f, 0.f};
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt) {
+    for (int p = 0; p < 2; ++p)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc[nt][e] += lo[nt][e];
-    const int col = nc + 8 * nt + 2 * t;
-    if (col >= ncol) continue;  // ncol and col are even
-    if (r0 < L) *reinterpret_cast<float2*>(o + (int64_t(ch.start + r0) * Hv + h) * dv + c0 + col) = make_float2(acc[nt][0], acc[nt][1]);
-    if (r1 < L) *reinterpret_cast<float2*>(o + (int64_t(ch.start + r1) * Hv + h) * dv + c0 + col) = make_float2(acc[nt][2], acc[nt][3]);
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ss[e / 2] += acc[p][nt][e] * acc[p][nt][e];  // zero past dv and in pass passes
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      ss[i] += __shfl_xor_sync(0xffffffffu, ss[i], 1);
+      ss[i] += __shfl_xor_sync(0xffffffffu, ss[i], 2);
+    }
+    float* rows = reinterpret_cast<float*>(Ps);  // [2][64]: each warp half's row sums (P is read)
+    if (t == 0) rows[64 * (warp % 2) + r0] = ss[0], rows[64 * (warp % 2) + r1] = ss[1];
+    mma::cp_async_wait<0>();  // z and w (staged)
+    __syncthreads();
+    const float s0 = rsqrtf((rows[r0] + rows[64 + r0]) / float(dv) + norm.eps);
+    const float s1 = rsqrtf((rows[r1] + rows[64 + r1]) / float(dv) + norm.eps);
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int col = kOut * p + nc + 8 * nt + 2 * t;
+        if (p == passes || col >= dv) continue;  // dv and col are even
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = half ? r1 : r0;
+          if (r >= L) continue;
+          const int64_t tok = ch.start + r;
+          float2 z, w;
+          if (stage) {
+            z = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Zs + r * kZld + col));
+            w = *reinterpret_cast<const float2*>(Ws + col);
+          } else {
+            const bf16* zg = norm.z + tok * norm.z_stride + int64_t(h) * dv + col;
+            z = make_float2(__bfloat162float(zg[0]), __bfloat162float(zg[1]));
+            w = make_float2(norm.w[col], norm.w[col + 1]);
+          }
+          const float s = half ? s1 : s0;
+          const __nv_bfloat162 y =
+              __floats2bfloat162_rn(gated_norm(w.x, acc[p][nt][2 * half], s, z.x), gated_norm(w.y, acc[p][nt][2 * half + 1], s, z.y));
+          // Staged: over its own z, for whole-row stores below (bf16 pairs from fragments would leave
+          // half-written sectors behind, which DRAM then reads back to complete).
+          *reinterpret_cast<__nv_bfloat162*>(stage ? Zs + r * kZld + col : norm.y + (tok * Hv + h) * dv + col) = y;
+        }
+      }
+    if (stage) {
+      __syncthreads();
+      const int per_row = dv / 8;
+      for (int e = tid; e < kChunk * per_row; e += kThreads) {
+        const int r = e / per_row, c = 8 * (e - r * per_row);
+        if (r < L)
+          *reinterpret_cast<uint4*>(norm.y + ((int64_t(ch.start) + r) * Hv + h) * dv + c) =
+              *reinterpret_cast<const uint4*>(Zs + r * kZld + c);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int col = kOut * p + nc + 8 * nt + 2 * t;
+        if (p == passes || col >= dv) continue;  // dv and col are even
+        if (r0 < L)
+          *reinterpret_cast<float2*>(o + (int64_t(ch.start + r0) * Hv + h) * dv + col) = make_float2(acc[p][nt][0], acc[p][nt][1]);
+        if (r1 < L)
+          *reinterpret_cast<float2*>(o + (int64_t(ch.start + r1) * Hv + h) * dv + col) = make_float2(acc[p][nt][2], acc[p][nt][3]);
+      }
   }
 }
-
-/// One output of the gated RMSNorm: w x s silu(z), s = rsqrt(mean(x^2) + eps) of the row.
-__device__ __forceinline__ float gated_norm(float w, float x, float s, float z) { return w * (x * s) * silu(z); }
 
 /// Row r's z (row r = token r / heads, head r % heads): token rows z_stride apart.
 __device__ __forceinline__ const bf16* z_row(const bf16* z, int64_t r, int heads, int64_t z_stride, int n) {
@@ -994,32 +1133,46 @@ std::vector<int32_t> sequence_starts(const std::vector<int64_t>& cu) {
 }
 
 void causal_conv1d_silu(const bf16* x, int64_t x_stride, const float* w, const int32_t* row_start, int64_t T,
-                        int64_t C, int K, float* y, cudaStream_t stream) {
+                        int64_t C, int K, float* y, cudaStream_t stream, const ConvQkNorm* qk) {
   if (K < 1 || K > 8 || C <= 0 || T < 0 || x_stride < C)
     throw std::invalid_argument("causal_conv1d_silu: kernel size " + std::to_string(K) + " (1..8), channels " +
                                 std::to_string(C) + ", input row stride " + std::to_string(x_stride) +
                                 " (>= channels)");
+  if (qk && (qk->Hk <= 0 || qk->dk <= 0 || qk->dk > 256 || 2 * int64_t(qk->Hk) * qk->dk > C || !qk->q || !qk->k))
+    throw std::invalid_argument("causal_conv1d_silu: query / key norm over " + std::to_string(qk->Hk) +
+                                " heads of " + std::to_string(qk->dk) + " (dk <= 256; 2 Hk dk <= " +
+                                std::to_string(C) + " channels; q and k given)");
   if (T == 0) return;
-  // Four channels per thread (8-byte loads, 16-byte stores) where the layout allows.
+  // Four channels per thread (8-byte loads, 16-byte stores) where the layout allows; the l2norm in the
+  // same kernel where a head is an aligned group of lanes.
   const bool vec4 = C % 4 == 0 && x_stride % 4 == 0 && aligned_to(8, x) && aligned_to(16, y);
+  const bool fused = qk && vec4 && qk->dk % 4 == 0 && qk->dk <= 128 && (qk->dk & (qk->dk - 1)) == 0 &&
+                     aligned_to(16, qk->q, qk->k);
   const int64_t per_block = vec4 ? 1024 : 256;
   if ((C + per_block - 1) / per_block > 65535)
     throw std::invalid_argument("causal_conv1d_silu: " + std::to_string(C) + " channels");
   const dim3 grid(unsigned((T + kConvRun - 1) / kConvRun), unsigned((C + per_block - 1) / per_block));
-  auto launch = [&](auto kernel) { kernel<<<grid, 256, 0, stream>>>(x, x_stride, w, row_start, T, C, y); };
+  const ConvQkNorm norm = fused ? *qk : ConvQkNorm{};
+  auto launch = [&](auto kernel) { kernel<<<grid, 256, 0, stream>>>(x, x_stride, w, row_start, T, C, y, norm); };
   switch (K) {
 #define DFLASH_CONV_CASE(k)                   \
   case k:                                     \
-    if (vec4)                                 \
-      launch(conv1d_silu_kernel<k, 4>);       \
+    if (fused)                                \
+      launch(conv1d_silu_kernel<k, 4, true>); \
+    else if (vec4)                            \
+      launch(conv1d_silu_kernel<k, 4, false>); \
     else                                      \
-      launch(conv1d_silu_kernel<k, 1>);       \
+      launch(conv1d_silu_kernel<k, 1, false>); \
     break;
     DFLASH_CONV_CASE(1) DFLASH_CONV_CASE(2) DFLASH_CONV_CASE(3) DFLASH_CONV_CASE(4)
     DFLASH_CONV_CASE(5) DFLASH_CONV_CASE(6) DFLASH_CONV_CASE(7) DFLASH_CONV_CASE(8)
 #undef DFLASH_CONV_CASE
   }
   DFLASH_CUDA_CHECK_LAUNCH();
+  if (qk && !fused) {
+    qk_l2norm_kernel<<<unsigned(T), 256, 0, stream>>>(y, C, *qk);
+    DFLASH_CUDA_CHECK_LAUNCH();
+  }
 }
 
 void gdn_prepare(const float* qkv, const bf16* b, const bf16* a, int64_t ba_stride, const float* A_log,
@@ -1029,6 +1182,8 @@ void gdn_prepare(const float* qkv, const bf16* b, const bf16* a, int64_t ba_stri
     throw std::invalid_argument("gdn_prepare: Hk " + std::to_string(Hk) + ", Hv " + std::to_string(Hv) + ", dk " +
                                 std::to_string(dk) + " (<= 256), dv " + std::to_string(dv) + ", b / a row stride " +
                                 std::to_string(ba_stride) + " (>= Hv)");
+  if (!q != !k)
+    throw std::invalid_argument("gdn_prepare: q and k are written together (both given or both null)");
   if (T == 0) return;
   gdn_prepare_kernel<<<unsigned(T), 256, 0, stream>>>(qkv, b, a, ba_stride, A_log, dt_bias, Hk, Hv, dk, dv, scale, q, k,
                                                       v, g, beta);
@@ -1066,7 +1221,7 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
 void gated_delta_rule_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta,
                               const GdnChunkPlan& plan, int Hk, int Hv, int dk, int dv, const float* init,
                               float* final_state, float* o, cudaStream_t stream, size_t shared_limit,
-                              int64_t v_row_stride) {
+                              int64_t v_row_stride, const GatedNormOut* norm) {
   if (Hk <= 0 || Hv <= 0 || Hv % Hk != 0 || dk <= 0 || dk > 128 || dv <= 0 || dv > 128 || dk % 4 || dv % 4)
     throw std::invalid_argument("gated_delta_rule_chunked: Hk " + std::to_string(Hk) + ", Hv " + std::to_string(Hv) +
                                 ", dk " + std::to_string(dk) + ", dv " + std::to_string(dv) +
@@ -1076,6 +1231,10 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
     throw std::invalid_argument("gated_delta_rule_chunked: v row stride " + std::to_string(v_row_stride) +
                                 " (>= Hv dv = " + std::to_string(int64_t(Hv) * dv) +
                                 ", a multiple of 4, v 16-byte aligned)");
+  if (norm && (!norm->z || !norm->w || !norm->y || norm->z_stride < int64_t(Hv) * dv))
+    throw std::invalid_argument("gated_delta_rule_chunked: the gated RMSNorm needs z, w and y, and a z row stride " +
+                                std::to_string(norm ? norm->z_stride : 0) + " >= Hv dv = " +
+                                std::to_string(int64_t(Hv) * dv));
   const int nseq = plan.nseq;
   const int64_t T = plan.T, nch = plan.count;
   const Chunk* d_chunks = plan.chunks.data();
@@ -1136,10 +1295,15 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   if (!nch) return;
   // The outputs, every chunk in parallel.
   const size_t smem_out = chunk_out_smem(dk);
-  allow_shared_memory(chunk_out_kernel, smem_out, "chunk_out");
-  // The column blocks of a (chunk, head) run next to each other: the second reads Q and P from L2.
-  chunk_out_kernel<<<dim3(unsigned(nch * ((dv + 63) / 64)), unsigned(Hv)), kThreads, smem_out, stream>>>(
-      q_s.get(), H_s.get(), U_s.get(), P_s.get(), G.data(), d_chunks, Hk, Hv, dk, dv, o);
+  auto launch_out = [&](auto kernel) {
+    allow_shared_memory(kernel, smem_out, "chunk_out");
+    kernel<<<dim3(unsigned(nch), unsigned(Hv)), kThreads, smem_out, stream>>>(
+        q_s.get(), H_s.get(), U_s.get(), P_s.get(), G.data(), d_chunks, Hk, Hv, dk, dv, o, norm ? *norm : GatedNormOut{});
+  };
+  if (norm)
+    launch_out(chunk_out_kernel<true>);
+  else
+    launch_out(chunk_out_kernel<false>);
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 

@@ -19,13 +19,27 @@ namespace dflash::cuda {
 /// per-sequence zero padding needs.
 std::vector<int32_t> sequence_starts(const std::vector<int64_t>& cu_seqlens);
 
+/// gdn_prepare's query / key step, done by causal_conv1d_silu on its output when given: channels
+/// [0, Hk dk) are Hk query heads of dk, [Hk dk, 2 Hk dk) the key heads; each head's row becomes
+/// l2norm(x) (times q_scale for the queries) in q / k [T, Hk, dk] fp32 (as gdn_prepare writes them),
+/// and y's first 2 Hk dk columns are left unwritten.
+struct ConvQkNorm {
+  int Hk = 0, dk = 0;
+  float q_scale = 1.f;
+  float* q = nullptr;
+  float* k = nullptr;
+};
+
 /// Causal depthwise conv1d + SiLU over packed sequences, zero left padding per sequence:
 /// y[t, c] = silu(sum_{j<K} w[c, j] * x[t - K + 1 + j, c]) where rows before row_start[t] count as
 /// zero, in fp32. x: the first C columns of [T, x_stride] bf16 (in_proj's output, read in place),
-/// w [C, K] fp32 (K <= 8), row_start [T] int32 (device) -> y [T, C] fp32. Throws
-/// std::invalid_argument for K outside 1..8 or x_stride < C.
+/// w [C, K] fp32 (K <= 8), row_start [T] int32 (device) -> y [T, C] fp32. With qk (2 Hk dk <= C) the
+/// queries and keys are normalized in the same kernel where a head is an aligned group of 1..32 lanes
+/// of four channels (dk 4, 8, .., 128; C and x_stride multiples of 4, x 8-byte, y, q, k 16-byte
+/// aligned), else by a second one. Throws std::invalid_argument for K outside 1..8, x_stride < C or
+/// bad qk sizes.
 void causal_conv1d_silu(const bf16* x, int64_t x_stride, const float* w, const int32_t* row_start, int64_t T,
-                        int64_t C, int K, float* y, cudaStream_t stream);
+                        int64_t C, int K, float* y, cudaStream_t stream, const ConvQkNorm* qk = nullptr);
 
 /// The recurrence's inputs from a GatedDeltaNet layer's projections, per row t:
 ///   q = scale * l2norm(qkv[t, q part]), k = l2norm(qkv[t, k part])   [T, Hk, dk] fp32
@@ -34,7 +48,8 @@ void causal_conv1d_silu(const bf16* x, int64_t x_stride, const float* w, const i
 /// qkv [T, 2*Hk*dk + Hv*dv] fp32 (q | k | v, the conv1d output); b and a bf16, token t's Hv values at
 /// b + t ba_stride and a + t ba_stride (in_proj's output, read in place; ba_stride >= Hv); A_log and
 /// dt_bias [Hv] fp32. l2norm(x) = x / sqrt(sum x^2 + 1e-6) in fp32. dk <= 256. v may be null (not
-/// written): gated_delta_rule_chunked reads the values in place from qkv with v_row_stride.
+/// written): gated_delta_rule_chunked reads the values in place from qkv with v_row_stride; q and k
+/// may be null together (not written: causal_conv1d_silu made them, ConvQkNorm).
 /// Throws std::invalid_argument for bad head counts or dims.
 void gdn_prepare(const float* qkv, const bf16* b, const bf16* a, int64_t ba_stride, const float* A_log,
                  const float* dt_bias, int64_t T, int Hk, int Hv, int dk, int dv, float scale, float* q, float* k,
@@ -57,6 +72,17 @@ struct GdnChunkPlan {
   StreamBuffer<int32_t> first;    // [nseq + 1]: sequence s owns chunks first[s] .. first[s + 1] - 1
 };
 
+/// The gated RMSNorm (as gated_rms_norm, n = dv) gated_delta_rule_chunked can apply to its output
+/// rows before they leave the kernel: y [T, Hv, dv] bf16 instead of o. z bf16, token t's Hv x dv
+/// values at z + t z_stride (z_stride >= Hv dv); w [dv] fp32.
+struct GatedNormOut {
+  const bf16* z = nullptr;
+  int64_t z_stride = 0;
+  const float* w = nullptr;
+  float eps = 0.f;
+  bf16* y = nullptr;
+};
+
 /// Gated delta rule forward over packed sequences (cu_seqlens, host [n + 1]), in chunks of 64 tokens
 /// (the WY / UT form of flash-linear-attention's chunk_gated_delta_rule; fp32 values and state, the
 /// matrix products in 3xBF16 on tensor cores: the output is ~7e-6 (relative L2) from the fp32
@@ -75,11 +101,12 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
 /// 32; A100 offers 163 KB) its SIMT form runs. Throws
 /// std::runtime_error when even that does not fit. v_row_stride (floats, 0: Hv dv): token t's values
 /// at v + t v_row_stride, e.g. the v part of the conv1d output read in place (a multiple of 4, v
-/// 16-byte aligned; std::invalid_argument otherwise).
+/// 16-byte aligned; std::invalid_argument otherwise). With `norm` the output rows go through its
+/// gated RMSNorm to norm->y and o is not written (it may be null): the layer's o never goes to memory.
 void gated_delta_rule_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta,
                               const GdnChunkPlan& plan, int Hk, int Hv, int dk, int dv, const float* initial_state,
                               float* final_state, float* o, cudaStream_t stream, size_t shared_limit = 0,
-                              int64_t v_row_stride = 0);
+                              int64_t v_row_stride = 0, const GatedNormOut* norm = nullptr);
 
 // ---- Decoding and speculative verification (src/ops/cuda/gated_delta_decode.cu) ----
 // Per sequence s of a cached batch: window [n_seq, K-1, C] holds the last K-1 conv inputs before the
