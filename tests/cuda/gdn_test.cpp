@@ -213,16 +213,18 @@ TEST(CudaGdn, PrepareMatchesTheReference) {
 }
 
 namespace {
-constexpr int kNormOff = 0, kNormStaged = 1, kNormDirect = 2;  // check_chunked's fused gated RMSNorm
+// check_chunked's fused gated RMSNorm: z 16-byte aligned rows, at an odd offset, or 16-byte aligned
+// with a row stride of 4 mod 8.
+constexpr int kNormOff = 0, kNormStaged = 1, kNormDirect = 2, kNormStride4 = 3;
 
 /// One chunked-vs-recurrent comparison: random normalized q / k, v, g = -20 u^4 (u uniform:
 /// mostly mild decays, some down to -20; with `mild`, g = -0.05 u, so that tokens a whole chunk apart
 /// still interact), beta uniform in [0, 1], an optional random initial state.
 /// With v_pad > 0 the values sit in rows of Hv dv + v_pad floats (v_row_stride; the rest NaN). With
 /// `norm` the output goes through the fused gated RMSNorm (random w; random z read from wider rows,
-/// kNormStaged: 16-byte aligned rows, which chunk_out stages in shared memory, kNormDirect: rows at
-/// an odd offset and stride, read by each thread) and is checked against cpu::gated_rms_norm of the
-/// recurrence's output.
+/// kNormStaged: 16-byte aligned rows, which chunk_out stages in shared memory where dv % 8 == 0;
+/// kNormDirect, kNormStride4: rows at an odd offset, or aligned with a stride of 4 mod 8, read by each
+/// thread) and is checked against cpu::gated_rms_norm of the recurrence's output.
 void check_chunked(const std::vector<int64_t>& lens, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, bool init,
                    uint64_t seed, bool recurrent = false, size_t shared_limit = 0, bool mild = false,
                    int64_t v_pad = 0, int norm = kNormOff) {
@@ -253,7 +255,7 @@ void check_chunked(const std::vector<int64_t>& lens, int64_t Hk, int64_t Hv, int
     cuda::gated_delta_rule_recurrent(dq.data(), dk_.data(), dv_.data(), dg.data(), db.data(), cu, int(Hk), int(Hv),
                                      int(dk), int(dv), ds0.data(), tokens.data(), o.data(), nullptr);
   } else if (norm != kNormOff) {  // z in wider rows, columns before and after, as in in_proj's output
-    const int64_t z_off = norm == kNormStaged ? 8 : 3, z_stride = Hv * dv + 2 * z_off;
+    const int64_t z_off = norm == kNormDirect ? 3 : 8, z_stride = Hv * dv + 2 * z_off + (norm == kNormStride4 ? 4 : 0);
     Tensor z({T, Hv, dv}), w({dv});
     z.data = test::rand_bf16_values(z.data.size(), rng);
     w.data = test::rand_bf16_values(w.data.size(), rng);
@@ -263,7 +265,7 @@ void check_chunked(const std::vector<int64_t>& lens, int64_t Hk, int64_t Hv, int
     const cuda::GatedNormOut out{dz.data() + z_off, z_stride, dw.data(), 1e-6f, y.data()};
     cuda::gated_delta_rule_chunked(dq.data(), dk_.data(), dv_.data(), dg.data(), db.data(), cuda::GdnChunkPlan(cu, nullptr),
                                    int(Hk), int(Hv), int(dk), int(dv), init ? ds0.data() : nullptr, fs.data(), nullptr,
-                                   nullptr, 0, 0, &out);
+                                   nullptr, shared_limit, 0, &out);
     Tensor want_y = want;
     cpu::gated_rms_norm(want_y, z, w, 1e-6);
     const std::vector<float> got_y = test::to_host_f32(y, nullptr);
@@ -271,10 +273,12 @@ void check_chunked(const std::vector<int64_t>& lens, int64_t Hk, int64_t Hv, int
     EXPECT_LE(test::rel_l2(got_y, want_y.data), kTolBf16Out) << "gated RMSNorm output, T " << T << " dv " << dv;
     EXPECT_LE(test::rel_l2(host_f32(fs), want_state.data), kTolChunked) << "final state, T " << T << " dv " << dv;
     const cuda::GatedNormOut narrow{dz.data() + z_off, Hv * dv - 1, dw.data(), 1e-6f, y.data()};
-    EXPECT_THROW(cuda::gated_delta_rule_chunked(dq.data(), dk_.data(), dv_.data(), dg.data(), db.data(),
-                                                cuda::GdnChunkPlan(cu, nullptr), int(Hk), int(Hv), int(dk), int(dv),
-                                                nullptr, nullptr, nullptr, nullptr, 0, 0, &narrow),
-                 std::invalid_argument);  // z rows overlapping
+    const cuda::GatedNormOut odd_y{dz.data() + z_off, z_stride, dw.data(), 1e-6f, y.data() + 1};
+    for (const cuda::GatedNormOut* bad : {&narrow, &odd_y})  // z rows overlapping; y not 4-byte aligned
+      EXPECT_THROW(cuda::gated_delta_rule_chunked(dq.data(), dk_.data(), dv_.data(), dg.data(), db.data(),
+                                                  cuda::GdnChunkPlan(cu, nullptr), int(Hk), int(Hv), int(dk), int(dv),
+                                                  nullptr, nullptr, nullptr, nullptr, 0, 0, bad),
+                   std::invalid_argument);
     return;
   } else if (v_pad) {
     const int64_t stride = Hv * dv + v_pad;
@@ -348,12 +352,16 @@ TEST(CudaGdn, ChunkedWithTheGatedNormMatchesTheReference) {
   if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
   uint64_t seed = 40;
   for (int norm : {kNormStaged, kNormDirect}) {
-    check_chunked({3, 64, 1, 65, 130}, 2, 4, 24, 40, true, ++seed, false, 0, false, 0, norm);  // one pass of columns
+    check_chunked({3, 64, 1, 0, 65, 130}, 2, 4, 24, 40, true, ++seed, false, 0, false, 0, norm);  // one pass; an empty sequence
     check_chunked({200, 63}, 16, 48, 128, 128, true, ++seed, false, 0, false, 0, norm);       // the real head dims
     check_chunked({130}, 1, 2, 32, 104, false, ++seed, false, 0, true, 0, norm);  // a partial second pass, mild decays
     check_chunked({70}, 1, 3, 8, 72, true, ++seed, false, 0, false, 0, norm);     // a second pass of 8 columns, tiny dk
   }
-  check_chunked({70}, 1, 3, 8, 68, true, ++seed, false, 0, false, 0, kNormDirect);  // dv % 8 != 0: never staged
+  // Each staging condition alone: dv % 8 != 0 (z aligned), a z row stride of 4 mod 8.
+  check_chunked({70}, 1, 2, 8, 68, true, ++seed, false, 0, false, 0, kNormStaged);
+  check_chunked({70, 9}, 1, 2, 32, 64, true, ++seed, false, 0, false, 0, kNormStride4);
+  // The SIMT chunk_state (its zeroed padding columns of H and U enter the row sums; dv 68 pads to 72).
+  check_chunked({3, 64, 130}, 2, 4, 24, 68, true, ++seed, false, 48 * 1024, false, 0, kNormDirect);
   EXPECT_THROW(cuda::gated_delta_rule_chunked(nullptr, nullptr, nullptr, nullptr, nullptr, {0, 1}, 2, 3, 32, 32, nullptr,
                                               nullptr, nullptr, nullptr),
                std::invalid_argument);  // Hv % Hk != 0

@@ -1231,9 +1231,9 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
     throw std::invalid_argument("gated_delta_rule_chunked: v row stride " + std::to_string(v_row_stride) +
                                 " (>= Hv dv = " + std::to_string(int64_t(Hv) * dv) +
                                 ", a multiple of 4, v 16-byte aligned)");
-  if (norm && (!norm->z || !norm->w || !norm->y || norm->z_stride < int64_t(Hv) * dv))
-    throw std::invalid_argument("gated_delta_rule_chunked: the gated RMSNorm needs z, w and y, and a z row stride " +
-                                std::to_string(norm ? norm->z_stride : 0) + " >= Hv dv = " +
+  if (norm && (!norm->z || !norm->w || !norm->y || !aligned_to(4, norm->y) || norm->z_stride < int64_t(Hv) * dv))
+    throw std::invalid_argument("gated_delta_rule_chunked: the gated RMSNorm needs z, w and y (4-byte aligned), and a "
+                                "z row stride " + std::to_string(norm ? norm->z_stride : 0) + " >= Hv dv = " +
                                 std::to_string(int64_t(Hv) * dv));
   const int nseq = plan.nseq;
   const int64_t T = plan.T, nch = plan.count;

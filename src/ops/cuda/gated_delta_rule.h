@@ -21,8 +21,8 @@ std::vector<int32_t> sequence_starts(const std::vector<int64_t>& cu_seqlens);
 
 /// gdn_prepare's query / key step, done by causal_conv1d_silu on its output when given: channels
 /// [0, Hk dk) are Hk query heads of dk, [Hk dk, 2 Hk dk) the key heads; each head's row becomes
-/// l2norm(x) (times q_scale for the queries) in q / k [T, Hk, dk] fp32 (as gdn_prepare writes them),
-/// and y's first 2 Hk dk columns are left unwritten.
+/// l2norm(x) (times q_scale for the queries) in q / k [T, Hk, dk] fp32 (as gdn_prepare writes them);
+/// y's first 2 Hk dk columns are then undefined (the fused path leaves them unwritten).
 struct ConvQkNorm {
   int Hk = 0, dk = 0;
   float q_scale = 1.f;
@@ -35,8 +35,8 @@ struct ConvQkNorm {
 /// zero, in fp32. x: the first C columns of [T, x_stride] bf16 (in_proj's output, read in place),
 /// w [C, K] fp32 (K <= 8), row_start [T] int32 (device) -> y [T, C] fp32. With qk (2 Hk dk <= C) the
 /// queries and keys are normalized in the same kernel where a head is an aligned group of 1..32 lanes
-/// of four channels (dk 4, 8, .., 128; C and x_stride multiples of 4, x 8-byte, y, q, k 16-byte
-/// aligned), else by a second one. Throws std::invalid_argument for K outside 1..8, x_stride < C or
+/// of four channels (dk a power of two, 4..128; C and x_stride multiples of 4, x 8-byte, y, q, k
+/// 16-byte aligned), else by a second one. Throws std::invalid_argument for K outside 1..8, x_stride < C or
 /// bad qk sizes.
 void causal_conv1d_silu(const bf16* x, int64_t x_stride, const float* w, const int32_t* row_start, int64_t T,
                         int64_t C, int K, float* y, cudaStream_t stream, const ConvQkNorm* qk = nullptr);
@@ -74,7 +74,7 @@ struct GdnChunkPlan {
 
 /// The gated RMSNorm (as gated_rms_norm, n = dv) gated_delta_rule_chunked can apply to its output
 /// rows before they leave the kernel: y [T, Hv, dv] bf16 instead of o. z bf16, token t's Hv x dv
-/// values at z + t z_stride (z_stride >= Hv dv); w [dv] fp32.
+/// values at z + t z_stride (z_stride >= Hv dv); w [dv] fp32; y 4-byte aligned (bf16 pairs).
 struct GatedNormOut {
   const bf16* z = nullptr;
   int64_t z_stride = 0;
