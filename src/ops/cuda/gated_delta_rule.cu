@@ -957,6 +957,16 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split
     if (p + 1 < passes) load_values(p + 1);
     mma::cp_async_commit();
   }
+  // f(acc fragment, column) for each of this lane's column pairs (col < dv) of every pass.
+  auto each_pair = [&](auto f) {
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int col = kOut * p + nc + 8 * nt + 2 * t;
+        if (p < passes && col < dv) f(acc[p][nt], col);  // dv and col are even
+      }
+  };
   if constexpr (kNorm) {
     // Rows r0 and r1: sums of squares over this lane's columns, its quad, then the warp pair.
     float ss[2] = {0.f, 0.f};
@@ -977,34 +987,29 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split
     __syncthreads();
     const float s0 = rsqrtf((rows[r0] + rows[64 + r0]) / float(dv) + norm.eps);
     const float s1 = rsqrtf((rows[r1] + rows[64 + r1]) / float(dv) + norm.eps);
+    each_pair([&](const float(&a)[4], int col) {
 #pragma unroll
-    for (int p = 0; p < 2; ++p)
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const int col = kOut * p + nc + 8 * nt + 2 * t;
-        if (p == passes || col >= dv) continue;  // dv and col are even
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = half ? r1 : r0;
-          if (r >= L) continue;
-          const int64_t tok = ch.start + r;
-          float2 z, w;
-          if (stage) {
-            z = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Zs + r * kZld + col));
-            w = *reinterpret_cast<const float2*>(Ws + col);
-          } else {
-            const bf16* zg = norm.z + tok * norm.z_stride + int64_t(h) * dv + col;
-            z = make_float2(__bfloat162float(zg[0]), __bfloat162float(zg[1]));
-            w = make_float2(norm.w[col], norm.w[col + 1]);
-          }
-          const float s = half ? s1 : s0;
-          const __nv_bfloat162 y =
-              __floats2bfloat162_rn(gated_norm(w.x, acc[p][nt][2 * half], s, z.x), gated_norm(w.y, acc[p][nt][2 * half + 1], s, z.y));
-          // Staged: over its own z, for whole-row stores below (bf16 pairs from fragments would leave
-          // half-written sectors behind, which DRAM then reads back to complete).
-          *reinterpret_cast<__nv_bfloat162*>(stage ? Zs + r * kZld + col : norm.y + (tok * Hv + h) * dv + col) = y;
+      for (int half = 0; half < 2; ++half) {
+        const int r = half ? r1 : r0;
+        if (r >= L) continue;
+        const int64_t tok = ch.start + r;
+        float2 z, w;
+        if (stage) {
+          z = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Zs + r * kZld + col));
+          w = *reinterpret_cast<const float2*>(Ws + col);
+        } else {
+          const bf16* zg = norm.z + tok * norm.z_stride + int64_t(h) * dv + col;
+          z = make_float2(__bfloat162float(zg[0]), __bfloat162float(zg[1]));
+          w = make_float2(norm.w[col], norm.w[col + 1]);
         }
+        const float s = half ? s1 : s0;
+        const __nv_bfloat162 y = __floats2bfloat162_rn(gated_norm(w.x, a[2 * half], s, z.x),
+                                                       gated_norm(w.y, a[2 * half + 1], s, z.y));
+        // Staged: over its own z, for the whole-row 16-byte stores below (measured faster than bf16
+        // pairs stored from the fragments).
+        *reinterpret_cast<__nv_bfloat162*>(stage ? Zs + r * kZld + col : norm.y + (tok * Hv + h) * dv + col) = y;
       }
+    });
     if (stage) {
       __syncthreads();
       const int per_row = dv / 8;
@@ -1016,17 +1021,10 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split
       }
     }
   } else {
-#pragma unroll
-    for (int p = 0; p < 2; ++p)
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const int col = kOut * p + nc + 8 * nt + 2 * t;
-        if (p == passes || col >= dv) continue;  // dv and col are even
-        if (r0 < L)
-          *reinterpret_cast<float2*>(o + (int64_t(ch.start + r0) * Hv + h) * dv + col) = make_float2(acc[p][nt][0], acc[p][nt][1]);
-        if (r1 < L)
-          *reinterpret_cast<float2*>(o + (int64_t(ch.start + r1) * Hv + h) * dv + col) = make_float2(acc[p][nt][2], acc[p][nt][3]);
-      }
+    each_pair([&](const float(&a)[4], int col) {
+      if (r0 < L) *reinterpret_cast<float2*>(o + (int64_t(ch.start + r0) * Hv + h) * dv + col) = make_float2(a[0], a[1]);
+      if (r1 < L) *reinterpret_cast<float2*>(o + (int64_t(ch.start + r1) * Hv + h) * dv + col) = make_float2(a[2], a[3]);
+    });
   }
 }
 
