@@ -282,8 +282,8 @@ std::vector<KernelChoice> layer_kernels(const ModelSpec& s, int64_t layer) {
                             " bf16, fp32 softmax)" +
                             (s.attn_output_gate() ? " + sigmoid output gate" : "") + " + cuBLASLt bf16 GEMMs"
                       : std::string("cuBLASLt bf16 GEMMs (in_proj_qkv|z|b|a as one) + cuda::causal_conv1d_silu + "
-                                    "gated_delta_rule_chunked (chunk 64, WY/UT form, fp32 state; the gated RMSNorm fused into its "
-                                    "output)")) +
+                                    "gated_delta_rule_chunked (chunk 64, WY/UT form, fp32 state; the gated RMSNorm "
+                                    "fused into its output)")) +
                      (moe ? "; experts: cuda::moe_route (on-device top-k) + grouped_gemm (mma.sync bf16, no host sync)"
                           : ""),
                  ""});

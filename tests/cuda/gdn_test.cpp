@@ -103,8 +103,8 @@ TEST(CudaGdn, Conv1dSiluWithQueryKeyNormMatchesTheReference) {
   struct Case {
     int64_t Hk, dk, Hv, dv, pad;
   };
-  for (const Case& cs : {Case{16, 128, 48, 128, 6240}, Case{1, 128, 3, 36, 8}, Case{2, 8, 4, 12, 4}, Case{3, 4, 2, 8, 0},
-                         Case{2, 12, 3, 16, 4}, Case{2, 16, 3, 12, 2}}) {
+  for (const Case& cs : {Case{16, 128, 48, 128, 6240}, Case{1, 128, 3, 36, 8}, Case{2, 8, 4, 12, 4},
+                         Case{3, 4, 2, 8, 0}, Case{2, 12, 3, 16, 4}, Case{2, 16, 3, 12, 2}}) {
     const std::vector<int64_t> cu = cu_of({1, 63, 64, 3, 65, 127});
     const int64_t T = cu.back(), C = 2 * cs.Hk * cs.dk + cs.Hv * cs.dv, stride = C + cs.pad, K = 4, qc = cs.Hk * cs.dk;
     const float scale = 1.f / std::sqrt(float(cs.dk));
@@ -131,7 +131,8 @@ TEST(CudaGdn, Conv1dSiluWithQueryKeyNormMatchesTheReference) {
     cuda::causal_conv1d_silu(dx.data(), stride, dw.data(), starts.data(), T, C, int(K), y.data(), nullptr, &qk);
     const std::vector<float> all = host_f32(y);
     for (int64_t t = 0; t < T; ++t) got_v.insert(got_v.end(), all.begin() + t * C + 2 * qc, all.begin() + (t + 1) * C);
-    const std::string what = "Hk " + std::to_string(cs.Hk) + " dk " + std::to_string(cs.dk) + " pad " + std::to_string(cs.pad);
+    const std::string what =
+        "Hk " + std::to_string(cs.Hk) + " dk " + std::to_string(cs.dk) + " pad " + std::to_string(cs.pad);
     const std::vector<float> gq = host_f32(q), gk = host_f32(k);
     ASSERT_TRUE(test::all_finite(gq) && test::all_finite(gk) && test::all_finite(got_v)) << what;
     EXPECT_LE(test::rel_l2(gq, want_q), kTolF32) << what;
@@ -203,7 +204,8 @@ TEST(CudaGdn, PrepareMatchesTheReference) {
     EXPECT_EQ(host_f32(g3), host_f32(g));
     EXPECT_EQ(host_f32(beta3), host_f32(beta));
     EXPECT_THROW(cuda::gdn_prepare(d_qkv.data(), d_b, d_a, ba_stride, d_A.data(), d_dt.data(), T, int(Hk), int(Hv),
-                                   int(dk), int(dv), scale, q2.data(), nullptr, nullptr, g.data(), beta.data(), nullptr),
+                                   int(dk), int(dv), scale, q2.data(), nullptr, nullptr, g.data(), beta.data(),
+                                   nullptr),
                  std::invalid_argument);  // q without k
     EXPECT_THROW(cuda::gdn_prepare(d_qkv.data(), d_b, d_a, Hv - 1, d_A.data(), d_dt.data(), T, int(Hk), int(Hv),
                                    int(dk), int(dv), scale, q2.data(), k2.data(), nullptr, g.data(), beta.data(),
@@ -263,9 +265,9 @@ void check_chunked(const std::vector<int64_t>& lens, int64_t Hk, int64_t Hv, int
     auto dw = device_f32(w.data);
     auto y = poisoned<cuda::bf16>(size_t(T * Hv * dv));
     const cuda::GatedNormOut out{dz.data() + z_off, z_stride, dw.data(), 1e-6f, y.data()};
-    cuda::gated_delta_rule_chunked(dq.data(), dk_.data(), dv_.data(), dg.data(), db.data(), cuda::GdnChunkPlan(cu, nullptr),
-                                   int(Hk), int(Hv), int(dk), int(dv), init ? ds0.data() : nullptr, fs.data(), nullptr,
-                                   nullptr, shared_limit, 0, &out);
+    cuda::gated_delta_rule_chunked(dq.data(), dk_.data(), dv_.data(), dg.data(), db.data(),
+                                   cuda::GdnChunkPlan(cu, nullptr), int(Hk), int(Hv), int(dk), int(dv),
+                                   init ? ds0.data() : nullptr, fs.data(), nullptr, nullptr, shared_limit, 0, &out);
     Tensor want_y = want;
     cpu::gated_rms_norm(want_y, z, w, 1e-6);
     const std::vector<float> got_y = test::to_host_f32(y, nullptr);
@@ -352,7 +354,8 @@ TEST(CudaGdn, ChunkedWithTheGatedNormMatchesTheReference) {
   if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
   uint64_t seed = 40;
   for (int norm : {kNormStaged, kNormDirect}) {
-    check_chunked({3, 64, 1, 0, 65, 130}, 2, 4, 24, 40, true, ++seed, false, 0, false, 0, norm);  // one pass; an empty sequence
+    // One pass of columns; an empty sequence.
+    check_chunked({3, 64, 1, 0, 65, 130}, 2, 4, 24, 40, true, ++seed, false, 0, false, 0, norm);
     check_chunked({200, 63}, 16, 48, 128, 128, true, ++seed, false, 0, false, 0, norm);       // the real head dims
     check_chunked({130}, 1, 2, 32, 104, false, ++seed, false, 0, true, 0, norm);  // a partial second pass, mild decays
     check_chunked({70}, 1, 3, 8, 72, true, ++seed, false, 0, false, 0, norm);     // a second pass of 8 columns, tiny dk

@@ -367,8 +367,8 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
   // token-by-token path and the rollback copy take them copied into gv.
   const bool v_copy = token_by_token || (cached && keep_rollback);
   StreamBuffer<float> gconv = gbuf(T * Cg), gq = gbuf(T * Hk * dk), gk = gbuf(T * Hk * dk),
-                      gv = gbuf(v_copy ? T * Hv * dv : 0), go = gbuf(token_by_token ? T * Hv * dv : 0), gg = gbuf(T * Hv),
-                      gbeta = gbuf(T * Hv);
+                      gv = gbuf(v_copy ? T * Hv * dv : 0), go = gbuf(token_by_token ? T * Hv * dv : 0),
+                      gg = gbuf(T * Hv), gbeta = gbuf(T * Hv);
   StreamBuffer<bf16> gin(hybrid ? size_t(T * Nin) : 0, s);          // in_proj's output (bf16, as in transformers)
   StreamBuffer<bf16> gnormed(hybrid ? size_t(T * Hv * dv) : 0, s);  // out_proj's input
   const bf16* gz = hybrid ? gin.data() + Cg : nullptr;  // z, b, a read in place from gin (row stride Nin)

@@ -907,8 +907,8 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split
     const int per_row = dv / 8;
     for (int e = tid; e < kChunk * per_row; e += kThreads) {
       const int r = e / per_row, c = 8 * (e - r * per_row);
-      mma::cp_async16(Zs + r * kZld + c, norm.z + (int64_t(ch.start) + min(r, L - 1)) * norm.z_stride + int64_t(h) * dv + c,
-                      r < L);
+      const int64_t tok = int64_t(ch.start) + min(r, L - 1);
+      mma::cp_async16(Zs + r * kZld + c, norm.z + tok * norm.z_stride + int64_t(h) * dv + c, r < L);
     }
     for (int c = 4 * tid; c < dv; c += 4 * kThreads) mma::cp_async16(Ws + c, norm.w + c, true);
   };
@@ -952,7 +952,8 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split
     mma::cp_async_commit();
     mma::cp_async_wait<1>();  // this pass's U (and P)
     __syncthreads();
-    product(acc[p], Ps, ldc, Us, kChunk, min((L + 15) / 16 * 16, mt + 16));  // + P U (P lower triangular; U's rows past L zero)
+    // + P U (P lower triangular; U's rows past L zero)
+    product(acc[p], Ps, ldc, Us, kChunk, min((L + 15) / 16 * 16, mt + 16));
     __syncthreads();  // every warp is done with U
     if (p + 1 < passes) load_values(p + 1);
     mma::cp_async_commit();
@@ -1022,8 +1023,10 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split
     }
   } else {
     each_pair([&](const float(&a)[4], int col) {
-      if (r0 < L) *reinterpret_cast<float2*>(o + (int64_t(ch.start + r0) * Hv + h) * dv + col) = make_float2(a[0], a[1]);
-      if (r1 < L) *reinterpret_cast<float2*>(o + (int64_t(ch.start + r1) * Hv + h) * dv + col) = make_float2(a[2], a[3]);
+      if (r0 < L)
+        *reinterpret_cast<float2*>(o + (int64_t(ch.start + r0) * Hv + h) * dv + col) = make_float2(a[0], a[1]);
+      if (r1 < L)
+        *reinterpret_cast<float2*>(o + (int64_t(ch.start + r1) * Hv + h) * dv + col) = make_float2(a[2], a[3]);
     });
   }
 }
@@ -1296,7 +1299,8 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   auto launch_out = [&](auto kernel) {
     allow_shared_memory(kernel, smem_out, "chunk_out");
     kernel<<<dim3(unsigned(nch), unsigned(Hv)), kThreads, smem_out, stream>>>(
-        q_s.get(), H_s.get(), U_s.get(), P_s.get(), G.data(), d_chunks, Hk, Hv, dk, dv, o, norm ? *norm : GatedNormOut{});
+        q_s.get(), H_s.get(), U_s.get(), P_s.get(), G.data(), d_chunks, Hk, Hv, dk, dv, o,
+        norm ? *norm : GatedNormOut{});
   };
   if (norm)
     launch_out(chunk_out_kernel<true>);
