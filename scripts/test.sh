@@ -39,3 +39,4 @@ if [ "$fuzz_secs" != 0 ]; then
   echo "test: third pass: fuzzing the file readers, ${fuzz_secs}s each (build-fuzz/)"
   scripts/fuzz.sh "$fuzz_secs"
 fi
+echo "test: all passes succeeded"

@@ -139,8 +139,9 @@ void add_bench(CLI::App& app, Runner& run) {
   tf->add_option("--model", model, "Checkpoint directory or .gguf file (CPU); with --device cuda, random weights of --preset");
   tf->add_option("--tokens", tokens, "Sequence length T (default 256 on the CPU, 4096 with --device cuda)")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   tf->add_option("--repeat", repeat, "Timed runs (the median is recorded)")->capture_default_str()->check(CLI::Range(1, 1000));
-  tf->add_option("--preset", preset, "Preset name in the record (default: the model's file name); with --device cuda: "
-                                     "qwen3.6-27b | qwen3.6-35b-a3b | qwen3-8b | tiny");
+  tf->add_option("--preset", preset,
+                 "Preset name in the record (default: the model's file name and the device, e.g. qwen3_5-cpu); "
+                 "with --device cuda: qwen3.6-27b | qwen3.6-35b-a3b | qwen3-8b | tiny");
   tf->add_option("--layers", layers, "--device cuda: only the preset's first N layers")->check(CLI::Range(int64_t(1), int64_t(1024)));
   tf->add_option("--device", device, "Device")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   tf->add_option("--results", results, "Directory of the JSONL records")->capture_default_str();
