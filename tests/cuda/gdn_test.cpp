@@ -57,6 +57,24 @@ cuda::DeviceArray<cuda::bf16> bf16_in_rows(const std::vector<float>& v, int64_t 
   return test::to_device_bf16(wide, nullptr);
 }
 
+/// The recurrence's q, k, v from conv1d output rows [T, C] (q | k | v), as gdn_prepare makes them:
+/// q = scale cpu::l2_norm (eps 1e-6), k = cpu::l2_norm, v copied (src/models/qwen3_5.cpp).
+struct QkvReference {
+  std::vector<float> q, k, v;
+  QkvReference(const float* rows, int64_t T, int64_t C, int64_t Hk, int64_t dk, float scale) {
+    for (int64_t t = 0; t < T; ++t) {
+      const float* r = rows + t * C;
+      std::vector<float> qt(r, r + Hk * dk), kt(r + Hk * dk, r + 2 * Hk * dk);
+      cpu::l2_norm(qt.data(), Hk, dk);
+      cpu::l2_norm(kt.data(), Hk, dk);
+      for (float& x : qt) x *= scale;
+      q.insert(q.end(), qt.begin(), qt.end());
+      k.insert(k.end(), kt.begin(), kt.end());
+      v.insert(v.end(), r + 2 * Hk * dk, r + C);
+    }
+  }
+};
+
 std::vector<int64_t> cu_of(const std::vector<int64_t>& lens) {
   std::vector<int64_t> cu{0};
   for (int64_t n : lens) cu.push_back(cu.back() + n);
@@ -112,17 +130,8 @@ TEST(CudaGdn, Conv1dSiluWithQueryKeyNormMatchesTheReference) {
     x.data = test::rand_bf16_values(size_t(T * C), rng);
     w.data = test::rand_bf16_values(size_t(C * K), rng, 0.5f);
     const Tensor conv = cpu::causal_conv1d_silu(x, w, cu);
-    std::vector<float> want_q, want_k, want_v, got_v;
-    for (int64_t t = 0; t < T; ++t) {
-      const float* r = conv.ptr() + t * C;
-      std::vector<float> qt(r, r + qc), kt(r + qc, r + 2 * qc);
-      cpu::l2_norm(qt.data(), cs.Hk, cs.dk);
-      cpu::l2_norm(kt.data(), cs.Hk, cs.dk);
-      for (float& e : qt) e *= scale;
-      want_q.insert(want_q.end(), qt.begin(), qt.end());
-      want_k.insert(want_k.end(), kt.begin(), kt.end());
-      want_v.insert(want_v.end(), r + 2 * qc, r + C);
-    }
+    const QkvReference want(conv.ptr(), T, C, cs.Hk, cs.dk, scale);
+    std::vector<float> got_v;
     auto dx = bf16_in_rows(x.data, C, stride, 0);
     auto dw = device_f32(w.data);
     auto y = poisoned<float>(size_t(T * C)), q = poisoned<float>(size_t(T * qc)), k = poisoned<float>(size_t(T * qc));
@@ -135,9 +144,9 @@ TEST(CudaGdn, Conv1dSiluWithQueryKeyNormMatchesTheReference) {
         "Hk " + std::to_string(cs.Hk) + " dk " + std::to_string(cs.dk) + " pad " + std::to_string(cs.pad);
     const std::vector<float> gq = host_f32(q), gk = host_f32(k);
     ASSERT_TRUE(test::all_finite(gq) && test::all_finite(gk) && test::all_finite(got_v)) << what;
-    EXPECT_LE(test::rel_l2(gq, want_q), kTolF32) << what;
-    EXPECT_LE(test::rel_l2(gk, want_k), kTolF32) << what;
-    EXPECT_LE(test::rel_l2(got_v, want_v), kTolF32) << what;
+    EXPECT_LE(test::rel_l2(gq, want.q), kTolF32) << what;
+    EXPECT_LE(test::rel_l2(gk, want.k), kTolF32) << what;
+    EXPECT_LE(test::rel_l2(got_v, want.v), kTolF32) << what;
   }
   float* p = nullptr;
   const cuda::ConvQkNorm wide{3, 8, 1.f, p, p};
@@ -169,26 +178,19 @@ TEST(CudaGdn, PrepareMatchesTheReference) {
     cuda::DeviceArray<float> g(size_t(T * Hv)), beta(size_t(T * Hv));
     cuda::gdn_prepare(d_qkv.data(), d_b, d_a, ba_stride, d_A.data(), d_dt.data(), T, int(Hk), int(Hv), int(dk),
                       int(dv), scale, q.data(), k.data(), v.data(), g.data(), beta.data(), nullptr);
-    // Reference: cpu::l2_norm (eps 1e-6) and the formulas of gated_deltanet_forward (src/models/qwen3_5.cpp).
-    std::vector<float> wq, wk, wv, wg, wb;
+    // Reference: QkvReference and the gates' formulas of gated_deltanet_forward (src/models/qwen3_5.cpp).
+    const QkvReference want(qkv.data(), T, C, Hk, dk, scale);
+    std::vector<float> wg, wb;
     for (int64_t t = 0; t < T; ++t) {
-      const float* r = qkv.data() + t * C;
-      std::vector<float> qt(r, r + Hk * dk), kt(r + Hk * dk, r + 2 * Hk * dk);
-      cpu::l2_norm(qt.data(), Hk, dk);
-      cpu::l2_norm(kt.data(), Hk, dk);
-      for (float& x : qt) x *= scale;
-      wq.insert(wq.end(), qt.begin(), qt.end());
-      wk.insert(wk.end(), kt.begin(), kt.end());
-      wv.insert(wv.end(), r + 2 * Hk * dk, r + C);
       for (int64_t h = 0; h < Hv; ++h) {
         const size_t i = size_t(t * Hv + h);
         wb.push_back(cpu::sigmoid(b[i]));
         wg.push_back(-std::exp(A_log[size_t(h)]) * cpu::softplus(a[i] + dt_bias[size_t(h)]));
       }
     }
-    EXPECT_LE(test::rel_l2(host_f32(q), wq), kTolF32);
-    EXPECT_LE(test::rel_l2(host_f32(k), wk), kTolF32);
-    EXPECT_EQ(host_f32(v), wv);  // a copy
+    EXPECT_LE(test::rel_l2(host_f32(q), want.q), kTolF32);
+    EXPECT_LE(test::rel_l2(host_f32(k), want.k), kTolF32);
+    EXPECT_EQ(host_f32(v), want.v);  // a copy
     EXPECT_LE(test::rel_l2(host_f32(g), wg), kTolF32);
     EXPECT_LE(test::rel_l2(host_f32(beta), wb), kTolF32);
     // Without v (the chunked rule reads it in place): the same q, k, g, beta.

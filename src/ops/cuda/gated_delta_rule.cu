@@ -1156,13 +1156,13 @@ void causal_conv1d_silu(const bf16* x, int64_t x_stride, const float* w, const i
   const ConvQkNorm norm = fused ? *qk : ConvQkNorm{};
   auto launch = [&](auto kernel) { kernel<<<grid, 256, 0, stream>>>(x, x_stride, w, row_start, T, C, y, norm); };
   switch (K) {
-#define DFLASH_CONV_CASE(k)                   \
-  case k:                                     \
-    if (fused)                                \
-      launch(conv1d_silu_kernel<k, 4, true>); \
-    else if (vec4)                            \
+#define DFLASH_CONV_CASE(k)                    \
+  case k:                                      \
+    if (fused)                                 \
+      launch(conv1d_silu_kernel<k, 4, true>);  \
+    else if (vec4)                             \
       launch(conv1d_silu_kernel<k, 4, false>); \
-    else                                      \
+    else                                       \
       launch(conv1d_silu_kernel<k, 1, false>); \
     break;
     DFLASH_CONV_CASE(1) DFLASH_CONV_CASE(2) DFLASH_CONV_CASE(3) DFLASH_CONV_CASE(4)
