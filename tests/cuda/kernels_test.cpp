@@ -352,32 +352,42 @@ TEST(CudaElementwise, SwigluGatherAdd) {
   REQUIRE_GPU();
   Stream st;
   std::mt19937_64 rng(4);
-  const int64_t rows = 33, I = 1001, n = rows * I;
-  const auto g = rand_bf16_values(size_t(n), rng, 3.f), u = rand_bf16_values(size_t(n), rng),
-             dy = rand_bf16_values(size_t(n), rng);
-  BasicTensor<double> G({rows, I}), U({rows, I}), DY({rows, I});
-  for (size_t i = 0; i < size_t(n); ++i) G.data[i] = g[i], U.data[i] = u[i], DY.data[i] = dy[i];
-  BasicTensor<double> dg_ref, du_ref, A = G;
-  cpu::swiglu_backward(G, U, DY, &dg_ref, &du_ref);
-  cpu::swiglu(A, U);
-  auto dG = to_device_bf16(g, st.s), dU = to_device_bf16(u, st.s), dDY = to_device_bf16(dy, st.s);
-  // off 0: 16-byte aligned (8-element packs, then a 1-element tail); off 1: unaligned, element-wise.
-  for (const int64_t off : {0, 1}) {
-    const int64_t m = n - off;
-    DeviceArray<bf16> act{size_t(n)}, dg{size_t(n)}, du{size_t(n)};
-    act.fill_bytes(0xFF, st.s);
-    cuda::swiglu_forward(dG.data() + off, dU.data() + off, act.data() + off, m, st.s);
-    cuda::swiglu_backward(dG.data() + off, dU.data() + off, dDY.data() + off, dg.data() + off, du.data() + off, m,
-                          st.s);
-    auto tail = [&](const std::vector<double>& v) { return std::vector<double>(v.begin() + off, v.end()); };
-    auto tailf = [&](const DeviceArray<bf16>& a) {
-      const auto h = to_host_f32(a, st.s);
-      return std::vector<float>(h.begin() + off, h.end());
-    };
-    EXPECT_LE(test::rel_l2(tailf(act), tail(A.data)), kTolBf16Out) << off;
-    EXPECT_LE(test::rel_l2(tailf(dg), tail(dg_ref.data)), kTolBf16Out) << off;
-    EXPECT_LE(test::rel_l2(tailf(du), tail(du_ref.data)), kTolBf16Out) << off;
-  }
+  // gate_up rows of 2 I: I % 8 == 0 and aligned takes 16-byte accesses; I odd or a misaligned start
+  // (off 1) one element at a time.
+  const int64_t rows = 33;
+  for (const int64_t I : {1008, 1001})
+    for (const int64_t off : {0, 1}) {
+      const int64_t n = rows * I;
+      const auto gu = rand_bf16_values(size_t(2 * n), rng, 3.f), dy = rand_bf16_values(size_t(n), rng);
+      BasicTensor<double> G({rows, I}), U({rows, I}), DY({rows, I});
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < I; ++c) {
+          const size_t i = size_t(r * I + c);
+          G.data[i] = gu[size_t(r * 2 * I + c)], U.data[i] = gu[size_t(r * 2 * I + I + c)], DY.data[i] = dy[i];
+        }
+      BasicTensor<double> dg_ref, du_ref, A = G;
+      cpu::swiglu_backward(G, U, DY, &dg_ref, &du_ref);
+      cpu::swiglu(A, U);
+      std::vector<double> dgu_ref(size_t(2 * n));
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < I; ++c) {
+          dgu_ref[size_t(r * 2 * I + c)] = dg_ref.data[size_t(r * I + c)];
+          dgu_ref[size_t(r * 2 * I + I + c)] = du_ref.data[size_t(r * I + c)];
+        }
+      std::vector<float> gu_off(size_t(off), 0.f), dy_off(size_t(off), 0.f);
+      gu_off.insert(gu_off.end(), gu.begin(), gu.end()), dy_off.insert(dy_off.end(), dy.begin(), dy.end());
+      auto dGU = to_device_bf16(gu_off, st.s), dDY = to_device_bf16(dy_off, st.s);
+      DeviceArray<bf16> act{size_t(n + off)};
+      act.fill_bytes(0xFF, st.s);  // NaN: every element must be written
+      cuda::swiglu_forward(dGU.data() + off, rows, I, act.data() + off, st.s);
+      cuda::swiglu_backward(dGU.data() + off, dDY.data() + off, rows, I, st.s);
+      auto tailf = [&](const DeviceArray<bf16>& a) {
+        const auto h = to_host_f32(a, st.s);
+        return std::vector<float>(h.begin() + off, h.end());
+      };
+      EXPECT_LE(test::rel_l2(tailf(act), A.data), kTolBf16Out) << I << " " << off;
+      EXPECT_LE(test::rel_l2(tailf(dGU), dgu_ref), kTolBf16Out) << I << " " << off;
+    }
 
   // Rows of 72 (16-byte words) and of 9 elements (one by one).
   for (int64_t d : {72, 9}) {
@@ -418,7 +428,9 @@ TEST(CudaElementwise, SwigluGatherAdd) {
 
   }
 
-  auto y = to_device_bf16(g, st.s);
+  const int64_t n = 33 * 1001;  // 8-element packs, then a 1-element tail
+  const auto g = rand_bf16_values(size_t(n), rng, 3.f), u = rand_bf16_values(size_t(n), rng);
+  auto y = to_device_bf16(g, st.s), dU = to_device_bf16(u, st.s);
   cuda::add_inplace(y.data(), dU.data(), n, st.s);
   std::vector<double> sum(static_cast<size_t>(n));
   for (size_t i = 0; i < sum.size(); ++i) sum[i] = double(g[i]) + u[i];

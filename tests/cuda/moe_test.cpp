@@ -191,16 +191,18 @@ TEST(CudaMoe, FfnMatchesTheCpuReference) {
     const Tensor ref = moe_forward(s, w, x);
     auto d_router = test::to_device_bf16(router, st.s), d_gu = test::to_device_bf16(gate_up, st.s),
          d_down = test::to_device_bf16(down, st.s), d_x = test::to_device_bf16(x.data, st.s);
-    cuda::DeviceArray<cuda::bf16> d_sg, d_su, d_sd;
-    if (shared) {
-      d_sg = test::to_device_bf16(w.shared.gate_proj.data, st.s), d_su = test::to_device_bf16(w.shared.up_proj.data, st.s);
+    cuda::DeviceArray<cuda::bf16> d_sgu, d_sd;
+    if (shared) {  // the shared expert's gate_proj rows, then its up_proj rows
+      std::vector<float> sgu = w.shared.gate_proj.data;
+      sgu.insert(sgu.end(), w.shared.up_proj.data.begin(), w.shared.up_proj.data.end());
+      d_sgu = test::to_device_bf16(sgu, st.s);
       d_sd = test::to_device_bf16(w.shared.down_proj.data, st.s);
     }
     std::vector<float> base(size_t(T * D));
     for (size_t i = 0; i < base.size(); ++i) base[i] = float(i % 7) - 3.f;  // x += moe(h): a non-zero residual
     cuda::DeviceArray<float> y(base, st.s);
     const cuda::MoeShape shape{T, D, int(E), int(s.num_experts_per_tok), Im, Is, s.norm_topk_prob};
-    cuda::moe_ffn_forward(gemm, shape, {d_router.data(), d_gu.data(), d_down.data(), d_sg.data(), d_su.data(), d_sd.data()},
+    cuda::moe_ffn_forward(gemm, shape, {d_router.data(), d_gu.data(), d_down.data(), d_sgu.data(), d_sd.data()},
                           d_x.data(), y.data());
     std::vector<float> got = host(y, st.s);
     for (size_t i = 0; i < got.size(); ++i) got[i] -= base[i];

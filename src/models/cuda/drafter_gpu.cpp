@@ -44,7 +44,7 @@ using cuda::StageTimer;
 /// Saved activations of one draft layer (what the backward needs, as the CPU LayerSaved).
 /// In the last layer with compacted rows, x_mid .. act and o_rows hold only the rows with a loss weight.
 struct Saved {
-  StreamBuffer<bf16> x_in, kv_in, q_pre, q_rot, k_pre, k_rot, v, o, o_rows, x_mid, hp, g, u, act;
+  StreamBuffer<bf16> x_in, kv_in, q_pre, q_rot, k_pre, k_rot, v, o, o_rows, x_mid, hp, gu, act;  // gu: gate | up
   StreamBuffer<float> inv_in, q_inv, k_inv, lse, inv_post;
 };
 
@@ -86,6 +86,10 @@ void DrafterGpu::allocate(int64_t V) {
     I.offset[name] = I.n;
     I.n += BasicTensor<float>::numel_of(shape);
   }
+  for (int64_t i = 0; i < cfg_.num_hidden_layers; ++i)  // one GEMM for both (gate_up_param)
+    if (I.offset.at(layer_param(i, "mlp.up_proj.weight")) !=
+        I.offset.at(gate_up_param(i)) + cfg_.intermediate_size * cfg_.hidden_size)
+      throw std::logic_error("DrafterGpu: up_proj does not follow gate_proj in the parameter order");
   I.V = V;
   I.master = DeviceArray<float>(size_t(I.n));
   I.wb = DeviceArray<bf16>(size_t(I.n));
@@ -331,12 +335,10 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
     a.inv_post = StreamBuffer<float>(size_t(Qp), s);
     cuda::rms_norm_forward(a.x_mid.data(), I.F(layer_param(i, "post_attention_layernorm.weight")), a.hp.data(),
                            a.inv_post.data(), Qp, d, c.rms_norm_eps, false, s);
-    a.g = StreamBuffer<bf16>(size_t(Qp * Im), s);
-    a.u = StreamBuffer<bf16>(size_t(Qp * Im), s);
+    a.gu = StreamBuffer<bf16>(size_t(Qp * 2 * Im), s);
     a.act = StreamBuffer<bf16>(size_t(Qp * Im), s);
-    linear(a.hp.data(), Qp, d, Im, layer_param(i, "mlp.gate_proj.weight"), a.g.data(), 0.f);
-    linear(a.hp.data(), Qp, d, Im, layer_param(i, "mlp.up_proj.weight"), a.u.data(), 0.f);
-    cuda::swiglu_forward(a.g.data(), a.u.data(), a.act.data(), Qp * Im, s);
+    linear(a.hp.data(), Qp, d, 2 * Im, gate_up_param(i), a.gu.data(), 0.f);
+    cuda::swiglu_forward(a.gu.data(), Qp, Im, a.act.data(), s);
     StreamBuffer<bf16> out(size_t(Qp * d), s);  // x_mid + down_proj(act)
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(out.data(), a.x_mid.data(), size_t(Qp * d) * 2, cudaMemcpyDeviceToDevice, s));
     linear(a.act.data(), Qp, Im, d, layer_param(i, "mlp.down_proj.weight"), out.data(), 1.f);
@@ -424,6 +426,10 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
     ++wgrads[w];
     I.gemm.gemm({out, in, rows, true, false}, dy, xin, I.G(w), 1.f, grad_beta);
   };
+  auto wgrad_gate_up = [&](const bf16* dgu, const bf16* xin, int64_t rows, int64_t i) {  // gate_proj and up_proj
+    ++wgrads[layer_param(i, "mlp.up_proj.weight")];
+    wgrad(dgu, xin, rows, 2 * Im, d, gate_up_param(i));
+  };
   // dx (=|+=) dy W: dy [rows, out], W [out, in]
   auto dgrad = [&](const bf16* dy, int64_t rows, int64_t out, int64_t in, const std::string& w, auto* dxp, float beta) {
     I.gemm.gemm({rows, in, out, false, false}, dy, I.W(w), dxp, 1.f, beta);
@@ -440,11 +446,9 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
     // MLP: x_out = x_mid + down(silu(gate(hp)) * up(hp))
     dgrad(dx.data(), Qp, d, Im, layer_param(i, "mlp.down_proj.weight"), dact.data(), 0.f);
     wgrad(dx.data(), a.act.data(), Qp, d, Im, layer_param(i, "mlp.down_proj.weight"));
-    cuda::swiglu_backward(a.g.data(), a.u.data(), dact.data(), a.g.data(), a.u.data(), Qp * Im, s);  // in place: dg, du
-    dgrad(a.g.data(), Qp, Im, d, layer_param(i, "mlp.gate_proj.weight"), dhp.data(), 0.f);
-    dgrad(a.u.data(), Qp, Im, d, layer_param(i, "mlp.up_proj.weight"), dhp.data(), 1.f);
-    wgrad(a.g.data(), a.hp.data(), Qp, Im, d, layer_param(i, "mlp.gate_proj.weight"));
-    wgrad(a.u.data(), a.hp.data(), Qp, Im, d, layer_param(i, "mlp.up_proj.weight"));
+    cuda::swiglu_backward(a.gu.data(), dact.data(), Qp, Im, s);  // in place: gu becomes dgate | dup
+    dgrad(a.gu.data(), Qp, 2 * Im, d, gate_up_param(i), dhp.data(), 0.f);
+    wgrad_gate_up(a.gu.data(), a.hp.data(), Qp, i);
     cuda::rms_norm_backward(a.x_mid.data(), I.F(layer_param(i, "post_attention_layernorm.weight")), a.inv_post.data(),
                             dhp.data(), tmp.data(), I.G(layer_param(i, "post_attention_layernorm.weight")), nws.data(), Qp, d,
                             false, s);

@@ -143,7 +143,7 @@ std::vector<std::vector<int32_t>> DrafterGpu::draft(const std::vector<int32_t>& 
     I.gemm.gemm({Q, out, in, false, true}, x, I.W(w), y, 1.f, beta);
   };
   StreamBuffer<bf16> x(size_t(Q * d), s), hn(size_t(Q * d), s), q(size_t(Q * H * hd), s), o(size_t(Q * H * hd), s),
-      g(size_t(Q * Im), s), u(size_t(Q * Im), s);
+      gu(size_t(Q * 2 * Im), s), mlp_act(size_t(Q * Im), s);
   StreamBuffer<bf16> qpad(size_t(Tq * H * hd), s), opad(size_t(Tq * H * hd), s);
   DFLASH_CUDA_CHECK(cudaMemsetAsync(qpad.data(), 0, qpad.size() * 2, s));  // padding rows: defined
   cuda::embedding_gather(I.embed.data(), I.V, d, d_ids.data(), Q, x.data(), nullptr, s);
@@ -164,10 +164,9 @@ std::vector<std::vector<int32_t>> DrafterGpu::draft(const std::vector<int32_t>& 
     linear(o.data(), H * hd, d, layer_param(i, "self_attn.o_proj.weight"), x.data(), 1.f);  // x_mid = x + o_proj(o)
     cuda::rms_norm_forward(x.data(), I.F(layer_param(i, "post_attention_layernorm.weight")), hn.data(), nullptr, Q, d,
                            c.rms_norm_eps, false, s);
-    linear(hn.data(), d, Im, layer_param(i, "mlp.gate_proj.weight"), g.data(), 0.f);
-    linear(hn.data(), d, Im, layer_param(i, "mlp.up_proj.weight"), u.data(), 0.f);
-    cuda::swiglu_forward(g.data(), u.data(), g.data(), Q * Im, s);
-    linear(g.data(), Im, d, layer_param(i, "mlp.down_proj.weight"), x.data(), 1.f);  // x += down_proj(act)
+    linear(hn.data(), d, 2 * Im, gate_up_param(i), gu.data(), 0.f);  // gate | up
+    cuda::swiglu_forward(gu.data(), Q, Im, mlp_act.data(), s);
+    linear(mlp_act.data(), Im, d, layer_param(i, "mlp.down_proj.weight"), x.data(), 1.f);  // x += down_proj(act)
   }
   cuda::rms_norm_forward(x.data(), I.F("norm.weight"), hn.data(), nullptr, Q, d, c.rms_norm_eps, false, s);
   const std::vector<int32_t> amax = cuda::lm_head_argmax(I.gemm, hn.data(), I.lm_head.data(), Q, d, I.V);

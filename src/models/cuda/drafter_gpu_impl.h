@@ -46,4 +46,9 @@ struct DrafterGpu::Impl {
 /// "layers.<i>.<w>": the name of draft layer i's parameter w.
 inline std::string layer_param(int64_t i, const char* w) { return "layers." + std::to_string(i) + "." + w; }
 
+/// Draft layer i's gate_proj, which up_proj follows in the flat buffers (checked by DrafterGpu's
+/// allocation): from it, W / G give both as one [2 I, d] matrix, the weight of one GEMM whose output
+/// rows are gate | up (cuda::swiglu_forward's layout).
+inline std::string gate_up_param(int64_t i) { return layer_param(i, "mlp.gate_proj.weight"); }
+
 }  // namespace dflash

@@ -65,7 +65,8 @@ DeviceArray<bf16> rows_to_bf16(const Tensor& t, int64_t period, int64_t first, i
 
 struct LayerGpu {
   LayerKind kind = LayerKind::Attention;
-  DeviceArray<bf16> q, q_gate, k, v, o, gate, up, down;  // attention (q, q_gate: [H*Dh, D]) and MLP
+  DeviceArray<bf16> q, q_gate, k, v, o;  // attention (q, q_gate: [H*Dh, D])
+  DeviceArray<bf16> gate_up, down;       // MLP: gate_proj then up_proj rows [2 Im, D] (one GEMM), down_proj
   DeviceArray<float> q_norm, k_norm, in_ln, post_ln;
   // GatedDeltaNet: in_proj [C + Hv*dv + 2 Hv, D] (the rows of in_proj_qkv [C, D], in_proj_z
   // [Hv*dv, D], in_proj_b and in_proj_a [Hv, D]: one GEMM), out_proj [D, Hv*dv] bf16; conv1d [C, K],
@@ -74,10 +75,9 @@ struct LayerGpu {
   DeviceArray<float> conv, A_log, dt_bias, gnorm;
   // Mixture of experts (instead of gate / up / down): see cuda::MoeWeightsGpu.
   bool moe = false;
-  DeviceArray<bf16> router, experts_gate_up, experts_down, shared_gate, shared_up, shared_down;
+  DeviceArray<bf16> router, experts_gate_up, experts_down, shared_gate_up, shared_down;
   cuda::MoeWeightsGpu moe_weights() const {
-    return {router.data(), experts_gate_up.data(), experts_down.data(), shared_gate.data(), shared_up.data(),
-            shared_down.data()};
+    return {router.data(), experts_gate_up.data(), experts_down.data(), shared_gate_up.data(), shared_down.data()};
   }
 };
 
@@ -162,11 +162,11 @@ TargetGpu::TargetGpu(const TargetModel& m, cudaStream_t stream) : impl_(new Impl
       g.router = to_bf16(router, stream), g.experts_gate_up = to_bf16(gate_up, stream);
       g.experts_down = to_bf16(down, stream);
       if (spec_.shared_expert_intermediate_size > 0) {
-        g.shared_gate = to_bf16(w.shared.gate_proj, stream), g.shared_up = to_bf16(w.shared.up_proj, stream);
+        g.shared_gate_up = to_bf16({&w.shared.gate_proj, &w.shared.up_proj}, stream);
         g.shared_down = to_bf16(w.shared.down_proj, stream);
       }
     } else {
-      g.gate = to_bf16(l.mlp.gate_proj, stream), g.up = to_bf16(l.mlp.up_proj, stream);
+      g.gate_up = to_bf16({&l.mlp.gate_proj, &l.mlp.up_proj}, stream);
       g.down = to_bf16(l.mlp.down_proj, stream);
     }
     g.in_ln = DeviceArray<float>(l.input_layernorm.data, stream);
@@ -222,9 +222,9 @@ TargetGpu::TargetGpu(const ModelSpec& spec, uint64_t seed, cudaStream_t stream) 
       const int64_t E = spec_.num_experts, Em = spec_.moe_intermediate_size, Es = spec_.shared_expert_intermediate_size;
       g.router = matrix(E + (Es > 0 ? 1 : 0), D), g.experts_gate_up = matrix(E * 2 * Em, D);
       g.experts_down = matrix(E * D, Em);
-      if (Es > 0) g.shared_gate = matrix(Es, D), g.shared_up = matrix(Es, D), g.shared_down = matrix(D, Es);
+      if (Es > 0) g.shared_gate_up = matrix(2 * Es, D), g.shared_down = matrix(D, Es);
     } else {
-      g.gate = matrix(Im, D), g.up = matrix(Im, D), g.down = matrix(D, Im);
+      g.gate_up = matrix(2 * Im, D), g.down = matrix(D, Im);
     }
     g.in_ln = ones(D), g.post_ln = ones(D);
     I.layers.push_back(std::move(g));
@@ -327,7 +327,7 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
   I.stage("other");
   StreamBuffer<float> x(size_t(T * D), s);  // the residual stream, fp32 (GEMM inputs are bf16)
   StreamBuffer<bf16> h(size_t(T * D), s), q(size_t(T * H * Dh), s), k(size_t(T * Hkv * Dh), s),
-      v(size_t(T * Hkv * Dh), s), o(size_t(T * H * Dh), s), g(size_t(T * Im), s), u(size_t(T * Im), s);
+      v(size_t(T * Hkv * Dh), s), o(size_t(T * H * Dh), s), gu(size_t(T * 2 * Im), s), act(size_t(T * Im), s);
   cuda::embedding_gather(I.embed.data(), sp.vocab_size, D, d_ids.data(), T, h.data(), nullptr, s);
   cuda::bf16_to_f32(h.data(), x.data(), T * D, s);
   on_hidden(0, x.data());
@@ -459,11 +459,10 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
       I.stage("moe");
       cuda::moe_ffn_forward(I.gemm, moe_shape, l.moe_weights(), h.data(), x.data());  // x += moe(h)
     } else {
-      linear(h.data(), Im, D, l.gate, g.data(), 0.f);
-      linear(h.data(), Im, D, l.up, u.data(), 0.f);
+      linear(h.data(), 2 * Im, D, l.gate_up, gu.data(), 0.f);  // gate | up
       I.stage("other");
-      cuda::swiglu_forward(g.data(), u.data(), g.data(), T * Im, s);
-      linear(g.data(), D, Im, l.down, x.data(), 1.f);  // x += down_proj(act)
+      cuda::swiglu_forward(gu.data(), T, Im, act.data(), s);
+      linear(act.data(), D, Im, l.down, x.data(), 1.f);  // x += down_proj(act)
     }
     I.stage("other");
     on_hidden(i + 1, x.data());

@@ -31,31 +31,43 @@ __device__ __forceinline__ void silu_mul_grad(float g, float u, float d, float& 
   du = d * g * s;
 }
 
-__global__ void swiglu_fwd_kernel(const bf16* g, const bf16* u, bf16* a, int64_t n, int64_t packs) {
-  DFLASH_GRID_STRIDE(p, packs) {
-    float G[8], U[8], A[8];
-    load8(g + 8 * p, G), load8(u + 8 * p, U);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) A[k] = silu_mul(G[k], U[k]);
-    store8(a + 8 * p, A);
-  }
-  DFLASH_TAIL_STRIDE(i, 8 * packs, n) a[i] = __float2bfloat16_rn(silu_mul(__bfloat162float(g[i]), __bfloat162float(u[i])));
+// SwiGLU over gate_up [rows, 2n] (each row: gate | up, one GEMM's output), act / dact [rows, n].
+// kVec elements per access: 8 (16 bytes) when n % 8 == 0 and every pointer is 16-byte aligned, else 1.
+template <int kVec>
+__device__ __forceinline__ void load_v(const bf16* p, float (&f)[kVec]) {
+  if constexpr (kVec == 8) load8(p, f);
+  else f[0] = __bfloat162float(*p);
+}
+template <int kVec>
+__device__ __forceinline__ void store_v(bf16* p, const float (&f)[kVec]) {
+  if constexpr (kVec == 8) store8(p, f);
+  else *p = __float2bfloat16_rn(f[0]);
 }
 
-__global__ void swiglu_bwd_kernel(const bf16* g, const bf16* u, const bf16* da, bf16* dg, bf16* du, int64_t n,
-                                  int64_t packs) {
-  DFLASH_GRID_STRIDE(p, packs) {
-    float G[8], U[8], D[8], DG[8], DU[8];
-    load8(g + 8 * p, G), load8(u + 8 * p, U), load8(da + 8 * p, D);
+template <int kVec>
+__global__ void swiglu_fwd_kernel(const bf16* gu, bf16* a, int64_t rows, int64_t n) {
+  const int64_t w = n / kVec;  // accesses per row
+  DFLASH_GRID_STRIDE(i, rows * w) {
+    const int64_t r = i / w, c = (i - r * w) * kVec;
+    float G[kVec], U[kVec], A[kVec];
+    load_v(gu + r * 2 * n + c, G), load_v(gu + r * 2 * n + n + c, U);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) silu_mul_grad(G[k], U[k], D[k], DG[k], DU[k]);
-    store8(dg + 8 * p, DG), store8(du + 8 * p, DU);
+    for (int k = 0; k < kVec; ++k) A[k] = silu_mul(G[k], U[k]);
+    store_v(a + r * n + c, A);
   }
-  DFLASH_TAIL_STRIDE(i, 8 * packs, n) {
-    float a, b;
-    silu_mul_grad(__bfloat162float(g[i]), __bfloat162float(u[i]), __bfloat162float(da[i]), a, b);
-    dg[i] = __float2bfloat16_rn(a);
-    du[i] = __float2bfloat16_rn(b);
+}
+
+template <int kVec>
+__global__ void swiglu_bwd_kernel(bf16* gu, const bf16* da, int64_t rows, int64_t n) {
+  const int64_t w = n / kVec;
+  DFLASH_GRID_STRIDE(i, rows * w) {
+    const int64_t r = i / w, c = (i - r * w) * kVec;
+    bf16 *g = gu + r * 2 * n + c, *u = g + n;
+    float G[kVec], U[kVec], D[kVec], DG[kVec], DU[kVec];
+    load_v(g, G), load_v(u, U), load_v(da + r * n + c, D);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) silu_mul_grad(G[k], U[k], D[k], DG[k], DU[k]);
+    store_v(g, DG), store_v(u, DU);  // in place: this thread read both before
   }
 }
 
@@ -145,20 +157,23 @@ void fill_normal(bf16* x, int64_t n, uint64_t seed, float mean, float sd, cudaSt
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
-void swiglu_forward(const bf16* gate, const bf16* up, bf16* act, int64_t n, cudaStream_t stream) {
-  if (n < 0) throw std::invalid_argument("swiglu_forward: negative size");
-  if (n == 0) return;
-  const int64_t packs = packs_of(n, gate, up, act);
-  swiglu_fwd_kernel<<<grid_for(std::max(packs, n - 8 * packs)), 256, 0, stream>>>(gate, up, act, n, packs);
+void swiglu_forward(const bf16* gate_up, int64_t rows, int64_t n, bf16* act, cudaStream_t stream) {
+  if (rows < 0 || n < 0) throw std::invalid_argument("swiglu_forward: negative size");
+  if (rows == 0 || n == 0) return;
+  if (n % 8 == 0 && aligned_to(16, gate_up, act))
+    swiglu_fwd_kernel<8><<<grid_for(rows * n / 8), 256, 0, stream>>>(gate_up, act, rows, n);
+  else
+    swiglu_fwd_kernel<1><<<grid_for(rows * n), 256, 0, stream>>>(gate_up, act, rows, n);
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
-void swiglu_backward(const bf16* gate, const bf16* up, const bf16* dact, bf16* dgate, bf16* dup, int64_t n,
-                     cudaStream_t stream) {
-  if (n < 0) throw std::invalid_argument("swiglu_backward: negative size");
-  if (n == 0) return;
-  const int64_t packs = packs_of(n, gate, up, dact, dgate, dup);
-  swiglu_bwd_kernel<<<grid_for(std::max(packs, n - 8 * packs)), 256, 0, stream>>>(gate, up, dact, dgate, dup, n, packs);
+void swiglu_backward(bf16* gate_up, const bf16* dact, int64_t rows, int64_t n, cudaStream_t stream) {
+  if (rows < 0 || n < 0) throw std::invalid_argument("swiglu_backward: negative size");
+  if (rows == 0 || n == 0) return;
+  if (n % 8 == 0 && aligned_to(16, gate_up, dact))
+    swiglu_bwd_kernel<8><<<grid_for(rows * n / 8), 256, 0, stream>>>(gate_up, dact, rows, n);
+  else
+    swiglu_bwd_kernel<1><<<grid_for(rows * n), 256, 0, stream>>>(gate_up, dact, rows, n);
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 

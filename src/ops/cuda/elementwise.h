@@ -7,14 +7,14 @@
 
 namespace dflash::cuda {
 
-/// act [n] = silu(gate) * up, bf16 in and out, fp32 math. act may alias gate or up.
-void swiglu_forward(const bf16* gate, const bf16* up, bf16* act, int64_t n, cudaStream_t stream);
+/// act [rows, n] = silu(gate) * up with gate = gate_up[:, :n], up = gate_up[:, n:] (gate_up [rows, 2n]:
+/// one GEMM of the concatenated gate_proj | up_proj weights), bf16 in and out, fp32 math. act must not
+/// overlap gate_up. Throws std::invalid_argument on negative sizes.
+void swiglu_forward(const bf16* gate_up, int64_t rows, int64_t n, bf16* act, cudaStream_t stream);
 
-/// Backward of swiglu_forward: with s = sigmoid(g),
-///   dgate = dact * up * s * (1 + g * (1 - s)),  dup = dact * g * s.
-/// dgate / dup may alias gate / up (each element is read before it is written).
-void swiglu_backward(const bf16* gate, const bf16* up, const bf16* dact, bf16* dgate, bf16* dup, int64_t n,
-                     cudaStream_t stream);
+/// Backward of swiglu_forward, in place: gate_up [rows, 2n] (gate | up) becomes dgate | dup, with
+/// s = sigmoid(g): dgate = dact * up * s * (1 + g * (1 - s)), dup = dact * g * s; dact [rows, n].
+void swiglu_backward(bf16* gate_up, const bf16* dact, int64_t rows, int64_t n, cudaStream_t stream);
 
 /// out [rows, d] = table[ids[r], :] (table [V, d] bf16). An id outside [0, V) writes NaN rows and
 /// sets *bad_id (device int, if non-null) to 1, so the caller can report it without a crash.

@@ -290,11 +290,10 @@ void moe_ffn_forward(GemmContext& gemm, const MoeShape& s, const MoeWeightsGpu& 
   }
   StreamBuffer<float> sh(Is > 0 ? size_t(T * D) : 0, st);
   if (Is > 0) {
-    StreamBuffer<bf16> g(size_t(T * Is), st), u(size_t(T * Is), st);
-    gemm.gemm({T, Is, D, false, true}, h, w.shared_gate_proj, g.data());
-    gemm.gemm({T, Is, D, false, true}, h, w.shared_up_proj, u.data());
-    swiglu_forward(g.data(), u.data(), g.data(), T * Is, st);
-    gemm.gemm({T, D, Is, false, true}, g.data(), w.shared_down_proj, sh.data());
+    StreamBuffer<bf16> gu(size_t(T * 2 * Is), st), act(size_t(T * Is), st);
+    gemm.gemm({T, 2 * Is, D, false, true}, h, w.shared_gate_up, gu.data());
+    swiglu_forward(gu.data(), T, Is, act.data(), st);
+    gemm.gemm({T, D, Is, false, true}, act.data(), w.shared_down_proj, sh.data());
   }
   combine_kernel<<<grid_for(T * D), 256, 0, st>>>(y.data(), slot_of.data(), wts.data(), s.k,
                                                   Is > 0 ? sh.data() : nullptr, logits.data() + s.E, ld, T, D, x);

@@ -56,8 +56,8 @@ struct MoeWeightsGpu {
   const bf16* router = nullptr;   // [E + (Is > 0), D]: the router's rows, then shared_expert_gate's row
   const bf16* gate_up = nullptr;  // [E, 2 * Im, D]: per expert gate_proj rows, then up_proj rows
   const bf16* down = nullptr;     // [E, D, Im]
-  const bf16 *shared_gate_proj = nullptr, *shared_up_proj = nullptr;  // [Is, D]
-  const bf16* shared_down_proj = nullptr;                             // [D, Is]
+  const bf16* shared_gate_up = nullptr;    // [2 * Is, D]: shared_expert's gate_proj rows, then up_proj rows
+  const bf16* shared_down_proj = nullptr;  // [D, Is]
 };
 
 /// x [T, D] fp32 += MoE(h): h [T, D] bf16 (the post-attention RMSNorm's output). Router logits by
