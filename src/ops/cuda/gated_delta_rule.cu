@@ -551,6 +551,30 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
   }
 }
 
+// chunk_out overlaps chunk_state (programmatic dependent launch, sm_90+): chunk_state lets the
+// dependent launch start once all its blocks run, and publishes per block how many of its chunks'
+// states and U are in memory (every kPublish chunks and after the last: a fence per publish, which
+// the chain of chunks waits for); each chunk_out block waits for its chunk's before loading them.
+// chunk_state never waits on chunk_out, and chunk_out starts only when every chunk_state block is
+// resident, so the wait always ends.
+constexpr int kPublish = 4;
+
+/// After a __syncthreads: makes the block's earlier global writes visible, then flag = value.
+__device__ __forceinline__ void publish_progress(int* flag, int value) {
+  __threadfence();
+  asm volatile("st.relaxed.gpu.global.s32 [%0], %1;\n" ::"l"(flag), "r"(value) : "memory");
+}
+__device__ __forceinline__ int load_acquire(const int* flag) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
+  return v;
+}
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 /// The chunk_state of GPUs with less shared memory than the tensor-core kernel below needs (A100:
 /// 163 KB per block; about 103 KB here at dk 128), fp32 SIMT. One block per (sequence, value head,
 /// 32 state columns): walks the sequence's chunks in order and
@@ -565,7 +589,8 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_state_simt_kernel(const flo
                                                                const float* G_in, const Chunk* chunks,
                                                                const int32_t* first_chunk, int Hk, int Hv, int dk,
                                                                int dv, const float* init, float* final_state,
-                                                               Split H_s, Split U_s) {
+                                                               Split H_s, Split U_s, int* progress) {
+  launch_dependents();
   extern __shared__ float4 sm4[];
   float* sm = reinterpret_cast<float*>(sm4);
   constexpr int ldu = kSimtCols + 4;
@@ -667,6 +692,8 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_state_simt_kernel(const flo
     }
     mma::cp_async_wait<0>();  // the next chunk's w, u and gates
     __syncthreads();
+    if (progress && tid == 0 && ((ci - c_first) % kPublish == kPublish - 1 || ci + 1 == c_end))
+      publish_progress(progress + (int64_t(seq) * gridDim.y + h) * gridDim.z + blockIdx.z, ci + 1);
   }
   if (final_state)
     for (int e = tid; e < dk * kSimtCols; e += kThreads) {
@@ -701,7 +728,8 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(Split k_s, Spl
                                                                const float* G_in, const Chunk* chunks,
                                                                const int32_t* first_chunk, int Hk, int Hv, int dk,
                                                                int dv, const float* init, float* final_state,
-                                                               Split H_s, Split U_s) {
+                                                               Split H_s, Split U_s, int* progress) {
+  launch_dependents();
   extern __shared__ float4 sm4[];
   constexpr int ldc = kCols + 8;          // bf16 row stride of S0 and diag(D) U
   const int dkp = state_rows(dk), ldw = dkp + 8, dv8 = value_cols(dv);
@@ -832,6 +860,8 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(Split k_s, Spl
       for (int e = 0; e < 4; ++e) uc[nn][e] = un_next[nn][e];
     mma::cp_async_wait<0>();  // chunk ci + 1
     __syncthreads();
+    if (progress && tid == 0 && ((ci - c_first) % kPublish == kPublish - 1 || ci + 1 == c_end))
+      publish_progress(progress + (int64_t(seq) * gridDim.y + h) * gridDim.z + blockIdx.z, ci + 1);
   }
   if (final_state && owns)
 #pragma unroll
@@ -876,7 +906,8 @@ constexpr size_t chunk_out_smem(int dk) {
 template <bool kNorm>
 __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split H_s, Split U_s, Split P_s,
                                                              const float* G_in, const Chunk* chunks, int Hk, int Hv,
-                                                             int dk, int dv, float* o, GatedNormOut norm) {
+                                                             int dk, int dv, float* o, GatedNormOut norm,
+                                                             const int* progress, int col_blocks) {
   extern __shared__ float4 sm4[];
   constexpr int kOut = 64, ldc = kOut + 8;
   const int dkp = state_rows(dk), dv8 = value_cols(dv), ldq = dkp + 8;
@@ -886,11 +917,14 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split
   bf16* Ps = Us + 2 * kChunk * ldc;         // {hi, lo} x [64][ldc]
   bf16* Zs = Qs;                            // [64][kZld] z, then w [dv] fp32: after the last Q S0
   float* Ws = reinterpret_cast<float*>(Zs + kChunk * kZld);
-  const Chunk ch = chunks[blockIdx.x];
-  const int h = blockIdx.y, kh = h / (Hv / Hk), L = ch.len, tid = threadIdx.x, passes = (dv + kOut - 1) / kOut;
-  // cp.async groups: Q and the first S0 columns, then U's and P; later each pass's next S0 (U) columns
-  // load once the pass is done reading S0 (U). What the products read past the data is zero.
-  const int64_t H0 = (int64_t(blockIdx.x) * Hv + h) * dkp * dv8, P0 = (int64_t(blockIdx.x) * Hv + h) * kChunk * kChunk;
+  // Blocks in chunk order (the order chunk_state makes them), the value heads of a chunk together.
+  const int ci = int(blockIdx.x / unsigned(Hv)), h = int(blockIdx.x % unsigned(Hv));
+  const Chunk ch = chunks[ci];
+  const int kh = h / (Hv / Hk), L = ch.len, tid = threadIdx.x, passes = (dv + kOut - 1) / kOut;
+  // cp.async groups: Q and P; the first S0 columns; U's (after this chunk's chunk_state blocks have
+  // published it, when overlapped); later each pass's next S0 (U) columns load once the pass is done
+  // reading S0 (U). What the products read past the data is zero.
+  const int64_t H0 = (int64_t(ci) * Hv + h) * dkp * dv8, P0 = (int64_t(ci) * Hv + h) * kChunk * kChunk;
   auto load_state = [&](int p) {
     load_split_async(Ss, ldc, dkp * ldc, H_s, dv8, H0 + p * kOut, dkp, min(kOut, dv8 - p * kOut), kOut, dkp);
   };
@@ -899,6 +933,14 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split
                      min(kOut, dv8 - p * kOut), kOut, kChunk);
   };
   load_split_async(Qs, ldq, kChunk * ldq, q_s, int64_t(Hk) * dkp, (int64_t(ch.start) * Hk + kh) * dkp, L, dkp, dkp, kChunk);
+  load_split_async(Ps, ldc, kChunk * ldc, P_s, kChunk, P0, kChunk, kChunk, kChunk, kChunk);
+  mma::cp_async_commit();
+  if (progress) {  // this chunk's state and U: every column block of (sequence, h) past chunk ci
+    if (tid == 0)
+      for (int b = 0; b < col_blocks; ++b)
+        while (load_acquire(progress + (int64_t(ch.seq) * Hv + h) * col_blocks + b) <= ci) __nanosleep(200);
+    __syncthreads();
+  }
   load_state(0);
   mma::cp_async_commit();
   const bool stage = kNorm && reinterpret_cast<uintptr_t>(norm.z) % 16 == 0 && norm.z_stride % 8 == 0 && dv % 8 == 0 &&
@@ -913,7 +955,6 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split
     for (int c = 4 * tid; c < dv; c += 4 * kThreads) mma::cp_async16(Ws + c, norm.w + c, true);
   };
   load_values(0);
-  load_split_async(Ps, ldc, kChunk * ldc, P_s, kChunk, P0, kChunk, kChunk, kChunk, kChunk);
   mma::cp_async_commit();
   const int lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
   const int mt = 16 * (warp / 2), nc = 32 * (warp % 2);
@@ -936,7 +977,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split
 #pragma unroll
   for (int p = 0; p < 2; ++p) {
     if (p == passes) break;
-    mma::cp_async_wait<1>();  // Q and this pass's S0
+    mma::cp_async_wait<1>();  // Q, P and this pass's S0
     __syncthreads();
     product(acc[p], Qs, ldq, Ss, dkp, dkp);  // Q S0
 #pragma unroll
@@ -950,7 +991,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split
     else if (stage)
       load_norm();
     mma::cp_async_commit();
-    mma::cp_async_wait<1>();  // this pass's U (and P)
+    mma::cp_async_wait<1>();  // this pass's U
     __syncthreads();
     // + P U (P lower triangular; U's rows past L zero)
     product(acc[p], Ps, ldc, Us, kChunk, min((L + 15) / 16 * 16, mt + 16));
@@ -1238,6 +1279,9 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
                                 std::to_string(int64_t(Hv) * dv));
   const int nseq = plan.nseq;
   const int64_t T = plan.T, nch = plan.count;
+  if (nch * Hv > INT32_MAX)
+    throw std::invalid_argument("gated_delta_rule_chunked: " + std::to_string(nch) + " chunks x " + std::to_string(Hv) +
+                                " value heads exceed one launch's blocks");
   const Chunk* d_chunks = plan.chunks.data();
   const int32_t* d_first = plan.first.data();
   // chunk_state: the tensor-core kernel with 64 state columns per block, or 32 when that still fits
@@ -1277,30 +1321,50 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
         G.data(), v_row_stride);
     DFLASH_CUDA_CHECK_LAUNCH();
   }
-  // The sequential part: states before each chunk and the chunks' U.
+  // The sequential part: states before each chunk and the chunks' U. On sm_90+ chunk_out runs
+  // beside it (programmatic dependent launch, see kPublish): progress [nseq, Hv, col_blocks] counts
+  // each chunk_state block's chunks in memory.
   SplitBuffer H_s(size_t(nch * Hv * dkp * dv8), pad_simt, stream), U_s(size_t(T * Hv * dv8), pad_simt, stream);
-  auto launch_state = [&](auto kernel, int kc, size_t smem, auto... inputs) {
+  const int kc = tc ? cols : kSimtCols, col_blocks = (dv + kc - 1) / kc;
+  int major = 0;
+  DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  const bool overlap = major >= 9 && nch > 0;
+  StreamBuffer<int> progress(overlap ? size_t(nseq) * size_t(Hv) * size_t(col_blocks) : 0, stream);
+  if (overlap) DFLASH_CUDA_CHECK(cudaMemsetAsync(progress.data(), 0, progress.size() * sizeof(int), stream));
+  auto launch_state = [&](auto kernel, size_t smem, auto... inputs) {
     allow_shared_memory(kernel, smem, "chunk_state");
     DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                            cudaSharedmemCarveoutMaxShared));
-    kernel<<<dim3(unsigned(nseq), unsigned(Hv), unsigned((dv + kc - 1) / kc)), kThreads, smem, stream>>>(
-        inputs..., u.data(), G.data(), d_chunks, d_first, Hk, Hv, dk, dv, init, final_state, H_s.get(), U_s.get());
+    kernel<<<dim3(unsigned(nseq), unsigned(Hv), unsigned(col_blocks)), kThreads, smem, stream>>>(
+        inputs..., u.data(), G.data(), d_chunks, d_first, Hk, Hv, dk, dv, init, final_state, H_s.get(), U_s.get(),
+        overlap ? progress.data() : nullptr);
   };
   if (tc && narrow)
-    launch_state(chunk_state_kernel<32>, 32, smem_tc, k_s.get(), w_s.get());
+    launch_state(chunk_state_kernel<32>, smem_tc, k_s.get(), w_s.get());
   else if (tc)
-    launch_state(chunk_state_kernel<kMaxCols>, kMaxCols, smem_tc, k_s.get(), w_s.get());
+    launch_state(chunk_state_kernel<kMaxCols>, smem_tc, k_s.get(), w_s.get());
   else
-    launch_state(chunk_state_simt_kernel, kSimtCols, smem_simt, k, w.data());
+    launch_state(chunk_state_simt_kernel, smem_simt, k, w.data());
   DFLASH_CUDA_CHECK_LAUNCH();
   if (!nch) return;
-  // The outputs, every chunk in parallel.
+  // The outputs, every chunk in parallel: blocks in chunk order, a chunk's value heads together.
   const size_t smem_out = chunk_out_smem(dk);
   auto launch_out = [&](auto kernel) {
     allow_shared_memory(kernel, smem_out, "chunk_out");
-    kernel<<<dim3(unsigned(nch), unsigned(Hv)), kThreads, smem_out, stream>>>(
-        q_s.get(), H_s.get(), U_s.get(), P_s.get(), G.data(), d_chunks, Hk, Hv, dk, dv, o,
-        norm ? *norm : GatedNormOut{});
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(unsigned(nch * Hv));
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = smem_out;
+    cfg.stream = stream;
+    cudaLaunchAttribute pdl{};
+    pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    pdl.val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = &pdl;
+    cfg.numAttrs = overlap ? 1 : 0;
+    DFLASH_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, q_s.get(), H_s.get(), U_s.get(), P_s.get(),
+                                         static_cast<const float*>(G.data()), d_chunks, Hk, Hv, dk, dv, o,
+                                         norm ? *norm : GatedNormOut{},
+                                         static_cast<const int*>(overlap ? progress.data() : nullptr), col_blocks));
   };
   if (norm)
     launch_out(chunk_out_kernel<true>);
