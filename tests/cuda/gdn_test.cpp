@@ -315,6 +315,87 @@ void check_chunked(const std::vector<int64_t>& lens, int64_t Hk, int64_t Hv, int
 }
 }  // namespace
 
+namespace {
+/// gated_delta_rule_chunked from the projections (GdnProjections: conv1d, l2norm and gates inside
+/// chunk_prepare where it fuses them) against the same layer through causal_conv1d_silu, gdn_prepare
+/// and the chunked rule on their outputs (each checked against the CPU above): x rows of q | k | v | 5
+/// more columns | b | a, an initial state, o and the final state; with `norm`, the gated RMSNorm too.
+void check_from_projections(const std::vector<int64_t>& lens, int Hk, int Hv, int dk, int dv, int K, bool norm,
+                            uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const std::vector<int64_t> cu = cu_of(lens);
+  const int64_t T = cu.back(), n = int64_t(lens.size()), C = 2 * int64_t(Hk) * dk + int64_t(Hv) * dv;
+  const int64_t stride = C + 5 + 2 * Hv;  // ... | b | a
+  const std::vector<float> x = test::rand_bf16_values(size_t(T * stride), rng), w = test::rand_bf16_values(size_t(C * K), rng);
+  const std::vector<float> A_log = test::rand_bf16_values(size_t(Hv), rng, 0.5f), dt = test::rand_bf16_values(size_t(Hv), rng);
+  std::vector<float> s0(size_t(n * Hv * dk * dv));
+  for (float& v : s0) v = 0.05f * test::rand_bf16_values(1, rng)[0];
+  const float scale = 1.f / std::sqrt(float(dk));
+  auto dx = test::to_device_bf16(x, nullptr);
+  auto dw = device_f32(w), dA = device_f32(A_log), ddt = device_f32(dt), ds0 = device_f32(s0);
+  const cuda::bf16 *b = dx.data() + C + 5, *a = b + Hv;
+  cuda::DeviceArray<int32_t> row_start(cuda::sequence_starts(cu), nullptr);
+  const cuda::GdnChunkPlan plan(cu, nullptr);
+  // z for the norm: the last Hv dv of q | k | v's columns, w_norm random.
+  const std::vector<float> wn = test::rand_bf16_values(size_t(dv), rng);
+  auto dwn = device_f32(wn);
+  auto run = [&](bool fused) {
+    auto o = poisoned<float>(size_t(T * Hv * dv));
+    auto fs = poisoned<float>(s0.size());
+    auto y = poisoned<cuda::bf16>(size_t(T * Hv * dv));
+    const cuda::GatedNormOut out{dx.data() + C - Hv * dv, stride, dwn.data(), 1e-6f, y.data()};
+    if (fused) {
+      const cuda::GdnProjections from{dx.data(), stride, dw.data(), K, b, a, stride, dA.data(), ddt.data(), scale,
+                                      row_start.data()};
+      cuda::gated_delta_rule_chunked(nullptr, nullptr, nullptr, nullptr, nullptr, plan, Hk, Hv, dk, dv, ds0.data(),
+                                     fs.data(), norm ? nullptr : o.data(), nullptr, 0, 0, norm ? &out : nullptr, &from);
+    } else {
+      cuda::DeviceArray<float> conv(size_t(T * C)), q(size_t(T * Hk * dk)), k(size_t(T * Hk * dk)), g(size_t(T * Hv)),
+          beta(size_t(T * Hv));
+      const cuda::ConvQkNorm qk{Hk, dk, scale, q.data(), k.data()};
+      cuda::causal_conv1d_silu(dx.data(), stride, dw.data(), row_start.data(), T, C, K, conv.data(), nullptr, &qk);
+      cuda::gdn_prepare(conv.data(), b, a, stride, dA.data(), ddt.data(), T, Hk, Hv, dk, dv, scale, nullptr, nullptr,
+                        nullptr, g.data(), beta.data(), nullptr);
+      cuda::gated_delta_rule_chunked(q.data(), k.data(), conv.data() + 2 * Hk * dk, g.data(), beta.data(), plan, Hk, Hv,
+                                     dk, dv, ds0.data(), fs.data(), norm ? nullptr : o.data(), nullptr, 0, C,
+                                     norm ? &out : nullptr);
+    }
+    return std::array<std::vector<float>, 2>{norm ? test::to_host_f32(y, nullptr) : host_f32(o), host_f32(fs)};
+  };
+  const auto want = run(false), got = run(true);
+  std::string what = "T";
+  for (int64_t l : lens) what += " " + std::to_string(l);
+  what += ", Hk " + std::to_string(Hk) + " Hv " + std::to_string(Hv) + " dk " + std::to_string(dk) + " dv " +
+          std::to_string(dv) + " K " + std::to_string(K) + (norm ? ", gated RMSNorm" : "");
+  ASSERT_TRUE(test::all_finite(got[0])) << what;
+  ASSERT_TRUE(test::all_finite(got[1])) << what;
+  // The same operations on the same values (fp32; only contractions into fma may differ), the norm's
+  // output then rounded to bf16.
+  EXPECT_LE(test::rel_l2(got[0], want[0]), norm ? kTolBf16Out : 1e-6) << what;
+  EXPECT_LE(test::rel_l2(got[1], want[1]), 1e-6) << what << " (final state)";
+}
+}  // namespace
+
+TEST(CudaGdn, ChunkedFromTheProjectionsMatchesTheKernelsApart) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  uint64_t seed = 60;
+  // Fused into chunk_prepare (K 4, dk a power of two): chunks continuing their sequence's conv
+  // window, sequences starting inside the chunk list, an empty one, short last chunks.
+  check_from_projections({3, 64, 1, 0, 65, 130}, 2, 4, 32, 40, 4, false, ++seed);
+  check_from_projections({300, 70}, 16, 48, 128, 128, 4, false, ++seed);  // the Qwen3.6 head shapes
+  check_from_projections({200, 63}, 16, 48, 128, 128, 4, true, ++seed);   // with the gated RMSNorm
+  check_from_projections({129}, 1, 2, 8, 12, 4, false, ++seed);           // a head of two lanes
+  // Apart (conv1d and gdn_prepare first): dk not a power of two; a conv of 3.
+  check_from_projections({3, 64, 130}, 2, 4, 24, 40, 4, false, ++seed);
+  check_from_projections({70, 65}, 2, 4, 32, 40, 3, false, ++seed);
+  auto x = poisoned<cuda::bf16>(64 * 100);
+  const cuda::GdnProjections narrow{x.data(), 100, nullptr, 4, x.data(), x.data(), 100, nullptr, nullptr, 1.f, nullptr};
+  EXPECT_THROW(cuda::gated_delta_rule_chunked(nullptr, nullptr, nullptr, nullptr, nullptr,
+                                              cuda::GdnChunkPlan({0, 64}, nullptr), 2, 4, 32, 40, nullptr, nullptr,
+                                              nullptr, nullptr, 0, 0, nullptr, &narrow),
+               std::invalid_argument);  // no conv weights, gates' parameters or row starts; rows narrower than C
+}
+
 TEST(CudaGdn, NoTokensPassTheInitialStateThrough) {
   if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
   const int Hv = 2, dk = 8, dv = 12;

@@ -366,9 +366,11 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
   // The chunked rule reads the values in place from the conv output (row stride Cg); the
   // token-by-token path and the rollback copy take them copied into gv.
   const bool v_copy = token_by_token || (cached && keep_rollback);
-  StreamBuffer<float> gconv = gbuf(T * Cg), gq = gbuf(T * Hk * dk), gk = gbuf(T * Hk * dk),
+  // (Without a cache, the chunked rule reads in_proj's output itself: no fp32 inputs.)
+  const int64_t Tc = cached ? T : 0;
+  StreamBuffer<float> gconv = gbuf(Tc * Cg), gq = gbuf(Tc * Hk * dk), gk = gbuf(Tc * Hk * dk),
                       gv = gbuf(v_copy ? T * Hv * dv : 0), go = gbuf(token_by_token ? T * Hv * dv : 0),
-                      gg = gbuf(T * Hv), gbeta = gbuf(T * Hv);
+                      gg = gbuf(Tc * Hv), gbeta = gbuf(Tc * Hv);
   StreamBuffer<bf16> gin(hybrid ? size_t(T * Nin) : 0, s);          // in_proj's output (bf16, as in transformers)
   StreamBuffer<bf16> gnormed(hybrid ? size_t(T * Hv * dv) : 0, s);  // out_proj's input
   const bf16* gz = hybrid ? gin.data() + Cg : nullptr;  // z, b, a read in place from gin (row stride Nin)
@@ -387,7 +389,7 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
       linear(h.data(), Nin, D, l.in_proj, gin.data(), 0.f);
       I.stage("gated_deltanet");
       Impl::GdnCache* gc = cached ? &I.gdn[size_t(i)] : nullptr;
-      if (gc) {  // continue each sequence's conv window, then move it past the new tokens
+      if (gc) {  // continue each sequence's conv window, then move it past the new tokens; q, k, v, gates
         cuda::causal_conv1d_silu_window(gin.data(), Nin, l.conv.data(), gc->window.data(), d_seq_of.data(),
                                         d_cu32.data(), T, Cg, Kc, gconv.data(), s);
         const size_t hist_rows = size_t(C.n * (Kc - 1) + T);
@@ -395,13 +397,10 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
         StreamBuffer<float> tmp(keep_rollback ? 0 : hist_rows * size_t(Cg), s);
         cuda::conv_window_advance(gc->window.data(), gin.data(), Nin, d_cu32.data(), C.n, T, Cg, Kc,
                                   keep_rollback ? gc->hist.data() : tmp.data(), s);
-      } else {  // the queries and keys l2-normalized by the conv kernel
-        const cuda::ConvQkNorm qk{int(Hk), int(dk), q_scale, gq.data(), gk.data()};
-        cuda::causal_conv1d_silu(gin.data(), Nin, l.conv.data(), d_start.data(), T, Cg, Kc, gconv.data(), s, &qk);
-      }
-      cuda::gdn_prepare(gconv.data(), gb, ga, Nin, l.A_log.data(), l.dt_bias.data(), T, int(Hk), int(Hv), int(dk),
-                        int(dv), q_scale, gc ? gq.data() : nullptr, gc ? gk.data() : nullptr,
-                        v_copy ? gv.data() : nullptr, gg.data(), gbeta.data(), s);
+        cuda::gdn_prepare(gconv.data(), gb, ga, Nin, l.A_log.data(), l.dt_bias.data(), T, int(Hk), int(Hv), int(dk),
+                          int(dv), q_scale, gq.data(), gk.data(), v_copy ? gv.data() : nullptr, gg.data(),
+                          gbeta.data(), s);
+      }  // (without a cache the conv1d, the q / k l2norm and the gates run inside the chunked rule: from)
       if (gc && keep_rollback) {  // keep the state before and every token's inputs
         const size_t n_state = size_t(C.n * state_elems);
         if (gc->state_before.size() < n_state) gc->state_before = DeviceArray<float>(n_state);
@@ -421,10 +420,13 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
       } else {  // the cached state in and out (in place: each block reads its slice before writing it); the
                 // gated RMSNorm applied to the output inside the kernel
         const cuda::GatedNormOut norm{gz, Nin, l.gnorm.data(), float(sp.rms_norm_eps), gnormed.data()};
-        cuda::gated_delta_rule_chunked(gq.data(), gk.data(), v_copy ? gv.data() : gconv.data() + 2 * Hk * dk,
-                                       gg.data(), gbeta.data(), *gdn_chunks, int(Hk), int(Hv), int(dk), int(dv),
-                                       gc ? gc->state.data() : nullptr, gc ? gc->state.data() : nullptr, nullptr, s,
-                                       0, v_copy ? 0 : Cg, &norm);
+        const cuda::GdnProjections from{gin.data(), Nin, l.conv.data(), Kc, gb, ga, Nin, l.A_log.data(),
+                                        l.dt_bias.data(), q_scale, d_start.data()};
+        const float* gv_in = !gc ? nullptr : v_copy ? gv.data() : gconv.data() + 2 * Hk * dk;
+        cuda::gated_delta_rule_chunked(gq.data(), gk.data(), gv_in, gg.data(), gbeta.data(), *gdn_chunks, int(Hk),
+                                       int(Hv), int(dk), int(dv), gc ? gc->state.data() : nullptr,
+                                       gc ? gc->state.data() : nullptr, nullptr, s, 0, gc && !v_copy ? Cg : 0, &norm,
+                                       gc ? nullptr : &from);
       }
       linear(gnormed.data(), D, Hv * dv, l.out, x.data(), 1.f);  // x += out_proj(o)
     } else {

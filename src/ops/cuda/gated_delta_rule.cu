@@ -157,6 +157,15 @@ __global__ void qk_l2norm_kernel(const float* y, int64_t C, ConvQkNorm qk) {
   l2norm_heads(y + blockIdx.x * C, blockIdx.x, qk.Hk, qk.dk, qk.q_scale, qk.q, qk.k);
 }
 
+/// A token's gates of one value head from its b and a projections: beta = sigmoid(b), the log decay
+/// g = -exp(A_log) softplus(a + dt_bias) (torch's softplus threshold 20).
+__device__ __forceinline__ void gates(bf16 b, bf16 a, float A_log, float dt_bias, float& g, float& beta) {
+  beta = 1.f / (1.f + expf(-__bfloat162float(b)));
+  const float x = __bfloat162float(a) + dt_bias;
+  const float sp = x > 20.f ? x : log1pf(expf(x));
+  g = -expf(A_log) * sp;
+}
+
 /// One block per token: the q / k heads (l2norm_heads, unless q is null), then v and the gates.
 __global__ void gdn_prepare_kernel(const float* qkv, const bf16* b, const bf16* a, int64_t ba_stride,
                                    const float* A_log, const float* dt_bias, int Hk, int Hv, int dk, int dv,
@@ -169,10 +178,7 @@ __global__ void gdn_prepare_kernel(const float* qkv, const bf16* b, const bf16* 
     for (int i = threadIdx.x; i < Hv * dv; i += blockDim.x) v[t * Hv * dv + i] = vs[i];
   for (int h = threadIdx.x; h < Hv; h += blockDim.x) {
     const int64_t i = t * Hv + h, j = t * ba_stride + h;
-    beta[i] = 1.f / (1.f + expf(-__bfloat162float(b[j])));
-    const float x = __bfloat162float(a[j]) + dt_bias[h];
-    const float sp = x > 20.f ? x : log1pf(expf(x));  // softplus (torch's threshold 20)
-    g[i] = -expf(A_log[h]) * sp;
+    gates(b[j], a[j], A_log[h], dt_bias[h], g[i], beta[i]);
   }
 }
 
@@ -397,6 +403,59 @@ __device__ __forceinline__ void invert_unit_lower(const float* A, int ldm, float
   }
 }
 
+/// chunk_prepare's inputs from the projections (GdnProjections): rows [0, 64) of the conv1d + SiLU
+/// output of the n channels from c0 (the chunk's L rows from `start`; with `history` the K - 1 rows
+/// before it are its sequence's, else zeros) into dst [64][ld] fp32, rows >= L and columns n ..
+/// width - 1 zero. kNorm: each row l2-normalized and times `scale` (n a power of two <= 128, its lanes
+/// summed by xor shuffles). The operations and their order are conv1d_silu_kernel's (with its fused
+/// norm): the same values. Warp w takes rows 8 w .. 8 w + 7, a lane 4 channels; x rows 8-byte aligned.
+template <int K, bool kNorm>
+__device__ __forceinline__ void conv_rows(float* dst, int ld, int width, const GdnProjections& pj, int c0, int n,
+                                          int start, int L, bool history, float scale) {
+  static_assert(kThreads / 32 * 8 == kChunk, "eight rows per warp");
+  const int c = 4 * (threadIdx.x % 32), r0 = 8 * (threadIdx.x / 32);
+  const bool live = c < n;  // (every lane takes part in the shuffles)
+  float wk[4][K], win[K][4];
+#pragma unroll
+  for (int v = 0; v < 4; ++v)
+#pragma unroll
+    for (int j = 0; j < K; ++j) wk[v][j] = live ? pj.conv_w[int64_t(c0 + c + v) * K + j] : 0.f;
+  auto load = [&](int rr, float (&x)[4]) {  // chunk row rr (negative: the sequence's rows before it)
+    if (live && rr < L && (rr >= 0 || history)) {
+      load4(pj.x + int64_t(start + rr) * pj.x_stride + c0 + c, x);
+    } else {
+#pragma unroll
+      for (int v = 0; v < 4; ++v) x[v] = 0.f;
+    }
+  };
+#pragma unroll
+  for (int j = 0; j < K; ++j) load(r0 - K + j, win[j]);
+#pragma unroll
+  for (int r = r0; r < r0 + 8; ++r) {
+#pragma unroll
+    for (int j = 0; j + 1 < K; ++j)
+#pragma unroll
+      for (int v = 0; v < 4; ++v) win[j][v] = win[j + 1][v];
+    load(r, win[K - 1]);
+    float out[4];
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      float acc = 0.f;
+#pragma unroll
+      for (int j = 0; j < K; ++j) acc += wk[v][j] * win[j][v];
+      out[v] = r < L ? silu(acc) : 0.f;
+    }
+    if constexpr (kNorm) {
+      float ss = out[0] * out[0] + out[1] * out[1] + out[2] * out[2] + out[3] * out[3];
+      for (int o = 1; o < n / 4; o <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      const float sc = rsqrtf(ss + 1e-6f) * scale;
+#pragma unroll
+      for (int v = 0; v < 4; ++v) out[v] *= sc;
+    }
+    if (c < width) *reinterpret_cast<float4*>(dst + r * ld + c) = make_float4(out[0], out[1], out[2], out[3]);
+  }
+}
+
 /// Shared memory (bytes) of chunk_prepare_kernel for r = Hv / Hk value heads per key head: about
 /// 106 KB at d 128 plus 768 bytes per value head (the gates of all r heads), two blocks per SM on
 /// H100 / H200 up to r = 12.
@@ -412,12 +471,13 @@ constexpr size_t prepare_smem(int dk, int dv, int r) {
 /// are written as zeros, w_s's are the caller's (zeros). The keys, queries and the Gram matrices K K^T and Q K^T are
 /// shared by the value heads of a key head: loaded and computed once, kept in registers; the gates of
 /// all r heads are summed while the Gram products run, by a warp those leave idle.
+template <int kConvK>
 __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float* q, const float* k, const float* v,
                                                                     const float* g, const float* beta,
                                                                     const Chunk* chunks, int Hk, int Hv, int dk, int dv,
                                                                     int dkp, float* w_out, Split w_s, Split k_s,
                                                                     Split q_s, float* u_out, Split P_s, float* G_out,
-                                                                    int64_t v_stride) {
+                                                                    int64_t v_stride, GdnProjections pj) {
   extern __shared__ float4 sm4[];
   float* sm = reinterpret_cast<float*>(sm4);
   const int ld = prepare_ld(dk, dv);  // row stride (floats)
@@ -433,14 +493,29 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
   float* Bg = Bt + r * kChunk;           // [r][64] beta * exp(G)
   float* Y = Bg + r * kChunk;            // [3][16][kInvLd] scratch of the inverse
   const int dv16 = state_rows(dv);  // <= ld: the columns the products read (keys: dkp)
-  load_rows_async(Ks, ld, dkp, k, ch.start, L, Hk, kh, dk, 0, dk);
-  load_rows_async(Xs, ld, dkp, q, ch.start, L, Hk, kh, dk, 0, dk);
-  mma::cp_async_commit();
+  // kConvK > 0: conv1d + SiLU (+ l2norm) of the projections here, a chunk that is not its
+  // sequence's first continuing the previous rows.
+  const bool history = blockIdx.x > 0 && chunks[blockIdx.x - 1].seq == ch.seq;
+  const int qk_ch = Hk * dk;
+  if constexpr (kConvK > 0) {
+    conv_rows<kConvK, true>(Ks, ld, dkp, pj, qk_ch + kh * dk, dk, ch.start, L, history, 1.f);
+    conv_rows<kConvK, true>(Xs, ld, dkp, pj, kh * dk, dk, ch.start, L, history, pj.q_scale);
+  } else {
+    load_rows_async(Ks, ld, dkp, k, ch.start, L, Hk, kh, dk, 0, dk);
+    load_rows_async(Xs, ld, dkp, q, ch.start, L, Hk, kh, dk, 0, dk);
+    mma::cp_async_commit();
+  }
   for (int e = tid; e < r * kChunk; e += kThreads) {  // the gates of the r value heads
-    const int hh = e / kChunk, i = e % kChunk;
-    const int64_t at = int64_t(ch.start + i) * Hv + kh * r + hh;
-    G[e] = i < L ? g[at] : 0.f;
-    Bt[e] = i < L ? beta[at] : 0.f;
+    const int hh = e / kChunk, i = e % kChunk, h = kh * r + hh;
+    const int64_t t = ch.start + i;
+    if (i >= L) {
+      G[e] = Bt[e] = 0.f;
+    } else if constexpr (kConvK > 0) {
+      gates(pj.b[t * pj.ba_stride + h], pj.a[t * pj.ba_stride + h], pj.A_log[h], pj.dt_bias[h], G[e], Bt[e]);
+    } else {
+      G[e] = g[t * Hv + h];
+      Bt[e] = beta[t * Hv + h];
+    }
   }
   mma::cp_async_wait<0>();
   __syncthreads();
@@ -527,7 +602,10 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
     }
     // The values load while T and w are computed (the queries were last read before the barrier
     // after the Gram products).
-    load_rows_async(Xs, ld, dv16, v, ch.start, L, Hv, h, dv, 0, dv, kChunk, v_stride);
+    if constexpr (kConvK > 0)
+      conv_rows<kConvK, false>(Xs, ld, dv16, pj, 2 * qk_ch + h * dv, dv, ch.start, L, history, 1.f);
+    else
+      load_rows_async(Xs, ld, dv16, v, ch.start, L, Hv, h, dv, 0, dv, kChunk, v_stride);
     mma::cp_async_commit();
     __syncthreads();
     invert_unit_lower(M, ldm, Tm, ldm, Y);  // T = (I + A)^-1 (synchronizes)
@@ -1263,12 +1341,12 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
 void gated_delta_rule_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta,
                               const GdnChunkPlan& plan, int Hk, int Hv, int dk, int dv, const float* init,
                               float* final_state, float* o, cudaStream_t stream, size_t shared_limit,
-                              int64_t v_row_stride, const GatedNormOut* norm) {
+                              int64_t v_row_stride, const GatedNormOut* norm, const GdnProjections* from) {
   if (Hk <= 0 || Hv <= 0 || Hv % Hk != 0 || dk <= 0 || dk > 128 || dv <= 0 || dv > 128 || dk % 4 || dv % 4)
     throw std::invalid_argument("gated_delta_rule_chunked: Hk " + std::to_string(Hk) + ", Hv " + std::to_string(Hv) +
                                 ", dk " + std::to_string(dk) + ", dv " + std::to_string(dv) +
                                 " (head dims multiples of 4, <= 128)");
-  if (v_row_stride != 0 && (v_row_stride < int64_t(Hv) * dv || v_row_stride % 4 != 0 ||
+  if (!from && v_row_stride != 0 && (v_row_stride < int64_t(Hv) * dv || v_row_stride % 4 != 0 ||
                             reinterpret_cast<uintptr_t>(v) % 16 != 0))
     throw std::invalid_argument("gated_delta_rule_chunked: v row stride " + std::to_string(v_row_stride) +
                                 " (>= Hv dv = " + std::to_string(int64_t(Hv) * dv) +
@@ -1277,6 +1355,12 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
     throw std::invalid_argument("gated_delta_rule_chunked: the gated RMSNorm needs z, w and y (4-byte aligned), and a "
                                 "z row stride " + std::to_string(norm ? norm->z_stride : 0) + " >= Hv dv = " +
                                 std::to_string(int64_t(Hv) * dv));
+  const int64_t C = 2 * int64_t(Hk) * dk + int64_t(Hv) * dv;
+  if (from && (!from->x || !from->conv_w || !from->b || !from->a || !from->A_log || !from->dt_bias ||
+               !from->row_start || from->x_stride < C || from->ba_stride < Hv))
+    throw std::invalid_argument("gated_delta_rule_chunked: the projections need x (row stride " +
+                                std::to_string(from->x_stride) + " >= " + std::to_string(C) +
+                                "), conv_w, b, a (row stride >= Hv), A_log, dt_bias and row_start");
   const int nseq = plan.nseq;
   const int64_t T = plan.T, nch = plan.count;
   if (nch * Hv > INT32_MAX)
@@ -1303,6 +1387,23 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
     throw std::runtime_error("gated_delta_rule_chunked: chunk_state needs " + std::to_string(smem_simt) +
                              " bytes of shared memory per block for these head dims; " + std::to_string(limit) +
                              " are available");
+  // From the projections: conv1d, l2norm and gates inside chunk_prepare where its kernel covers the
+  // shapes (and chunk_state, the tensor-core one, reads no fp32 keys), else by their own kernels into
+  // q, k, v (the conv output's v columns, read in place), g, beta.
+  const bool fuse =
+      from && tc && from->K == 4 && (dk & (dk - 1)) == 0 && from->x_stride % 4 == 0 && aligned_to(8, from->x);
+  const bool apart = from && !fuse;
+  StreamBuffer<float> conv(apart ? size_t(T * C) : 0, stream), cq(apart ? size_t(T * Hk * dk) : 0, stream),
+      ck(apart ? size_t(T * Hk * dk) : 0, stream), cg(apart ? size_t(T * Hv) : 0, stream),
+      cbeta(apart ? size_t(T * Hv) : 0, stream);
+  if (apart) {
+    const ConvQkNorm qk{Hk, dk, from->q_scale, cq.data(), ck.data()};
+    causal_conv1d_silu(from->x, from->x_stride, from->conv_w, from->row_start, T, C, from->K, conv.data(), stream, &qk);
+    gdn_prepare(conv.data(), from->b, from->a, from->ba_stride, from->A_log, from->dt_bias, T, Hk, Hv, dk, dv,
+                from->q_scale, nullptr, nullptr, nullptr, cg.data(), cbeta.data(), stream);
+    q = cq.data(), k = ck.data(), v = conv.data() + 2 * int64_t(Hk) * dk, g = cg.data(), beta = cbeta.data();
+    v_row_stride = C;
+  }
   // Empty sequences still pass their initial state through (chunk_state runs no chunk for them).
   // w in fp32 for the SIMT chunk_state; for the tensor-core one, w and k split. Padding the products
   // read and no kernel writes is zeroed: the split w's columns dk .. dkp - 1 (chunk_prepare writes
@@ -1315,10 +1416,11 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
       q_s(size_t(T * Hk * dkp), false, stream), P_s(size_t(nch * Hv * kChunk * kChunk), false, stream);
   if (nch) {
     const size_t smem = prepare_smem(dk, dv, Hv / Hk);
-    allow_shared_memory(chunk_prepare_kernel, smem, "chunk_prepare");
-    chunk_prepare_kernel<<<dim3(unsigned(nch), unsigned(Hk)), kThreads, smem, stream>>>(
+    auto prepare = fuse ? chunk_prepare_kernel<4> : chunk_prepare_kernel<0>;
+    allow_shared_memory(prepare, smem, "chunk_prepare");
+    prepare<<<dim3(unsigned(nch), unsigned(Hk)), kThreads, smem, stream>>>(
         q, k, v, g, beta, d_chunks, Hk, Hv, dk, dv, dkp, w.data(), w_s.get(), k_s.get(), q_s.get(), u.data(), P_s.get(),
-        G.data(), v_row_stride);
+        G.data(), v_row_stride, fuse ? *from : GdnProjections{});
     DFLASH_CUDA_CHECK_LAUNCH();
   }
   // The sequential part: states before each chunk and the chunks' U. On sm_90+ chunk_out runs

@@ -83,6 +83,27 @@ struct GatedNormOut {
   bf16* y = nullptr;
 };
 
+/// A GatedDeltaNet layer's inputs to gated_delta_rule_chunked straight from its input projections
+/// (no cache): the conv1d + SiLU (as causal_conv1d_silu), the q / k l2norm (ConvQkNorm) and the gates
+/// (as gdn_prepare) are then computed by the chunked rule's first kernel, chunk by chunk, and q, k, v,
+/// g, beta are not read (they may be null). x: [T, x_stride] bf16, channels q | k | v (2 Hk dk + Hv dv)
+/// first; conv_w [C, K] fp32; b, a: token t's Hv values at b + t ba_stride (bf16); A_log, dt_bias [Hv]
+/// fp32; q_scale multiplies the normalized queries. Each sequence's conv starts from zeros (its first
+/// chunk sees no earlier rows).
+struct GdnProjections {
+  const bf16* x = nullptr;
+  int64_t x_stride = 0;
+  const float* conv_w = nullptr;
+  int K = 0;
+  const bf16* b = nullptr;
+  const bf16* a = nullptr;
+  int64_t ba_stride = 0;
+  const float* A_log = nullptr;
+  const float* dt_bias = nullptr;
+  float q_scale = 1.f;
+  const int32_t* row_start = nullptr;  // [T] sequence_starts(cu_seqlens) (device): where the kernels run apart
+};
+
 /// Gated delta rule forward over packed sequences (cu_seqlens, host [n + 1]), in chunks of 64 tokens
 /// (the WY / UT form of flash-linear-attention's chunk_gated_delta_rule; fp32 values and state, the
 /// matrix products in 3xBF16 on tensor cores: the output is ~7e-6 (relative L2) from the fp32
@@ -103,10 +124,15 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
 /// at v + t v_row_stride, e.g. the v part of the conv1d output read in place (a multiple of 4, v
 /// 16-byte aligned; std::invalid_argument otherwise). With `norm` the output rows go through its
 /// gated RMSNorm to norm->y and o is not written (it may be null): the layer's o never goes to memory.
+/// With `from` the inputs come from the projections (GdnProjections; v_row_stride is then ignored):
+/// in one kernel with the chunk preparation where K == 4 and dk is a power of two (x 8-byte aligned,
+/// x_stride a multiple of 4), else by causal_conv1d_silu and gdn_prepare first (std::invalid_argument
+/// as those throw).
 void gated_delta_rule_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta,
                               const GdnChunkPlan& plan, int Hk, int Hv, int dk, int dv, const float* initial_state,
                               float* final_state, float* o, cudaStream_t stream, size_t shared_limit = 0,
-                              int64_t v_row_stride = 0, const GatedNormOut* norm = nullptr);
+                              int64_t v_row_stride = 0, const GatedNormOut* norm = nullptr,
+                              const GdnProjections* from = nullptr);
 
 // ---- Decoding and speculative verification (src/ops/cuda/gated_delta_decode.cu) ----
 // Per sequence s of a cached batch: window [n_seq, K-1, C] holds the last K-1 conv inputs before the
