@@ -415,11 +415,8 @@ __device__ __forceinline__ void conv_rows(float* dst, int ld, int width, const G
   static_assert(kThreads / 32 * 8 == kChunk, "eight rows per warp");
   const int c = 4 * (threadIdx.x % 32), r0 = 8 * (threadIdx.x / 32);
   const bool live = c < n;  // (every lane takes part in the shuffles)
-  float wk[4][K], win[K][4];
-#pragma unroll
-  for (int v = 0; v < 4; ++v)
-#pragma unroll
-    for (int j = 0; j < K; ++j) wk[v][j] = live ? pj.conv_w[int64_t(c0 + c + v) * K + j] : 0.f;
+  float win[K][4];
+  const float* wrow = pj.conv_w + int64_t(c0 + (live ? c : 0)) * K;  // (dead lanes: a valid row, zero window)
   auto load = [&](int rr, float (&x)[4]) {  // chunk row rr (negative: the sequence's rows before it)
     if (live && rr < L && (rr >= 0 || history)) {
       load4(pj.x + int64_t(start + rr) * pj.x_stride + c0 + c, x);
@@ -442,7 +439,7 @@ __device__ __forceinline__ void conv_rows(float* dst, int ld, int width, const G
     for (int v = 0; v < 4; ++v) {
       float acc = 0.f;
 #pragma unroll
-      for (int j = 0; j < K; ++j) acc += wk[v][j] * win[j][v];
+      for (int j = 0; j < K; ++j) acc += __ldg(wrow + v * K + j) * win[j][v];
       out[v] = r < L ? silu(acc) : 0.f;
     }
     if constexpr (kNorm) {
