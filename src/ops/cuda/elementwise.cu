@@ -44,11 +44,12 @@ __device__ __forceinline__ void store_v(bf16* p, const float (&f)[kVec]) {
   else *p = __float2bfloat16_rn(f[0]);
 }
 
+// A thread per kVec columns, rows from blockIdx.y on (gridDim.y apart): no index division.
 template <int kVec>
 __global__ void swiglu_fwd_kernel(const bf16* gu, bf16* a, int64_t rows, int64_t n) {
-  const int64_t w = n / kVec;  // accesses per row
-  DFLASH_GRID_STRIDE(i, rows * w) {
-    const int64_t r = i / w, c = (i - r * w) * kVec;
+  const int64_t c = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * kVec;
+  if (c >= n) return;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     float G[kVec], U[kVec], A[kVec];
     load_v(gu + r * 2 * n + c, G), load_v(gu + r * 2 * n + n + c, U);
 #pragma unroll
@@ -59,9 +60,9 @@ __global__ void swiglu_fwd_kernel(const bf16* gu, bf16* a, int64_t rows, int64_t
 
 template <int kVec>
 __global__ void swiglu_bwd_kernel(bf16* gu, const bf16* da, int64_t rows, int64_t n) {
-  const int64_t w = n / kVec;
-  DFLASH_GRID_STRIDE(i, rows * w) {
-    const int64_t r = i / w, c = (i - r * w) * kVec;
+  const int64_t c = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * kVec;
+  if (c >= n) return;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     bf16 *g = gu + r * 2 * n + c, *u = g + n;
     float G[kVec], U[kVec], D[kVec], DG[kVec], DU[kVec];
     load_v(g, G), load_v(u, U), load_v(da + r * n + c, D);
@@ -69,6 +70,11 @@ __global__ void swiglu_bwd_kernel(bf16* gu, const bf16* da, int64_t rows, int64_
     for (int k = 0; k < kVec; ++k) silu_mul_grad(G[k], U[k], D[k], DG[k], DU[k]);
     store_v(g, DG), store_v(u, DU);  // in place: this thread read both before
   }
+}
+
+/// The grid of the SwiGLU kernels: blocks of 256 threads across a row's n / kVec accesses, rows on y.
+dim3 swiglu_grid(int64_t rows, int64_t accesses) {
+  return dim3(unsigned((accesses + 255) / 256), unsigned(std::min<int64_t>(rows, 65535)));
 }
 
 // Row copies move W words: uint4 (8 bf16) when the row length and every pointer allow, else bf16.
@@ -161,9 +167,9 @@ void swiglu_forward(const bf16* gate_up, int64_t rows, int64_t n, bf16* act, cud
   if (rows < 0 || n < 0) throw std::invalid_argument("swiglu_forward: negative size");
   if (rows == 0 || n == 0) return;
   if (n % 8 == 0 && aligned_to(16, gate_up, act))
-    swiglu_fwd_kernel<8><<<grid_for(rows * n / 8), 256, 0, stream>>>(gate_up, act, rows, n);
+    swiglu_fwd_kernel<8><<<swiglu_grid(rows, n / 8), 256, 0, stream>>>(gate_up, act, rows, n);
   else
-    swiglu_fwd_kernel<1><<<grid_for(rows * n), 256, 0, stream>>>(gate_up, act, rows, n);
+    swiglu_fwd_kernel<1><<<swiglu_grid(rows, n), 256, 0, stream>>>(gate_up, act, rows, n);
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
@@ -171,9 +177,9 @@ void swiglu_backward(bf16* gate_up, const bf16* dact, int64_t rows, int64_t n, c
   if (rows < 0 || n < 0) throw std::invalid_argument("swiglu_backward: negative size");
   if (rows == 0 || n == 0) return;
   if (n % 8 == 0 && aligned_to(16, gate_up, dact))
-    swiglu_bwd_kernel<8><<<grid_for(rows * n / 8), 256, 0, stream>>>(gate_up, dact, rows, n);
+    swiglu_bwd_kernel<8><<<swiglu_grid(rows, n / 8), 256, 0, stream>>>(gate_up, dact, rows, n);
   else
-    swiglu_bwd_kernel<1><<<grid_for(rows * n), 256, 0, stream>>>(gate_up, dact, rows, n);
+    swiglu_bwd_kernel<1><<<swiglu_grid(rows, n), 256, 0, stream>>>(gate_up, dact, rows, n);
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 

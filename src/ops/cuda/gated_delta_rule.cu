@@ -409,48 +409,65 @@ __device__ __forceinline__ void invert_unit_lower(const float* A, int ldm, float
 /// width - 1 zero. kNorm: each row l2-normalized and times `scale` (n a power of two <= 128, its lanes
 /// summed by xor shuffles). The operations and their order are conv1d_silu_kernel's (with its fused
 /// norm): the same values. Warp w takes rows 8 w .. 8 w + 7, a lane 4 channels; x rows 8-byte aligned.
+/// wsm: the n channels' conv weights [n][K] in shared memory (stage_conv_weights).
 template <int K, bool kNorm>
-__device__ __forceinline__ void conv_rows(float* dst, int ld, int width, const GdnProjections& pj, int c0, int n,
-                                          int start, int L, bool history, float scale) {
+__device__ __forceinline__ void conv_rows(float* dst, int ld, int width, const GdnProjections& pj, const float* wsm,
+                                          int c0, int n, int start, int L, bool history, float scale) {
   static_assert(kThreads / 32 * 8 == kChunk, "eight rows per warp");
   const int c = 4 * (threadIdx.x % 32), r0 = 8 * (threadIdx.x / 32);
   const bool live = c < n;  // (every lane takes part in the shuffles)
-  float win[K][4];
-  const float* wrow = pj.conv_w + int64_t(c0 + (live ? c : 0)) * K;  // (dead lanes: a valid row, zero window)
-  auto load = [&](int rr, float (&x)[4]) {  // chunk row rr (negative: the sequence's rows before it)
-    if (live && rr < L && (rr >= 0 || history)) {
-      load4(pj.x + int64_t(start + rr) * pj.x_stride + c0 + c, x);
-    } else {
+  const float* wrow = wsm + (live ? c : 0) * K;  // (dead lanes: a valid row, zero window)
+  // Two groups of 4 output rows, each with its K + 3 input rows in flight at once (chunk rows
+  // r0 + 4 q - K + 1 .. r0 + 4 q + 3; before the chunk: its sequence's rows, else zeros), as bf16 x 4
+  // (all 8 rows' inputs at once spilled 170 bytes in chunk_prepare).
+  constexpr int kRows = K - 1 + 4;
+#pragma unroll 1
+  for (int q = 0; q < 2; ++q) {
+    uint2 raw[kRows];
 #pragma unroll
-      for (int v = 0; v < 4; ++v) x[v] = 0.f;
+    for (int i = 0; i < kRows; ++i) {
+      const int rr = r0 + 4 * q - K + 1 + i;
+      raw[i] = live && rr < L && (rr >= 0 || history)
+                   ? *reinterpret_cast<const uint2*>(pj.x + int64_t(start + rr) * pj.x_stride + c0 + c)
+                   : make_uint2(0u, 0u);
     }
-  };
 #pragma unroll
-  for (int j = 0; j < K; ++j) load(r0 - K + j, win[j]);
+    for (int i = 0; i < 4; ++i) {
+      const int r = r0 + 4 * q + i;
+      float win[K][4];  // win[j] = x[r - K + 1 + j]
 #pragma unroll
-  for (int r = r0; r < r0 + 8; ++r) {
+      for (int j = 0; j < K; ++j) {
+        const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[i + j].x));
+        const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[i + j].y));
+        win[j][0] = lo.x, win[j][1] = lo.y, win[j][2] = hi.x, win[j][3] = hi.y;
+      }
+      float out[4];
 #pragma unroll
-    for (int j = 0; j + 1 < K; ++j)
+      for (int v = 0; v < 4; ++v) {
+        float acc = 0.f;
 #pragma unroll
-      for (int v = 0; v < 4; ++v) win[j][v] = win[j + 1][v];
-    load(r, win[K - 1]);
-    float out[4];
+        for (int j = 0; j < K; ++j) acc += wrow[v * K + j] * win[j][v];
+        out[v] = r < L ? silu(acc) : 0.f;
+      }
+      if constexpr (kNorm) {
+        float ss = out[0] * out[0] + out[1] * out[1] + out[2] * out[2] + out[3] * out[3];
+        for (int o = 1; o < n / 4; o <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        const float sc = rsqrtf(ss + 1e-6f) * scale;
 #pragma unroll
-    for (int v = 0; v < 4; ++v) {
-      float acc = 0.f;
-#pragma unroll
-      for (int j = 0; j < K; ++j) acc += __ldg(wrow + v * K + j) * win[j][v];
-      out[v] = r < L ? silu(acc) : 0.f;
+        for (int v = 0; v < 4; ++v) out[v] *= sc;
+      }
+      if (c < width) *reinterpret_cast<float4*>(dst + r * ld + c) = make_float4(out[0], out[1], out[2], out[3]);
     }
-    if constexpr (kNorm) {
-      float ss = out[0] * out[0] + out[1] * out[1] + out[2] * out[2] + out[3] * out[3];
-      for (int o = 1; o < n / 4; o <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-      const float sc = rsqrtf(ss + 1e-6f) * scale;
-#pragma unroll
-      for (int v = 0; v < 4; ++v) out[v] *= sc;
-    }
-    if (c < width) *reinterpret_cast<float4*>(dst + r * ld + c) = make_float4(out[0], out[1], out[2], out[3]);
   }
+}
+
+/// conv_rows' weights: channels c0 .. c0 + n - 1 of pj.conv_w [C][K] into wsm [n][K] (the block's
+/// threads; the caller synchronizes before conv_rows reads them). Read from shared memory per row,
+/// they cost no registers across the row loop (in registers they spilled, from global memory each
+/// warp load touched 16 lines).
+template <int K>
+__device__ __forceinline__ void stage_conv_weights(float* wsm, const GdnProjections& pj, int c0, int n) {
+  for (int e = threadIdx.x; e < n * K; e += kThreads) wsm[e] = pj.conv_w[int64_t(c0) * K + e];
 }
 
 /// Shared memory (bytes) of chunk_prepare_kernel for r = Hv / Hk value heads per key head: about
@@ -494,9 +511,12 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
   // sequence's first continuing the previous rows.
   const bool history = blockIdx.x > 0 && chunks[blockIdx.x - 1].seq == ch.seq;
   const int qk_ch = Hk * dk;
-  if constexpr (kConvK > 0) {
-    conv_rows<kConvK, true>(Ks, ld, dkp, pj, qk_ch + kh * dk, dk, ch.start, L, history, 1.f);
-    conv_rows<kConvK, true>(Xs, ld, dkp, pj, kh * dk, dk, ch.start, L, history, pj.q_scale);
+  if constexpr (kConvK > 0) {  // the weights staged in T's space (free until the first inverse)
+    stage_conv_weights<kConvK>(Tm, pj, qk_ch + kh * dk, dk);
+    stage_conv_weights<kConvK>(Tm + dk * kConvK, pj, kh * dk, dk);
+    __syncthreads();
+    conv_rows<kConvK, true>(Ks, ld, dkp, pj, Tm, qk_ch + kh * dk, dk, ch.start, L, history, 1.f);
+    conv_rows<kConvK, true>(Xs, ld, dkp, pj, Tm + dk * kConvK, kh * dk, dk, ch.start, L, history, pj.q_scale);
   } else {
     load_rows_async(Ks, ld, dkp, k, ch.start, L, Hk, kh, dk, 0, dk);
     load_rows_async(Xs, ld, dkp, q, ch.start, L, Hk, kh, dk, 0, dk);
@@ -599,10 +619,13 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
     }
     // The values load while T and w are computed (the queries were last read before the barrier
     // after the Gram products).
-    if constexpr (kConvK > 0)
-      conv_rows<kConvK, false>(Xs, ld, dv16, pj, 2 * qk_ch + h * dv, dv, ch.start, L, history, 1.f);
-    else
+    if constexpr (kConvK > 0) {  // (T's space is free: the previous head's last product is done)
+      stage_conv_weights<kConvK>(Tm, pj, 2 * qk_ch + h * dv, dv);
+      __syncthreads();
+      conv_rows<kConvK, false>(Xs, ld, dv16, pj, Tm, 2 * qk_ch + h * dv, dv, ch.start, L, history, 1.f);
+    } else {
       load_rows_async(Xs, ld, dv16, v, ch.start, L, Hv, h, dv, 0, dv, kChunk, v_stride);
+    }
     mma::cp_async_commit();
     __syncthreads();
     invert_unit_lower(M, ldm, Tm, ldm, Y);  // T = (I + A)^-1 (synchronizes)
