@@ -319,13 +319,15 @@ namespace {
 /// gated_delta_rule_chunked from the projections (GdnProjections: conv1d, l2norm and gates inside
 /// chunk_prepare where it fuses them) against the same layer through causal_conv1d_silu, gdn_prepare
 /// and the chunked rule on their outputs (each checked against the CPU above): x rows of q | k | v | 5
-/// more columns | b | a, an initial state, o and the final state; with `norm`, the gated RMSNorm too.
+/// more columns | b | a (rows padded to a multiple of 4 when `aligned`: the fused form needs it), an
+/// initial state, o and the final state; with `norm`, the gated RMSNorm too. `fused`: whether
+/// gdn_projections_fuse holds for these inputs; shared_limit as gated_delta_rule_chunked's.
 void check_from_projections(const std::vector<int64_t>& lens, int Hk, int Hv, int dk, int dv, int K, bool norm,
-                            uint64_t seed) {
+                            bool aligned, bool fused, uint64_t seed, size_t shared_limit = 0) {
   std::mt19937_64 rng(seed);
   const std::vector<int64_t> cu = cu_of(lens);
   const int64_t T = cu.back(), n = int64_t(lens.size()), C = 2 * int64_t(Hk) * dk + int64_t(Hv) * dv;
-  const int64_t stride = C + 5 + 2 * Hv;  // ... | b | a
+  const int64_t stride = aligned ? (C + 5 + 2 * Hv + 3) / 4 * 4 : C + 5 + 2 * Hv;  // ... | b | a ..
   const std::vector<float> x = test::rand_bf16_values(size_t(T * stride), rng), w = test::rand_bf16_values(size_t(C * K), rng);
   const std::vector<float> A_log = test::rand_bf16_values(size_t(Hv), rng, 0.5f), dt = test::rand_bf16_values(size_t(Hv), rng);
   std::vector<float> s0(size_t(n * Hv * dk * dv));
@@ -339,16 +341,18 @@ void check_from_projections(const std::vector<int64_t>& lens, int Hk, int Hv, in
   // z for the norm: the last Hv dv of q | k | v's columns, w_norm random.
   const std::vector<float> wn = test::rand_bf16_values(size_t(dv), rng);
   auto dwn = device_f32(wn);
-  auto run = [&](bool fused) {
+  auto run = [&](bool from_projections) {
     auto o = poisoned<float>(size_t(T * Hv * dv));
     auto fs = poisoned<float>(s0.size());
     auto y = poisoned<cuda::bf16>(size_t(T * Hv * dv));
     const cuda::GatedNormOut out{dx.data() + C - Hv * dv, stride, dwn.data(), 1e-6f, y.data()};
-    if (fused) {
+    if (from_projections) {
       const cuda::GdnProjections from{dx.data(), stride, dw.data(), K, b, a, stride, dA.data(), ddt.data(), scale,
                                       row_start.data()};
+      EXPECT_EQ(cuda::gdn_projections_fuse(from, dk), fused);
       cuda::gated_delta_rule_chunked(nullptr, nullptr, nullptr, nullptr, nullptr, plan, Hk, Hv, dk, dv, ds0.data(),
-                                     fs.data(), norm ? nullptr : o.data(), nullptr, 0, 0, norm ? &out : nullptr, &from);
+                                     fs.data(), norm ? nullptr : o.data(), nullptr, shared_limit, 0,
+                                     norm ? &out : nullptr, &from);
     } else {
       cuda::DeviceArray<float> conv(size_t(T * C)), q(size_t(T * Hk * dk)), k(size_t(T * Hk * dk)), g(size_t(T * Hv)),
           beta(size_t(T * Hv));
@@ -357,8 +361,8 @@ void check_from_projections(const std::vector<int64_t>& lens, int Hk, int Hv, in
       cuda::gdn_prepare(conv.data(), b, a, stride, dA.data(), ddt.data(), T, Hk, Hv, dk, dv, scale, nullptr, nullptr,
                         nullptr, g.data(), beta.data(), nullptr);
       cuda::gated_delta_rule_chunked(q.data(), k.data(), conv.data() + 2 * Hk * dk, g.data(), beta.data(), plan, Hk, Hv,
-                                     dk, dv, ds0.data(), fs.data(), norm ? nullptr : o.data(), nullptr, 0, C,
-                                     norm ? &out : nullptr);
+                                     dk, dv, ds0.data(), fs.data(), norm ? nullptr : o.data(), nullptr, shared_limit,
+                                     C, norm ? &out : nullptr);
     }
     return std::array<std::vector<float>, 2>{norm ? test::to_host_f32(y, nullptr) : host_f32(o), host_f32(fs)};
   };
@@ -379,21 +383,45 @@ void check_from_projections(const std::vector<int64_t>& lens, int Hk, int Hv, in
 TEST(CudaGdn, ChunkedFromTheProjectionsMatchesTheKernelsApart) {
   if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
   uint64_t seed = 60;
-  // Fused into chunk_prepare (K 4, dk a power of two): chunks continuing their sequence's conv
-  // window, sequences starting inside the chunk list, an empty one, short last chunks.
-  check_from_projections({3, 64, 1, 0, 65, 130}, 2, 4, 32, 40, 4, false, ++seed);
-  check_from_projections({300, 70}, 16, 48, 128, 128, 4, false, ++seed);  // the Qwen3.6 head shapes
-  check_from_projections({200, 63}, 16, 48, 128, 128, 4, true, ++seed);   // with the gated RMSNorm
-  check_from_projections({129}, 1, 2, 8, 12, 4, false, ++seed);           // a head of two lanes
-  // Apart (conv1d and gdn_prepare first): dk not a power of two; a conv of 3.
-  check_from_projections({3, 64, 130}, 2, 4, 24, 40, 4, false, ++seed);
-  check_from_projections({70, 65}, 2, 4, 32, 40, 3, false, ++seed);
-  auto x = poisoned<cuda::bf16>(64 * 100);
-  const cuda::GdnProjections narrow{x.data(), 100, nullptr, 4, x.data(), x.data(), 100, nullptr, nullptr, 1.f, nullptr};
-  EXPECT_THROW(cuda::gated_delta_rule_chunked(nullptr, nullptr, nullptr, nullptr, nullptr,
-                                              cuda::GdnChunkPlan({0, 64}, nullptr), 2, 4, 32, 40, nullptr, nullptr,
-                                              nullptr, nullptr, 0, 0, nullptr, &narrow),
-               std::invalid_argument);  // no conv weights, gates' parameters or row starts; rows narrower than C
+  // Fused into chunk_prepare (K 4, dk a power of two, rows a multiple of 4): chunks continuing their
+  // sequence's conv window, sequences starting inside the chunk list, an empty one, short last chunks.
+  check_from_projections({3, 64, 1, 0, 65, 130}, 2, 4, 32, 40, 4, false, true, true, ++seed);
+  check_from_projections({300, 70}, 16, 48, 128, 128, 4, false, true, true, ++seed);  // the Qwen3.6 head shapes
+  check_from_projections({200, 63}, 16, 48, 128, 128, 4, true, true, true, ++seed);   // with the gated RMSNorm
+  check_from_projections({129}, 1, 2, 8, 12, 4, false, true, true, ++seed);           // a head of two lanes
+  // Apart (conv1d and gdn_prepare first): rows of an odd length; dk not a power of two; a conv of 3;
+  // the SIMT chunk_state (less shared memory), which reads fp32 keys.
+  check_from_projections({3, 64, 130}, 2, 4, 32, 40, 4, false, false, false, ++seed);
+  check_from_projections({3, 64, 130}, 2, 4, 24, 40, 4, false, true, false, ++seed);
+  check_from_projections({70, 65}, 2, 4, 32, 40, 3, false, true, false, ++seed);
+  check_from_projections({70, 65}, 2, 4, 32, 40, 4, false, true, true, ++seed, 48 * 1024);
+  // No tokens, apart (conv of 3): the initial state passes through.
+  {
+    const std::vector<float> s0(size_t(2 * 4 * 32 * 40), 0.25f);
+    auto d0 = device_f32(s0);
+    auto fs = poisoned<float>(s0.size());
+    auto x = poisoned<cuda::bf16>(8);
+    auto w = poisoned<float>(8);
+    cuda::DeviceArray<int32_t> starts(size_t(1));
+    const cuda::GdnProjections none{x.data(), 300, w.data(), 3, x.data(), x.data(), 300, w.data(), w.data(), 1.f,
+                                    starts.data()};
+    cuda::gated_delta_rule_chunked(nullptr, nullptr, nullptr, nullptr, nullptr, cuda::GdnChunkPlan({0, 0, 0}, nullptr), 2, 4,
+                                   32, 40, d0.data(), fs.data(), nullptr, nullptr, 0, 0, nullptr, &none);
+    EXPECT_EQ(host_f32(fs), s0);
+  }
+  // Refused: rows narrower than q | k | v; a missing input (conv weights).
+  auto x = poisoned<cuda::bf16>(64 * 300);
+  auto w = poisoned<float>(288 * 4);
+  cuda::DeviceArray<int32_t> starts(size_t(64));
+  const cuda::GdnProjections narrow{x.data(), 100, w.data(), 4, x.data(), x.data(), 100, w.data(), w.data(), 1.f,
+                                    starts.data()};
+  const cuda::GdnProjections no_w{x.data(), 300, nullptr, 4, x.data(), x.data(), 300, w.data(), w.data(), 1.f,
+                                  starts.data()};
+  for (const cuda::GdnProjections* bad : {&narrow, &no_w})
+    EXPECT_THROW(cuda::gated_delta_rule_chunked(nullptr, nullptr, nullptr, nullptr, nullptr,
+                                                cuda::GdnChunkPlan({0, 64}, nullptr), 2, 4, 32, 40, nullptr, nullptr,
+                                                nullptr, nullptr, 0, 0, nullptr, bad),
+                 std::invalid_argument);
 }
 
 TEST(CudaGdn, NoTokensPassTheInitialStateThrough) {

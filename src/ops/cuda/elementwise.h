@@ -14,6 +14,7 @@ void swiglu_forward(const bf16* gate_up, int64_t rows, int64_t n, bf16* act, cud
 
 /// Backward of swiglu_forward, in place: gate_up [rows, 2n] (gate | up) becomes dgate | dup, with
 /// s = sigmoid(g): dgate = dact * up * s * (1 + g * (1 - s)), dup = dact * g * s; dact [rows, n].
+/// Throws std::invalid_argument on negative sizes.
 void swiglu_backward(bf16* gate_up, const bf16* dact, int64_t rows, int64_t n, cudaStream_t stream);
 
 /// out [rows, d] = table[ids[r], :] (table [V, d] bf16). An id outside [0, V) writes NaN rows and

@@ -484,7 +484,9 @@ constexpr size_t prepare_smem(int dk, int dv, int r) {
 /// and the keys go split to w_s [T, Hv, dkp] and k_s [T, Hk, dkp]. Columns dk .. dkp - 1 of q_s and k_s
 /// are written as zeros, w_s's are the caller's (zeros). The keys, queries and the Gram matrices K K^T and Q K^T are
 /// shared by the value heads of a key head: loaded and computed once, kept in registers; the gates of
-/// all r heads are summed while the Gram products run, by a warp those leave idle.
+/// all r heads are summed while the Gram products run, by a warp those leave idle. kConvK > 0 (the
+/// conv kernel size): the keys, queries, values and gates come from the projections pj (conv_rows,
+/// gates: GdnProjections) and q, k, v, g, beta are not read. Grid (chunks, Hk).
 template <int kConvK>
 __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float* q, const float* k, const float* v,
                                                                     const float* g, const float* beta,
@@ -680,7 +682,7 @@ __device__ __forceinline__ void launch_dependents() {
 /// dv8]), the chunk's U = u - w S0 (U_s, split, [T, Hv, dv8]), then S = exp(G_L) S0 +
 /// (diag(exp(G_L - G)) K)^T U. Loads run ahead of the math (cp.async): the chunk's keys while U is computed, the next chunk's w,
 /// u and gates while the state is updated. Thread tiles: U rows ur + 32 r (r < 2) x columns
-/// 4 cp .. 4 cp + 3; S rows 4 ur .. 4 ur + 3 x the same columns.
+/// 4 cp .. 4 cp + 3; S rows 4 ur .. 4 ur + 3 x the same columns. progress as chunk_state_kernel's.
 constexpr int kSimtCols = 32;
 
 __global__ void __launch_bounds__(kThreads, 2) chunk_state_simt_kernel(const float* k, const float* w_in, const float* u_in,
@@ -814,7 +816,8 @@ constexpr size_t chunk_state_smem(int dk, int cols) {
 /// One block per (sequence, value head, kCols = 32 or 64 state columns): walks the sequence's chunks in
 /// order and keeps only what is sequential: saves the state before each chunk (H_s, split, [chunks, Hv,
 /// dkp, dv8]), the chunk's U = u - w S0 (U_s, split, [T, Hv, dv8]), then S = exp(G_L) S0 +
-/// K^T diag(exp(G_L - G)) U.
+/// K^T diag(exp(G_L - G)) U. Grid (sequences, Hv, column blocks); progress (null: none)
+/// [sequences, Hv, column blocks]: each block's chunks done, published every kPublish chunks.
 /// Both products on tensor cores in 3xBF16 (mma_3xbf16, ~2^-16 relative per product) from operands
 /// split once: w and k by chunk_prepare (bf16 pairs [T, H, dkp]), S0 and diag(D) U here as they are
 /// made. The state itself stays fp32 in registers for the whole sequence: warp w owns state rows
@@ -1000,7 +1003,10 @@ constexpr size_t chunk_out_smem(int dk) {
 /// row's sum of squares over its quad, both passes and the warp pair) to norm.y (bf16); otherwise to
 /// o (fp32 [T, Hv, dv]). Where 16-byte copies fit (z, w and y 16-byte aligned, z_stride and dv
 /// multiples of 8) the norm's z and w load into shared memory (cp.async, behind the last product) and
-/// y leaves from there in whole rows; else each thread reads and writes its own in memory.
+/// y leaves from there in whole rows; else each thread reads and writes its own in memory. A 1-D
+/// grid of chunks x Hv blocks, chunk-major (the order chunk_state makes them); with progress (see
+/// kPublish; col_blocks chunk_state blocks per sequence and head) each block waits for its chunk's
+/// state and U.
 template <bool kNorm>
 __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split H_s, Split U_s, Split P_s,
                                                              const float* G_in, const Chunk* chunks, int Hk, int Hv,
@@ -1358,6 +1364,10 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   gated_delta_rule_chunked(q, k, v, g, beta, plan, Hk, Hv, dk, dv, init, final_state, o, stream);
 }
 
+bool gdn_projections_fuse(const GdnProjections& p, int dk) {
+  return p.K == 4 && dk > 0 && (dk & (dk - 1)) == 0 && p.x_stride % 4 == 0 && aligned_to(8, p.x);
+}
+
 void gated_delta_rule_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta,
                               const GdnChunkPlan& plan, int Hk, int Hv, int dk, int dv, const float* init,
                               float* final_state, float* o, cudaStream_t stream, size_t shared_limit,
@@ -1410,9 +1420,8 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   // From the projections: conv1d, l2norm and gates inside chunk_prepare where its kernel covers the
   // shapes (and chunk_state, the tensor-core one, reads no fp32 keys), else by their own kernels into
   // q, k, v (the conv output's v columns, read in place), g, beta.
-  const bool fuse =
-      from && tc && from->K == 4 && (dk & (dk - 1)) == 0 && from->x_stride % 4 == 0 && aligned_to(8, from->x);
-  const bool apart = from && !fuse;
+  const bool fuse = from && tc && gdn_projections_fuse(*from, dk);
+  const bool apart = from && !fuse && T > 0;
   StreamBuffer<float> conv(apart ? size_t(T * C) : 0, stream), cq(apart ? size_t(T * Hk * dk) : 0, stream),
       ck(apart ? size_t(T * Hk * dk) : 0, stream), cg(apart ? size_t(T * Hv) : 0, stream),
       cbeta(apart ? size_t(T * Hv) : 0, stream);

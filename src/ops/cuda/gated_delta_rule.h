@@ -101,8 +101,14 @@ struct GdnProjections {
   const float* A_log = nullptr;
   const float* dt_bias = nullptr;
   float q_scale = 1.f;
-  const int32_t* row_start = nullptr;  // [T] sequence_starts(cu_seqlens) (device): where the kernels run apart
+  const int32_t* row_start = nullptr;  // [T] sequence_starts(cu_seqlens) (device; read where the kernels run apart)
 };
+
+/// Whether gated_delta_rule_chunked computes `p`'s conv1d, l2norm and gates inside its chunk
+/// preparation at key dim dk (conv kernel 4, dk a power of two, x 8-byte aligned, x_stride a
+/// multiple of 4; and the tensor-core chunk_state, which the GPU's shared memory decides) rather than
+/// by causal_conv1d_silu and gdn_prepare first.
+bool gdn_projections_fuse(const GdnProjections& p, int dk);
 
 /// Gated delta rule forward over packed sequences (cu_seqlens, host [n + 1]), in chunks of 64 tokens
 /// (the WY / UT form of flash-linear-attention's chunk_gated_delta_rule; fp32 values and state, the
@@ -125,9 +131,13 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
 /// 16-byte aligned; std::invalid_argument otherwise). With `norm` the output rows go through its
 /// gated RMSNorm to norm->y and o is not written (it may be null): the layer's o never goes to memory.
 /// With `from` the inputs come from the projections (GdnProjections; v_row_stride is then ignored):
-/// in one kernel with the chunk preparation where K == 4 and dk is a power of two (x 8-byte aligned,
-/// x_stride a multiple of 4), else by causal_conv1d_silu and gdn_prepare first (std::invalid_argument
-/// as those throw).
+/// in one kernel with the chunk preparation where gdn_projections_fuse and the tensor-core
+/// chunk_state runs, else by causal_conv1d_silu and gdn_prepare first (std::invalid_argument as those
+/// throw); std::invalid_argument when x, conv_w, b, a, A_log, dt_bias or row_start is null, x_stride
+/// < 2 Hk dk + Hv dv or ba_stride < Hv. Also std::invalid_argument when chunks x Hv exceed INT32_MAX.
+/// On sm_90+ chunk_out may finish before chunk_state has written final_state: a kernel launched after
+/// this one with programmatic dependent launch must not read final_state before its own
+/// griddepcontrol.wait (a plain launch waits for both).
 void gated_delta_rule_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta,
                               const GdnChunkPlan& plan, int Hk, int Hv, int dk, int dv, const float* initial_state,
                               float* final_state, float* o, cudaStream_t stream, size_t shared_limit = 0,
