@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <thread>
+#include <utility>
 
 #ifdef DFLASH_HAVE_CUDA
 #include "ops/cuda/device_info.h"
@@ -67,8 +68,7 @@ void append_line(const std::filesystem::path& p, const std::string& line) {
 
 }  // namespace
 
-BenchRecord append_bench_record(const std::string& dir, BenchRecord r, [[maybe_unused]] bool gpu) {
-  if (r.bench.empty() || r.metric.empty()) throw std::invalid_argument("benchmark record needs bench and metric");
+BenchRecord complete_bench_record(BenchRecord r, [[maybe_unused]] bool gpu) {
   if (r.commit.empty()) r.commit = git_commit();
   if (r.date.empty()) r.date = utc_now();
   if (r.device.empty()) {
@@ -78,6 +78,12 @@ BenchRecord append_bench_record(const std::string& dir, BenchRecord r, [[maybe_u
 #endif
     if (r.device.empty()) r.device = cpu_description();
   }
+  return r;
+}
+
+BenchRecord append_bench_record(const std::string& dir, BenchRecord r, bool gpu) {
+  if (r.bench.empty() || r.metric.empty()) throw std::invalid_argument("benchmark record needs bench and metric");
+  r = complete_bench_record(std::move(r), gpu);
   std::filesystem::create_directories(dir);
   const std::filesystem::path base = std::filesystem::path(dir) / r.bench;
   append_line(base.string() + ".jsonl", to_json(r).dump());
@@ -85,6 +91,11 @@ BenchRecord append_bench_record(const std::string& dir, BenchRecord r, [[maybe_u
                                                  r.metric, r.value, r.unit, r.commit, r.device,
                                                  r.extra.empty() ? "" : " | " + r.extra.dump()));
   return r;
+}
+
+void print_bench_record(const std::string& dir, BenchRecord r, bool record, bool gpu) {
+  r = record ? append_bench_record(dir, std::move(r), gpu) : complete_bench_record(std::move(r), gpu);
+  fmt::print("{}\n", to_json(r).dump());
 }
 
 }  // namespace dflash

@@ -22,11 +22,19 @@ struct BenchRecord {
 /// plus "extra" when non-empty.
 nlohmann::json to_json(const BenchRecord& r);
 
-/// Fills commit (env DFLASH_COMMIT, else `git rev-parse --short HEAD`, else "unknown"), device
-/// (first CUDA GPU when `device` names cuda, else the CPU model from /proc/cpuinfo) and date
-/// (UTC, ISO 8601), then appends to `dir`/<bench>.jsonl and `dir`/<bench>.md (created if absent).
-/// Throws std::runtime_error naming the file when it cannot write. Returns the completed record.
+/// Fills what is empty of commit (env DFLASH_COMMIT, else `git rev-parse --short HEAD`, else
+/// "unknown"), device (the first CUDA GPU when `gpu`, else the CPU model from /proc/cpuinfo) and date
+/// (UTC, ISO 8601). Returns the completed record.
+BenchRecord complete_bench_record(BenchRecord r, bool gpu = false);
+
+/// complete_bench_record, then appends to `dir`/<bench>.jsonl and `dir`/<bench>.md (created if
+/// absent). Throws std::invalid_argument without bench or metric, std::runtime_error naming the file
+/// when it cannot write. Returns the completed record.
 BenchRecord append_bench_record(const std::string& dir, BenchRecord r, bool gpu = false);
+
+/// A benchmark's result line: the completed record, appended to `dir` first when `record` (else
+/// written nowhere: --no-record), printed as its JSON object on stdout.
+void print_bench_record(const std::string& dir, BenchRecord r, bool record, bool gpu = false);
 
 /// CPU model name ("unknown CPU" when /proc/cpuinfo has none), with the core count.
 std::string cpu_description();

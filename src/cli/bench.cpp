@@ -181,8 +181,7 @@ void add_bench(CLI::App& app, Runner& run) {
       rec.unit = "tokens/s";
       rec.extra = {{"tokens", tokens}, {"repeat", repeat}, {"median_s", med}, {"min_s", secs.front()},
                    {"max_s", secs.back()}, {"device_kind", device}, {"path", "CPU reference (fp32, OpenBLAS)"}};
-      if (!no_record) rec = append_bench_record(results, rec);
-      fmt::print("{}\n", to_json(rec).dump());
+      print_bench_record(results, rec, !no_record);
       return 0;
     };
   });

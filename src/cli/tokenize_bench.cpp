@@ -115,8 +115,7 @@ void add_bench_tokenize(CLI::App& bench, Runner& run) {
                    {"data", dp.filename().string()},
                    {"text", "question + \\n + answer"},
                    {"add_special_tokens", false}};
-      if (!no_record) rec = append_bench_record(results, rec);
-      fmt::print("{}\n", to_json(rec).dump());
+      print_bench_record(results, rec, !no_record);
       return 0;
     };
   });

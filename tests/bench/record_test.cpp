@@ -35,3 +35,23 @@ TEST(BenchRecord, AppendsJsonlWithAllFields) {
   r.metric.clear();
   EXPECT_THROW(append_bench_record(d.path().string(), r), std::invalid_argument);
 }
+
+TEST(BenchRecord, WithoutRecordingIsCompletedAndWrittenNowhere) {
+  test::TempDir d;
+  BenchRecord r;
+  r.bench = "unit";
+  r.metric = "ms";
+  const BenchRecord c = complete_bench_record(r);
+  EXPECT_FALSE(c.commit.empty());
+  EXPECT_FALSE(c.device.empty());
+  EXPECT_EQ(c.date.size(), 20u);
+  BenchRecord given = r;
+  given.commit = "abc1234";  // what the caller set stays
+  EXPECT_EQ(complete_bench_record(given).commit, "abc1234");
+  testing::internal::CaptureStdout();
+  print_bench_record(d.path().string(), r, false);  // --no-record
+  const auto j = nlohmann::json::parse(testing::internal::GetCapturedStdout());
+  EXPECT_FALSE(j["commit"].get<std::string>().empty());
+  EXPECT_FALSE(j["device"].get<std::string>().empty());
+  EXPECT_FALSE(std::filesystem::exists(d / "unit.jsonl"));
+}

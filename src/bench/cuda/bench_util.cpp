@@ -1,6 +1,5 @@
 #include "bench/cuda/bench_util.h"
 
-#include <fmt/core.h>
 
 #include <algorithm>
 #include <chrono>
@@ -28,8 +27,7 @@ void emit_bench_records(const std::string& bench, const std::string& preset,
     r.extra = extra;
     const char* tune[] = {"auto", "off", "on", "log"};  // GemmTune (DFLASH_GEMM_TUNE)
     r.extra["gemm_tune"] = tune[int(cuda::gemm_tune_mode())];
-    if (record) r = append_bench_record(results, r, true);
-    fmt::print("{}\n", to_json(r).dump());
+    print_bench_record(results, r, record, true);
   }
 }
 
