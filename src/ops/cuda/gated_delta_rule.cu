@@ -54,6 +54,17 @@ __device__ __forceinline__ void load_bf16(const bf16* p, float (&out)[V]) {
     out[0] = __bfloat162float(*p);
 }
 
+/// out, a lane's 4 channels of one head's row, l2-normalized over the head's `lanes` lanes (a power of
+/// two <= 32, aligned in the warp; xor shuffles, so every lane of the warp takes part) and times
+/// `scale`: ConvQkNorm's l2norm (eps 1e-6), shared by conv1d_silu_kernel and chunk_prepare's conv.
+__device__ __forceinline__ void l2norm_lanes(float (&out)[4], int lanes, float scale) {
+  float ss = out[0] * out[0] + out[1] * out[1] + out[2] * out[2] + out[3] * out[3];
+  for (int o = 1; o < lanes; o <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  const float sc = rsqrtf(ss + 1e-6f) * scale;
+#pragma unroll
+  for (int v = 0; v < 4; ++v) out[v] *= sc;
+}
+
 /// A thread per (V channels, run of kConvRun tokens): the last K inputs of its channels slide through
 /// registers. Rows before row_start[t] count as zero (the same sum, term by term, as the CPU
 /// reference). V = 4 needs C and x_stride multiples of 4, x 8-byte and y 16-byte aligned. kNorm (V =
@@ -100,14 +111,13 @@ __global__ void conv1d_silu_kernel(const bf16* __restrict__ x, int64_t x_stride,
         if (t - K + 1 + j >= b) acc += wk[v][j] * win[j][v];
       out[v] = silu(acc);
     }
-    if constexpr (kNorm) {  // the head's sum of squares over its lanes (a head's lanes are aligned)
-      float ss = out[0] * out[0] + out[1] * out[1] + out[2] * out[2] + out[3] * out[3];
-      for (int o = 1; o < qk.dk / 4; o <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if constexpr (kNorm) {  // every lane takes part in the head's sums (a head's lanes are aligned)
+      const bool is_q = c < q_ch;
+      float nrm[4] = {out[0], out[1], out[2], out[3]};
+      l2norm_lanes(nrm, qk.dk / 4, is_q ? qk.q_scale : 1.f);
       if (c < 2 * q_ch) {
-        const bool is_q = c < q_ch;
-        const float sc = rsqrtf(ss + 1e-6f) * (is_q ? qk.q_scale : 1.f);
         float* dst = is_q ? qk.q + t * q_ch + c : qk.k + t * q_ch + (c - q_ch);
-        *reinterpret_cast<float4*>(dst) = make_float4(out[0] * sc, out[1] * sc, out[2] * sc, out[3] * sc);
+        *reinterpret_cast<float4*>(dst) = make_float4(nrm[0], nrm[1], nrm[2], nrm[3]);
         continue;
       }
       if (!live) continue;
@@ -449,13 +459,7 @@ __device__ __forceinline__ void conv_rows(float* dst, int ld, int width, const G
         for (int j = 0; j < K; ++j) acc += wrow[v * K + j] * win[j][v];
         out[v] = r < L ? silu(acc) : 0.f;
       }
-      if constexpr (kNorm) {
-        float ss = out[0] * out[0] + out[1] * out[1] + out[2] * out[2] + out[3] * out[3];
-        for (int o = 1; o < n / 4; o <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        const float sc = rsqrtf(ss + 1e-6f) * scale;
-#pragma unroll
-        for (int v = 0; v < 4; ++v) out[v] *= sc;
-      }
+      if constexpr (kNorm) l2norm_lanes(out, n / 4, scale);
       if (c < width) *reinterpret_cast<float4*>(dst + r * ld + c) = make_float4(out[0], out[1], out[2], out[3]);
     }
   }
@@ -659,10 +663,14 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
 // resident, so the wait always ends.
 constexpr int kPublish = 4;
 
-/// After a __syncthreads: makes the block's earlier global writes visible, then flag = value.
-__device__ __forceinline__ void publish_progress(int* flag, int value) {
+/// A chunk_state block (grid (sequences, Hv, column blocks)) after chunk ci of its c_first .. c_end - 1
+/// and a __syncthreads: every kPublish chunks and after the last, thread 0 makes the block's earlier
+/// global writes visible, then sets its progress flag to ci + 1 (progress null: nothing).
+__device__ __forceinline__ void publish_progress(int* progress, int ci, int c_first, int c_end) {
+  if (!progress || threadIdx.x != 0 || ((ci - c_first) % kPublish != kPublish - 1 && ci + 1 != c_end)) return;
+  int* flag = progress + (int64_t(blockIdx.x) * gridDim.y + blockIdx.y) * gridDim.z + blockIdx.z;
   __threadfence();
-  asm volatile("st.relaxed.gpu.global.s32 [%0], %1;\n" ::"l"(flag), "r"(value) : "memory");
+  asm volatile("st.relaxed.gpu.global.s32 [%0], %1;\n" ::"l"(flag), "r"(ci + 1) : "memory");
 }
 __device__ __forceinline__ int load_acquire(const int* flag) {
   int v;
@@ -792,8 +800,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_state_simt_kernel(const flo
     }
     mma::cp_async_wait<0>();  // the next chunk's w, u and gates
     __syncthreads();
-    if (progress && tid == 0 && ((ci - c_first) % kPublish == kPublish - 1 || ci + 1 == c_end))
-      publish_progress(progress + (int64_t(seq) * gridDim.y + h) * gridDim.z + blockIdx.z, ci + 1);
+    publish_progress(progress, ci, c_first, c_end);
   }
   if (final_state)
     for (int e = tid; e < dk * kSimtCols; e += kThreads) {
@@ -961,8 +968,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(Split k_s, Spl
       for (int e = 0; e < 4; ++e) uc[nn][e] = un_next[nn][e];
     mma::cp_async_wait<0>();  // chunk ci + 1
     __syncthreads();
-    if (progress && tid == 0 && ((ci - c_first) % kPublish == kPublish - 1 || ci + 1 == c_end))
-      publish_progress(progress + (int64_t(seq) * gridDim.y + h) * gridDim.z + blockIdx.z, ci + 1);
+    publish_progress(progress, ci, c_first, c_end);
   }
   if (final_state && owns)
 #pragma unroll
@@ -1403,9 +1409,10 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   // path), or when only 32 fit in shared memory. GPUs with less shared memory per block than either
   // needs (A100 at dk 128) run the SIMT kernel.
   const int dkp = state_rows(dk);
-  int dev = 0, sms = 0;
+  int dev = 0, sms = 0, major = 0;
   DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
   DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   const size_t limit = shared_limit ? std::min(shared_limit, device_shared_limit()) : device_shared_limit();
   const bool narrow = int64_t(nseq) * Hv * ((dv + 31) / 32) <= sms || chunk_state_smem(dk, kMaxCols) > limit;
   const int cols = narrow ? 32 : kMaxCols;
@@ -1457,8 +1464,6 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   // each chunk_state block's chunks in memory.
   SplitBuffer H_s(size_t(nch * Hv * dkp * dv8), pad_simt, stream), U_s(size_t(T * Hv * dv8), pad_simt, stream);
   const int kc = tc ? cols : kSimtCols, col_blocks = (dv + kc - 1) / kc;
-  int major = 0;
-  DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   const bool overlap = major >= 9 && nch > 0;
   StreamBuffer<int> progress(overlap ? size_t(nseq) * size_t(Hv) * size_t(col_blocks) : 0, stream);
   if (overlap) DFLASH_CUDA_CHECK(cudaMemsetAsync(progress.data(), 0, progress.size() * sizeof(int), stream));
