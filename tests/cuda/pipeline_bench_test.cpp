@@ -1,6 +1,6 @@
 // The pieces of `dflash bench pipeline` on the GPU: TargetGpu with random weights made on the device
 // (deterministic per seed, taps equal to its forward's hidden states, hybrids refused) and the tiny
-// benchmark end to end (its three records).
+// benchmark end to end (its three records); the products a step records and their sustained timing.
 #include <gtest/gtest.h>
 
 #ifdef DFLASH_HAVE_CUDA
@@ -12,10 +12,13 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "bench/cuda/bench_util.h"
+#include "bench/cuda/drafter_step_bench.h"
 #include "bench/cuda/pipeline_bench.h"
 #include "bench/presets.h"
 #include "cuda_test_util.h"
 #include "models/cuda/target_gpu.h"
+#include "ops/cuda/elementwise.h"
 #include "test_util.h"
 
 using namespace dflash;
@@ -91,6 +94,65 @@ TEST(CudaBench, PipelineTinyRecordsSamplesTokensAndPeakMemory) {
   for (const char* stage : {"target_forward", "drafter_forward", "drafter_cross_entropy", "drafter_backward",
                             "drafter_optimizer"})
     EXPECT_GT(x["stage_ms"][stage].get<double>(), 0) << stage;
+}
+
+TEST(CudaBench, SustainedGemmsTimeEachRecordedProductOncePerCall) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  cudaStream_t s;
+  DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
+  {
+    cuda::GemmContext g(s);
+    cuda::DeviceArray<cuda::bf16> a(64 * 128), b(128 * 96), cb(64 * 96);
+    cuda::DeviceArray<float> cf(64 * 96);
+    cuda::fill_normal(a.data(), 64 * 128, 1, 0.f, 1.f, s);
+    cuda::fill_normal(b.data(), 128 * 96, 2, 0.f, 1.f, s);
+    cuda::fill_normal(cb.data(), 64 * 96, 3, 0.f, 1.f, s);
+    std::vector<cuda::GemmCall> log;
+    g.gemm({8, 8, 8, false, true}, a.data(), b.data(), cf.data());  // before recording: not logged
+    g.record_calls(&log);
+    g.gemm({64, 96, 128, false, true}, a.data(), b.data(), cf.data());
+    g.gemm({64, 96, 128, false, true}, a.data(), b.data(), cf.data());
+    g.gemm({33, 40, 72, true, false}, a.data(), b.data(), cb.data(), 1.f, 1.f);
+    g.record_calls(nullptr);
+    g.gemm({8, 8, 8, false, true}, a.data(), b.data(), cf.data());  // after: not logged either
+    ASSERT_EQ(log.size(), 3u);
+    EXPECT_EQ(log[0].shape.M, 64);
+    EXPECT_TRUE(log[0].c_is_f32);
+    EXPECT_FALSE(log[0].accumulate);
+    EXPECT_EQ(log[2].shape.K, 72);
+    EXPECT_TRUE(log[2].shape.trans_a);
+    EXPECT_FALSE(log[2].c_is_f32);
+    EXPECT_TRUE(log[2].accumulate);
+    const SustainedGemms r = sustained_gemms(log, false, s, 1.0);
+    EXPECT_EQ(r.shapes, 2);
+    EXPECT_DOUBLE_EQ(r.tflop, 2.0 * (2.0 * 64 * 96 * 128 + 33.0 * 40 * 72) / 1e12);
+    EXPECT_GT(r.ms, 0);
+    EXPECT_TRUE(std::isfinite(r.ms));
+    EXPECT_EQ(sustained_gemms({}, false, s).shapes, 0);
+  }
+  DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
+}
+
+TEST(CudaBench, DrafterStepTinyRecordsItsProductsTimedAlone) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  test::TempDir d;
+  DrafterStepBenchOptions o;
+  o.preset = "tiny";
+  o.anchors = 16, o.steps = 2, o.warmup = 1;
+  o.results = d.path().string();
+  ASSERT_EQ(run_drafter_step_bench(o), 0);
+  std::ifstream f(d / "drafter-step.jsonl");
+  std::string line;
+  ASSERT_TRUE(std::getline(f, line));
+  const nlohmann::json x = nlohmann::json::parse(line)["extra"];
+  // Every product of the step (the cross entropy's and the fc's included) is timed, and only products:
+  // their FLOPs are positive and below the model count, which adds the attention.
+  EXPECT_GT(x["gemm_sustained_shapes"].get<int>(), 10);
+  EXPECT_GT(x["gemm_sustained_tflop"].get<double>(), 0);
+  EXPECT_LT(x["gemm_sustained_tflop"].get<double>(), x["model_tflop_per_step"].get<double>());
+  EXPECT_GT(x["gemm_sustained_ms"].get<double>(), 0);
+  EXPECT_NEAR(x["gemm_sustained_plus_optimizer_ms"].get<double>(), x["gemm_sustained_ms"].get<double>() + x["stage_ms"]["optimizer"].get<double>(),
+              1e-9);
 }
 
 #endif

@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <map>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -133,6 +135,42 @@ double gemm_peak_tflops(cudaStream_t s) {
   cuda::fill_normal(b.data(), n * n, 2, 0.f, 1.f, s);
   const auto t = time_runs(s, 3, 10, [&] { g.gemm({n, n, n, false, true}, a.data(), b.data(), c.data()); });
   return 2.0 * double(n) * n * n / (median(t) * 1e-3) / 1e12;
+}
+
+SustainedGemms sustained_gemms(const std::vector<cuda::GemmCall>& calls, bool tuned, cudaStream_t s, double min_ms) {
+  using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool, bool, bool>;
+  std::map<Key, int> count;
+  int64_t a_max = 0, b_max = 0, c_max = 0;
+  for (const cuda::GemmCall& c : calls) {
+    const cuda::GemmShape& g = c.shape;
+    ++count[{g.M, g.N, g.K, g.trans_a, g.trans_b, c.c_is_f32, c.accumulate}];
+    a_max = std::max(a_max, g.M * g.K), b_max = std::max(b_max, g.K * g.N);
+    c_max = std::max(c_max, g.M * g.N * (c.c_is_f32 ? 2 : 1));  // in bf16 elements
+  }
+  SustainedGemms r;
+  if (count.empty()) return r;
+  cuda::DeviceArray<cuda::bf16> a{size_t(a_max)}, b{size_t(b_max)}, c{size_t(c_max)};
+  cuda::fill_normal(a.data(), a_max, 11, 0.f, 1.f, s);
+  cuda::fill_normal(b.data(), b_max, 12, 0.f, 0.02f, s);
+  cuda::GemmContext g(s, size_t(32) << 20, tuned);
+  for (const auto& [key, n] : count) {
+    const int64_t M = std::get<0>(key), N = std::get<1>(key), K = std::get<2>(key);
+    const bool ta = std::get<3>(key), tb = std::get<4>(key), f32 = std::get<5>(key), acc = std::get<6>(key);
+    DFLASH_CUDA_CHECK(cudaMemsetAsync(c.data(), 0, size_t(M * N) * (f32 ? 4 : 2), s));
+    auto run = [&] {
+      if (f32) g.gemm({M, N, K, ta, tb}, a.data(), b.data(), reinterpret_cast<float*>(c.data()), 1.f, acc ? 1.f : 0.f);
+      else g.gemm({M, N, K, ta, tb}, a.data(), b.data(), c.data(), 1.f, acc ? 1.f : 0.f);
+    };
+    const double once = time_runs(s, 1, 1, run)[0];  // after the tuning call
+    const int reps = std::max(1, int(std::ceil(min_ms / std::max(once, 1e-3))));
+    const double ms = time_runs(s, 0, 1, [&] {
+                        for (int i = 0; i < reps; ++i) run();
+                      })[0] / reps;
+    r.ms += ms * n;
+    r.tflop += 2.0 * double(M) * double(N) * double(K) * n / 1e12;
+    ++r.shapes;
+  }
+  return r;
 }
 
 }  // namespace dflash

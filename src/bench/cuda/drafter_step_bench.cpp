@@ -61,6 +61,15 @@ int run_drafter_step_bench(const DrafterStepBenchOptions& o) {
   // One more step with per-stage GPU timings (where the time goes), and the optimizer alone.
   const nlohmann::json stages = timed_train_step(gpu, seq, o.recompute, o.warmup + o.steps + 1);
   const double peak_gb = mem.peak_gb();
+  // The step's products alone, each back to back at the sustained (power-capped) clock, and with the
+  // optimizer's time (memory bound): what is left of step_ms with every other kernel (attention, norms,
+  // cross-entropy rows) at zero time. Between such kernels the GEMMs of a step can run a little
+  // faster than back to back (the clock recovers), so this is an estimate, not a strict bound.
+  std::vector<cuda::GemmCall> calls;
+  gpu.gemm().record_calls(&calls);
+  bench_train_step(gpu, seq, o.recompute, o.warmup + o.steps + 2);
+  gpu.gemm().record_calls(nullptr);
+  const SustainedGemms sg = sustained_gemms(calls, gpu.gemm().tunes_by_default(), s);
   const double step_ms = median(ms);
   const double flops = step_flops(c, p.V, S, Q, visible);
   const double tflops = flops / (step_ms * 1e-3) / 1e12;
@@ -71,6 +80,9 @@ int run_drafter_step_bench(const DrafterStepBenchOptions& o) {
                                 {"model_tflop_per_step", flops / 1e12}, {"achieved_tflops", tflops},
                                 {"gemm_peak_tflops_8192", gemm_peak}, {"recompute", o.recompute},
                                 {"params", gpu.num_params()}, {"stage_ms", stages},
+                                {"gemm_sustained_ms", sg.ms}, {"gemm_sustained_tflop", sg.tflop},
+                                {"gemm_sustained_shapes", sg.shapes},
+                                {"gemm_sustained_plus_optimizer_ms", sg.ms + stages["optimizer"].get<double>()},
                                 {"what", "zero_grads + forward + backward + clip + AdamW"}};
   emit_bench_records("drafter-step", o.recompute ? o.preset + "+recompute" : o.preset,
                      {{"step_ms", step_ms, "ms"}, {"peak_gb", peak_gb, "GB"}}, extra, o.results, o.record);

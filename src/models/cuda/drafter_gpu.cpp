@@ -138,6 +138,7 @@ DrafterGpu::~DrafterGpu() = default;
 int64_t DrafterGpu::num_params() const { return impl_->n; }
 float* DrafterGpu::grad_data() { return impl_->grad_buffer(); }
 cudaStream_t DrafterGpu::stream() const { return impl_->s; }
+cuda::GemmContext& DrafterGpu::gemm() { return impl_->gemm; }
 
 // (No memset here: the next backward overwrites every gradient, see Impl::grad_zero_pending.)
 void DrafterGpu::zero_grads() { impl_->grad_zero_pending = true; }

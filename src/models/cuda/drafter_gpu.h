@@ -14,6 +14,9 @@
 #include "train/optimizer.h"
 
 namespace dflash {
+namespace cuda {
+class GemmContext;
+}
 
 /// One training sequence for the GPU step. Anchors and blocks as DrafterSequence.
 struct DrafterGpuSequence {
@@ -104,6 +107,8 @@ class DrafterGpu {
   /// next zero_grads().
   float* grad_data();
   cudaStream_t stream() const;
+  /// The cuBLASLt context every product of the step runs on (benchmarks record its calls).
+  cuda::GemmContext& gemm();
   const DrafterConfig& config() const { return cfg_; }
 
   struct Impl;

@@ -661,6 +661,8 @@ void TargetGpu::forward_taps(const std::vector<int32_t>& ids, const std::vector<
   if (impl_->timer) impl_->timer->stop();
 }
 
+cuda::GemmContext& TargetGpu::gemm() { return impl_->gemm; }
+
 void TargetGpu::time_stages(bool on) {
   impl_->timer = on ? std::make_unique<cuda::StageTimer>(impl_->s, true) : nullptr;
 }

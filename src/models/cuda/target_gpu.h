@@ -14,6 +14,9 @@
 #include "ops/cuda/runtime.h"
 
 namespace dflash {
+namespace cuda {
+class GemmContext;
+}
 
 class TargetGpu {
  public:
@@ -51,6 +54,9 @@ class TargetGpu {
   /// the final norm, the head and the argmax), which costs some speed; last_stage_ms gives the GPU
   /// time per stage (ms) of the most recent one (synchronizes the stream; empty while off).
   void time_stages(bool on);
+  /// The cuBLASLt context of every product of a forward, the LM head's included (benchmarks record
+  /// its calls).
+  cuda::GemmContext& gemm();
   std::vector<std::pair<std::string, double>> last_stage_ms() const;
 
   // Decoding (src/spec/decoder.h): a KV cache per layer for a batch of sequences, bf16 keys (after

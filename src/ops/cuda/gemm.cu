@@ -155,6 +155,8 @@ size_t GemmContext::cached_algorithms() {
   return g_algos.size();
 }
 
+bool GemmContext::tunes_by_default() const { return impl_->tune_by_default; }
+
 void GemmContext::gemm(const GemmShape& s, const bf16* A, const bf16* B, float* C, float alpha, float beta) {
   run(s, A, B, C, true, alpha, beta);
 }
@@ -167,6 +169,7 @@ void GemmContext::run(const GemmShape& s, const bf16* A, const bf16* B, void* C,
   if (s.M <= 0 || s.N <= 0 || s.K <= 0)
     throw std::invalid_argument("gemm: sizes must be positive (M " + std::to_string(s.M) + ", N " +
                                 std::to_string(s.N) + ", K " + std::to_string(s.K) + ")");
+  if (log_) log_->push_back({s, c_f32, beta != 0.f});
   // Row-major C[M,N] = op(A) op(B) is column-major C^T[N,M] = op(B)^T op(A)^T: cuBLAS sees
   // "A" = our B (m = N), "B" = our A (n = M).
   const cublasOperation_t opa = s.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;

@@ -2,6 +2,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "ops/cuda/runtime.h"
 
@@ -16,6 +17,13 @@ namespace dflash::cuda {
 struct GemmShape {
   int64_t M = 0, N = 0, K = 0;
   bool trans_a = false, trans_b = false;
+};
+
+/// One product as a GemmContext ran it: shape, output type and whether it added to C (beta != 0).
+/// What benchmarks record of a step to time its products alone (bench_util: sustained_gemms).
+struct GemmCall {
+  GemmShape shape;
+  bool c_is_f32 = false, accumulate = false;
 };
 
 /// How GemmContext chooses a shape's cuBLASLt algorithm, from env DFLASH_GEMM_TUNE:
@@ -52,6 +60,12 @@ class GemmContext {
   GemmContext& operator=(const GemmContext&) = delete;
 
   cudaStream_t stream() const { return stream_; }
+  /// Whether this context tunes its products under GemmTune::kAuto (the constructor's flag).
+  bool tunes_by_default() const;
+
+  /// While `log` is non-null, every product this context runs is also appended to *log (not owned;
+  /// benchmarks: which products a step or a forward makes). nullptr stops recording.
+  void record_calls(std::vector<GemmCall>* log) { log_ = log; }
 
   /// C fp32. Throws std::invalid_argument for non-positive sizes, std::runtime_error when cuBLASLt
   /// finds no algorithm or fails.
@@ -67,6 +81,7 @@ class GemmContext {
   struct Impl;
   std::unique_ptr<Impl> impl_;
   cudaStream_t stream_;
+  std::vector<GemmCall>* log_ = nullptr;
 };
 
 }  // namespace dflash::cuda
