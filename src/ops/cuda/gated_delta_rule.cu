@@ -474,6 +474,82 @@ __device__ __forceinline__ void stage_conv_weights(float* wsm, const GdnProjecti
   for (int e = threadIdx.x; e < n * K; e += kThreads) wsm[e] = pj.conv_w[int64_t(c0) * K + e];
 }
 
+// On sm_90+ the three kernels of the chunked rule overlap (programmatic dependent launch). chunk_state
+// starts beside chunk_prepare's last blocks: chunk_prepare's blocks go in chunk order and each
+// publishes when its chunk is in memory (a fence, then a flag; the last one to finish also counts
+// them all), and chunk_state waits for each chunk's flag (until the count says every chunk is there)
+// before loading it. chunk_out runs beside chunk_state: chunk_state lets the dependent launch start
+// once all its blocks run, and publishes per block how many of its chunks' states and U are in memory
+// (every kPublish chunks and after the last: a fence per publish, which the chain of chunks waits
+// for); each chunk_out block waits for its chunk's before loading them. No kernel waits on a later
+// one, and a dependent kernel starts only when every block of the one before it is resident, so every
+// wait ends.
+constexpr int kPublish = 4;
+
+/// A chunk_state block (grid (sequences, Hv, column blocks)) after chunk ci of its c_first .. c_end - 1
+/// and a __syncthreads: every kPublish chunks and after the last, thread 0 makes the block's earlier
+/// global writes visible, then sets its progress flag to ci + 1 (progress null: nothing).
+__device__ __forceinline__ void publish_progress(int* progress, int ci, int c_first, int c_end) {
+  if (!progress || threadIdx.x != 0 || ((ci - c_first) % kPublish != kPublish - 1 && ci + 1 != c_end)) return;
+  int* flag = progress + (int64_t(blockIdx.x) * gridDim.y + blockIdx.y) * gridDim.z + blockIdx.z;
+  __threadfence();
+  asm volatile("st.relaxed.gpu.global.s32 [%0], %1;\n" ::"l"(flag), "r"(ci + 1) : "memory");
+}
+__device__ __forceinline__ int load_acquire(const int* flag) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
+  return v;
+}
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+/// A chunk_prepare block (1-D grid of chunks x Hk, chunk-major) at its end: after a __syncthreads,
+/// thread 0 makes the block's global writes visible, sets prepared[block] and adds one to
+/// prepared[gridDim.x] (prepared null: nothing).
+__device__ __forceinline__ void publish_prepared(int* prepared) {
+  if (!prepared) return;
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  __threadfence();
+  asm volatile("st.relaxed.gpu.global.s32 [%0], %1;\n" ::"l"(prepared + blockIdx.x), "r"(1) : "memory");
+  atomicAdd(prepared + gridDim.x, 1);
+}
+
+/// chunk_state, every thread, before it loads chunk ci's w, k, u or gates (for key head kh of Hk):
+/// waits for the chunk_prepare block of (ci, kh) to publish them, unless `all` (set here once the count
+/// of prepared blocks reaches `blocks`: no more waiting). prepared null: nothing to wait for.
+__device__ __forceinline__ void wait_prepared(const int* prepared, int blocks, int ci, int Hk, int kh, bool& all) {
+  if (!prepared || all) return;
+  if (load_acquire(prepared + blocks) == blocks) {
+    all = true;
+    return;
+  }
+  while (!load_acquire(prepared + int64_t(ci) * Hk + kh)) __nanosleep(100);
+}
+
+
+/// Launches kernel<<<grid, kThreads, smem, stream>>>(args...), with `programmatic` as a programmatic
+/// dependent launch (it may start before the kernel ahead of it in the stream ends; see
+/// publish_prepared).
+template <typename... Params, typename... Args>
+cudaError_t launch_programmatic(void (*kernel)(Params...), dim3 grid, size_t smem, cudaStream_t stream,
+                                bool programmatic, Args... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute pdl{};
+  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &pdl;
+  cfg.numAttrs = programmatic ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
 /// Shared memory (bytes) of chunk_prepare_kernel for r = Hv / Hk value heads per key head: about
 /// 106 KB at d 128 plus 768 bytes per value head (the gates of all r heads), two blocks per SM on
 /// H100 / H200 up to r = 12.
@@ -490,20 +566,24 @@ constexpr size_t prepare_smem(int dk, int dv, int r) {
 /// shared by the value heads of a key head: loaded and computed once, kept in registers; the gates of
 /// all r heads are summed while the Gram products run, by a warp those leave idle. kConvK > 0 (the
 /// conv kernel size): the keys, queries, values and gates come from the projections pj (conv_rows,
-/// gates: GdnProjections) and q, k, v, g, beta are not read. Grid (chunks, Hk).
+/// gates: GdnProjections) and q, k, v, g, beta are not read. 1-D grid of chunks x Hk blocks,
+/// chunk-major (chunk = block / Hk); with `prepared` (null: none) each block publishes when its chunk
+/// is in memory, for a chunk_state launched beside it (publish_prepared).
 template <int kConvK>
 __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float* q, const float* k, const float* v,
                                                                     const float* g, const float* beta,
                                                                     const Chunk* chunks, int Hk, int Hv, int dk, int dv,
                                                                     int dkp, float* w_out, Split w_s, Split k_s,
                                                                     Split q_s, float* u_out, Split P_s, float* G_out,
-                                                                    int64_t v_stride, GdnProjections pj) {
+                                                                    int64_t v_stride, GdnProjections pj, int* prepared) {
+  if (prepared) launch_dependents();
   extern __shared__ float4 sm4[];
   float* sm = reinterpret_cast<float*>(sm4);
   const int ld = prepare_ld(dk, dv);  // row stride (floats)
   constexpr int ldm = kChunk + 4;     // row stride of M and T (16-byte rows)
-  const Chunk ch = chunks[blockIdx.x];
-  const int kh = blockIdx.y, r = Hv / Hk, L = ch.len, tid = threadIdx.x;
+  const int chunk = int(blockIdx.x / unsigned(Hk)), kh = int(blockIdx.x % unsigned(Hk));
+  const Chunk ch = chunks[chunk];
+  const int r = Hv / Hk, L = ch.len, tid = threadIdx.x;
   float* Ks = sm;                        // [64][ld] keys, later split in place
   float* Xs = Ks + kChunk * ld;          // [64][ld] queries, later values (split in place)
   float* M = Xs + kChunk * ld;           // [64][ldm] A
@@ -515,7 +595,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
   const int dv16 = state_rows(dv);  // <= ld: the columns the products read (keys: dkp)
   // kConvK > 0: conv1d + SiLU (+ l2norm) of the projections here, a chunk that is not its
   // sequence's first continuing the previous rows.
-  const bool history = blockIdx.x > 0 && chunks[blockIdx.x - 1].seq == ch.seq;
+  const bool history = chunk > 0 && chunks[chunk - 1].seq == ch.seq;
   const int qk_ch = Hk * dk;
   if constexpr (kConvK > 0) {  // the weights staged in T's space (free until the first inverse)
     stage_conv_weights<kConvK>(Tm, pj, qk_ch + kh * dk, dk);
@@ -599,7 +679,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
     // A (strictly lower; the diagonal tiles' upper parts zero) and P (lower; the upper tiles zero).
     // Each decay is one exp2 of its own difference of gates (products of per-row and per-column
     // factors would overflow), computed for every element and masked after.
-    const int64_t P0 = (int64_t(blockIdx.x) * Hv + h) * kChunk * kChunk + (mt + gq) * kChunk + nc + 2 * tq;
+    const int64_t P0 = (int64_t(chunk) * Hv + h) * kChunk * kChunk + (mt + gq) * kChunk + nc + 2 * tq;
     const Split Pw = {P_s.hi + P0, P_s.lo + P0};  // the lane's first pair
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -653,34 +733,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
         Tm, ldm, Bth, Vb, lds, lo, L, dv, [&](int i) { return u_out + (int64_t(ch.start + i) * Hv + h) * dv; }, put_f32);
     if (tid < L) G_out[int64_t(ch.start + tid) * Hv + h] = Gh[tid];
   }
-}
-
-// chunk_out overlaps chunk_state (programmatic dependent launch, sm_90+): chunk_state lets the
-// dependent launch start once all its blocks run, and publishes per block how many of its chunks'
-// states and U are in memory (every kPublish chunks and after the last: a fence per publish, which
-// the chain of chunks waits for); each chunk_out block waits for its chunk's before loading them.
-// chunk_state never waits on chunk_out, and chunk_out starts only when every chunk_state block is
-// resident, so the wait always ends.
-constexpr int kPublish = 4;
-
-/// A chunk_state block (grid (sequences, Hv, column blocks)) after chunk ci of its c_first .. c_end - 1
-/// and a __syncthreads: every kPublish chunks and after the last, thread 0 makes the block's earlier
-/// global writes visible, then sets its progress flag to ci + 1 (progress null: nothing).
-__device__ __forceinline__ void publish_progress(int* progress, int ci, int c_first, int c_end) {
-  if (!progress || threadIdx.x != 0 || ((ci - c_first) % kPublish != kPublish - 1 && ci + 1 != c_end)) return;
-  int* flag = progress + (int64_t(blockIdx.x) * gridDim.y + blockIdx.y) * gridDim.z + blockIdx.z;
-  __threadfence();
-  asm volatile("st.relaxed.gpu.global.s32 [%0], %1;\n" ::"l"(flag), "r"(ci + 1) : "memory");
-}
-__device__ __forceinline__ int load_acquire(const int* flag) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
-  return v;
-}
-__device__ __forceinline__ void launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
+  publish_prepared(prepared);
 }
 
 /// The chunk_state of GPUs with less shared memory than the tensor-core kernel below needs (A100:
@@ -830,13 +883,16 @@ constexpr size_t chunk_state_smem(int dk, int cols) {
 /// made. The state itself stays fp32 in registers for the whole sequence: warp w owns state rows
 /// 16 w .. + 15 x all kCols columns (C fragments), and U rows 16 (w / 2) .. + 15 x columns kCols / 2
 /// (w % 2) ... Every input of chunk ci + 1 (w, k, gates by cp.async, u into registers) loads while
-/// chunk ci is computed: the chain of chunks waits on no memory.
+/// chunk ci is computed: the chain of chunks waits on no memory. With `prepared` (launched beside
+/// chunk_prepare, prep_blocks of its blocks): each chunk's inputs only once they are published
+/// (wait_prepared).
 template <int kCols>
 __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(Split k_s, Split w_s, const float* u_in,
                                                                const float* G_in, const Chunk* chunks,
                                                                const int32_t* first_chunk, int Hk, int Hv, int dk,
                                                                int dv, const float* init, float* final_state,
-                                                               Split H_s, Split U_s, int* progress) {
+                                                               Split H_s, Split U_s, int* progress,
+                                                               const int* prepared, int prep_blocks) {
   launch_dependents();
   extern __shared__ float4 sm4[];
   constexpr int ldc = kCols + 8;          // bf16 row stride of S0 and diag(D) U
@@ -896,6 +952,8 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(Split k_s, Spl
       }
   };
   float uc[kUn][4], un_next[kUn][4];
+  bool all_prepared = false;
+  if (c_first < c_end) wait_prepared(prepared, prep_blocks, c_first, Hk, kh, all_prepared);
   load_u(uc, c_first);
   fetch(c_first);
   mma::cp_async_wait<0>();
@@ -905,6 +963,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(Split k_s, Spl
     const bf16* W = Wb + b * 2 * kChunk * ldw;
     const bf16* K = Kb + b * 2 * kChunk * ldw;
     const float* G = Gb + b * kChunk;
+    if (ci + 1 < c_end) wait_prepared(prepared, prep_blocks, ci + 1, Hk, kh, all_prepared);
     fetch(ci + 1);  // into the buffers chunk ci - 1 used, read before the last barrier
     load_u(un_next, ci + 1);
     if (owns)  // the state before this chunk, split, to shared memory
@@ -1012,12 +1071,14 @@ constexpr size_t chunk_out_smem(int dk) {
 /// y leaves from there in whole rows; else each thread reads and writes its own in memory. A 1-D
 /// grid of chunks x Hv blocks, chunk-major (the order chunk_state makes them); with progress (see
 /// kPublish; col_blocks chunk_state blocks per sequence and head) each block waits for its chunk's
-/// state and U.
+/// state and U, and with `prepared` (chunk_state beside chunk_prepare) first for its chunk's Q and P
+/// (wait_prepared).
 template <bool kNorm>
 __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split H_s, Split U_s, Split P_s,
                                                              const float* G_in, const Chunk* chunks, int Hk, int Hv,
                                                              int dk, int dv, float* o, GatedNormOut norm,
-                                                             const int* progress, int col_blocks) {
+                                                             const int* progress, int col_blocks, const int* prepared,
+                                                             int prep_blocks) {
   extern __shared__ float4 sm4[];
   constexpr int kOut = 64, ldc = kOut + 8;
   const int dkp = state_rows(dk), dv8 = value_cols(dv), ldq = dkp + 8;
@@ -1042,6 +1103,8 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(Split q_s, Split
     load_split_async(Us, ldc, kChunk * ldc, U_s, int64_t(Hv) * dv8, (int64_t(ch.start) * Hv + h) * dv8 + p * kOut, L,
                      min(kOut, dv8 - p * kOut), kOut, kChunk);
   };
+  bool all_prepared = false;  // (chunk_prepare may still run beside chunk_state: its Q and P first)
+  wait_prepared(prepared, prep_blocks, ci, Hk, kh, all_prepared);
   load_split_async(Qs, ldq, kChunk * ldq, q_s, int64_t(Hk) * dkp, (int64_t(ch.start) * Hk + kh) * dkp, L, dkp, dkp, kChunk);
   load_split_async(Ps, ldc, kChunk * ldc, P_s, kChunk, P0, kChunk, kChunk, kChunk, kChunk);
   mma::cp_async_commit();
@@ -1450,57 +1513,63 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   StreamBuffer<float> w(tc ? 0 : size_t(T * Hv * dk), stream), u(size_t(T * Hv * dv), stream), G(size_t(T * Hv), stream);
   SplitBuffer w_s(tc ? size_t(T * Hv * dkp) : 0, pad_k, stream), k_s(tc ? size_t(T * Hk * dkp) : 0, false, stream),
       q_s(size_t(T * Hk * dkp), false, stream), P_s(size_t(nch * Hv * kChunk * kChunk), false, stream);
+  // On sm_90+ the kernels overlap (see publish_prepared): prepared [nch Hk + 1] flags chunk_prepare's
+  // blocks done and counts them, for the tensor-core chunk_state; progress [nseq, Hv, col_blocks]
+  // counts each chunk_state block's chunks in memory, for chunk_out. (Zeroed before chunk_prepare:
+  // nothing may come between the kernels of a programmatic launch.)
+  const int kc = tc ? cols : kSimtCols, col_blocks = (dv + kc - 1) / kc;
+  const bool overlap = major >= 9 && nch > 0, overlap_prep = overlap && tc;
+  const int prep_blocks = int(nch * Hk);
+  StreamBuffer<int> prepared(overlap_prep ? size_t(prep_blocks) + 1 : 0, stream);
+  StreamBuffer<int> progress(overlap ? size_t(nseq) * size_t(Hv) * size_t(col_blocks) : 0, stream);
+  if (overlap_prep) DFLASH_CUDA_CHECK(cudaMemsetAsync(prepared.data(), 0, prepared.size() * sizeof(int), stream));
+  if (overlap) DFLASH_CUDA_CHECK(cudaMemsetAsync(progress.data(), 0, progress.size() * sizeof(int), stream));
   if (nch) {
     const size_t smem = prepare_smem(dk, dv, Hv / Hk);
     auto prepare = fuse ? chunk_prepare_kernel<4> : chunk_prepare_kernel<0>;
     allow_shared_memory(prepare, smem, "chunk_prepare");
-    prepare<<<dim3(unsigned(nch), unsigned(Hk)), kThreads, smem, stream>>>(
+    prepare<<<unsigned(prep_blocks), kThreads, smem, stream>>>(
         q, k, v, g, beta, d_chunks, Hk, Hv, dk, dv, dkp, w.data(), w_s.get(), k_s.get(), q_s.get(), u.data(), P_s.get(),
-        G.data(), v_row_stride, fuse ? *from : GdnProjections{});
+        G.data(), v_row_stride, fuse ? *from : GdnProjections{}, overlap_prep ? prepared.data() : nullptr);
     DFLASH_CUDA_CHECK_LAUNCH();
   }
-  // The sequential part: states before each chunk and the chunks' U. On sm_90+ chunk_out runs
-  // beside it (programmatic dependent launch, see kPublish): progress [nseq, Hv, col_blocks] counts
-  // each chunk_state block's chunks in memory.
+  // The sequential part: states before each chunk and the chunks' U.
   SplitBuffer H_s(size_t(nch * Hv * dkp * dv8), pad_simt, stream), U_s(size_t(T * Hv * dv8), pad_simt, stream);
-  const int kc = tc ? cols : kSimtCols, col_blocks = (dv + kc - 1) / kc;
-  const bool overlap = major >= 9 && nch > 0;
-  StreamBuffer<int> progress(overlap ? size_t(nseq) * size_t(Hv) * size_t(col_blocks) : 0, stream);
-  if (overlap) DFLASH_CUDA_CHECK(cudaMemsetAsync(progress.data(), 0, progress.size() * sizeof(int), stream));
-  auto launch_state = [&](auto kernel, size_t smem, auto... inputs) {
-    allow_shared_memory(kernel, smem, "chunk_state");
+  int* const prog = overlap ? progress.data() : nullptr;
+  const dim3 state_grid{unsigned(nseq), unsigned(Hv), unsigned(col_blocks)};
+  auto launch_tc = [&](auto kernel) {
+    allow_shared_memory(kernel, smem_tc, "chunk_state");
     DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                            cudaSharedmemCarveoutMaxShared));
-    kernel<<<dim3(unsigned(nseq), unsigned(Hv), unsigned(col_blocks)), kThreads, smem, stream>>>(
-        inputs..., u.data(), G.data(), d_chunks, d_first, Hk, Hv, dk, dv, init, final_state, H_s.get(), U_s.get(),
-        overlap ? progress.data() : nullptr);
+    DFLASH_CUDA_CHECK(launch_programmatic(kernel, state_grid, smem_tc, stream, overlap_prep, k_s.get(), w_s.get(),
+                                          static_cast<const float*>(u.data()), static_cast<const float*>(G.data()),
+                                          d_chunks, d_first, Hk, Hv, dk, dv, init, final_state, H_s.get(), U_s.get(),
+                                          prog, static_cast<const int*>(overlap_prep ? prepared.data() : nullptr),
+                                          prep_blocks));
   };
-  if (tc && narrow)
-    launch_state(chunk_state_kernel<32>, smem_tc, k_s.get(), w_s.get());
-  else if (tc)
-    launch_state(chunk_state_kernel<kMaxCols>, smem_tc, k_s.get(), w_s.get());
-  else
-    launch_state(chunk_state_simt_kernel, smem_simt, k, w.data());
+  if (tc && narrow) {
+    launch_tc(chunk_state_kernel<32>);
+  } else if (tc) {
+    launch_tc(chunk_state_kernel<kMaxCols>);
+  } else {
+    allow_shared_memory(chunk_state_simt_kernel, smem_simt, "chunk_state");
+    DFLASH_CUDA_CHECK(cudaFuncSetAttribute(chunk_state_simt_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                           cudaSharedmemCarveoutMaxShared));
+    chunk_state_simt_kernel<<<state_grid, kThreads, smem_simt, stream>>>(k, w.data(), u.data(), G.data(), d_chunks,
+                                                                         d_first, Hk, Hv, dk, dv, init, final_state,
+                                                                         H_s.get(), U_s.get(), prog);
+  }
   DFLASH_CUDA_CHECK_LAUNCH();
   if (!nch) return;
   // The outputs, every chunk in parallel: blocks in chunk order, a chunk's value heads together.
   const size_t smem_out = chunk_out_smem(dk);
   auto launch_out = [&](auto kernel) {
     allow_shared_memory(kernel, smem_out, "chunk_out");
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(unsigned(nch * Hv));
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = smem_out;
-    cfg.stream = stream;
-    cudaLaunchAttribute pdl{};
-    pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    pdl.val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = &pdl;
-    cfg.numAttrs = overlap ? 1 : 0;
-    DFLASH_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, q_s.get(), H_s.get(), U_s.get(), P_s.get(),
-                                         static_cast<const float*>(G.data()), d_chunks, Hk, Hv, dk, dv, o,
-                                         norm ? *norm : GatedNormOut{},
-                                         static_cast<const int*>(overlap ? progress.data() : nullptr), col_blocks));
+    DFLASH_CUDA_CHECK(launch_programmatic(kernel, dim3(unsigned(nch * Hv)), smem_out, stream, overlap, q_s.get(),
+                                          H_s.get(), U_s.get(), P_s.get(), static_cast<const float*>(G.data()),
+                                          d_chunks, Hk, Hv, dk, dv, o, norm ? *norm : GatedNormOut{},
+                                          static_cast<const int*>(prog), col_blocks,
+                                          static_cast<const int*>(overlap_prep ? prepared.data() : nullptr), prep_blocks));
   };
   if (norm)
     launch_out(chunk_out_kernel<true>);
