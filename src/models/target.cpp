@@ -283,8 +283,9 @@ std::vector<KernelChoice> layer_kernels(const ModelSpec& s, int64_t layer) {
                             (s.attn_output_gate() ? " + sigmoid output gate" : "") + " + cuBLASLt bf16 GEMMs"
                       : std::string("cuBLASLt bf16 GEMMs (in_proj_qkv|z|b|a as one) + gated_delta_rule_chunked "
                                     "(chunk 64, WY/UT form, fp32 state; conv1d + SiLU, q/k l2norm and gates in its "
-                                    "chunk_prepare, cuda::causal_conv1d_silu with a decoding cache; chunk_out beside "
-                                    "chunk_state on sm_90+; the gated RMSNorm fused into its output)")) +
+                                    "chunk_prepare, cuda::causal_conv1d_silu with a decoding cache; on sm_90+ chunk_state "
+                                    "beside chunk_prepare and chunk_out beside chunk_state; the gated RMSNorm fused into its "
+                                    "output)")) +
                      (moe ? "; experts: cuda::moe_route (on-device top-k) + grouped_gemm (mma.sync bf16, no host sync)"
                           : ""),
                  ""});
