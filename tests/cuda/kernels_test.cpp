@@ -353,9 +353,8 @@ TEST(CudaElementwise, SwigluGatherAdd) {
   Stream st;
   std::mt19937_64 rng(4);
   // gate_up rows of 2 I: I % 8 == 0 and aligned takes 16-byte accesses; I odd or a misaligned start
-  // (off 1) one element at a time.
-  const int64_t rows = 33;
-  for (const int64_t I : {1008, 1001})
+  // (off 1) one element at a time. 70001 rows: more than the grid's 65535 on y (its row loop).
+  for (const auto& [rows, I] : {std::pair<int64_t, int64_t>{33, 1008}, {33, 1001}, {70001, 8}, {70001, 3}})
     for (const int64_t off : {0, 1}) {
       const int64_t n = rows * I;
       const auto gu = rand_bf16_values(size_t(2 * n), rng, 3.f), dy = rand_bf16_values(size_t(n), rng);
@@ -385,8 +384,8 @@ TEST(CudaElementwise, SwigluGatherAdd) {
         const auto h = to_host_f32(a, st.s);
         return std::vector<float>(h.begin() + off, h.end());
       };
-      EXPECT_LE(test::rel_l2(tailf(act), A.data), kTolBf16Out) << I << " " << off;
-      EXPECT_LE(test::rel_l2(tailf(dGU), dgu_ref), kTolBf16Out) << I << " " << off;
+      EXPECT_LE(test::rel_l2(tailf(act), A.data), kTolBf16Out) << rows << " x " << I << " " << off;
+      EXPECT_LE(test::rel_l2(tailf(dGU), dgu_ref), kTolBf16Out) << rows << " x " << I << " " << off;
     }
 
   // Rows of 72 (16-byte words) and of 9 elements (one by one).
