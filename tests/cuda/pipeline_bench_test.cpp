@@ -66,21 +66,31 @@ TEST(CudaBench, RandomTargetIsSeededAndItsTapsMatchItsForward) {
   DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
 }
 
-TEST(CudaBench, PipelineTinyRecordsSamplesTokensAndPeakMemory) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+namespace {
+/// Runs a benchmark's tiny preset (16 anchors, 2 steps after 1) into a temporary results directory;
+/// returns its records of <bench>.jsonl by metric.
+template <typename Options>
+std::map<std::string, nlohmann::json> tiny_records(const std::string& bench, int (*run)(const Options&)) {
   test::TempDir d;
-  PipelineBenchOptions o;
+  Options o;
   o.preset = "tiny";
   o.anchors = 16, o.steps = 2, o.warmup = 1;
   o.results = d.path().string();
-  ASSERT_EQ(run_pipeline_bench(o), 0);
-  std::ifstream f(d / "pipeline.jsonl");
+  EXPECT_EQ(run(o), 0);
+  std::ifstream f(d / (bench + ".jsonl"));
   std::string line;
   std::map<std::string, nlohmann::json> by_metric;
   while (std::getline(f, line)) {
     const auto j = nlohmann::json::parse(line);
     by_metric[j["metric"].get<std::string>()] = j;
   }
+  return by_metric;
+}
+}  // namespace
+
+TEST(CudaBench, PipelineTinyRecordsSamplesTokensAndPeakMemory) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  const auto by_metric = tiny_records("pipeline", &run_pipeline_bench);
   ASSERT_EQ(by_metric.size(), 3u);
   const double sps = by_metric.at("samples_per_s")["value"].get<double>();
   EXPECT_GT(sps, 0);
@@ -135,24 +145,17 @@ TEST(CudaBench, SustainedGemmsTimeEachRecordedProductOncePerCall) {
 
 TEST(CudaBench, DrafterStepTinyRecordsItsProductsTimedAlone) {
   if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
-  test::TempDir d;
-  DrafterStepBenchOptions o;
-  o.preset = "tiny";
-  o.anchors = 16, o.steps = 2, o.warmup = 1;
-  o.results = d.path().string();
-  ASSERT_EQ(run_drafter_step_bench(o), 0);
-  std::ifstream f(d / "drafter-step.jsonl");
-  std::string line;
-  ASSERT_TRUE(std::getline(f, line));
-  const nlohmann::json x = nlohmann::json::parse(line)["extra"];
+  const auto by_metric = tiny_records("drafter-step", &run_drafter_step_bench);
+  ASSERT_EQ(by_metric.count("step_ms"), 1u);
+  const nlohmann::json& x = by_metric.at("step_ms")["extra"];
   // Every product of the step (the cross entropy's and the fc's included) is timed, and only products:
   // their FLOPs are positive and below the model count, which adds the attention.
   EXPECT_GT(x["gemm_sustained_shapes"].get<int>(), 10);
   EXPECT_GT(x["gemm_sustained_tflop"].get<double>(), 0);
   EXPECT_LT(x["gemm_sustained_tflop"].get<double>(), x["model_tflop_per_step"].get<double>());
   EXPECT_GT(x["gemm_sustained_ms"].get<double>(), 0);
-  EXPECT_NEAR(x["gemm_sustained_plus_optimizer_ms"].get<double>(), x["gemm_sustained_ms"].get<double>() + x["stage_ms"]["optimizer"].get<double>(),
-              1e-9);
+  EXPECT_NEAR(x["gemm_sustained_plus_optimizer_ms"].get<double>(),
+              x["gemm_sustained_ms"].get<double>() + x["stage_ms"]["optimizer"].get<double>(), 1e-9);
 }
 
 #endif
