@@ -27,8 +27,11 @@ std::vector<double> time_runs(cudaStream_t s, int warmup, int runs, const std::f
 /// bf16 GEMM throughput (TFLOP/s) of cuBLASLt at 8192^3 on `s`, median of 10 after 3 warm-ups.
 double gemm_peak_tflops(cudaStream_t s);
 
-/// The products of a step or forward, each timed alone: how long they take at the GPU's sustained
-/// (power-capped) clock, what the whole would take with every other kernel at zero time.
+/// The cuBLASLt products of a step or forward, each timed alone: how long they take at the GPU's
+/// sustained (power-capped) clock, an estimate of what the whole would take with every other kernel
+/// (and any product outside cuBLASLt, e.g. the experts' grouped GEMMs) at zero time. Biased both ways:
+/// operands stay hot in L2 and are freshly aligned, and between lower-power kernels the clock of a real
+/// run recovers a little.
 struct SustainedGemms {
   double ms = 0;     // sum over the calls of each product's mean time, ms
   double tflop = 0;  // their FLOPs (2 M N K each), 1e12
@@ -36,7 +39,7 @@ struct SustainedGemms {
 };
 /// Times every distinct product of `calls` (shape, output type, beta 0 or 1) on a new GemmContext on
 /// `s` that tunes as `tuned` (GemmContext's tune_by_default), one after the other: one call
-/// (tuning), then back to back for at least `min_ms` (~100 ms: the GPU settles at its power cap, as in
+/// (warm-up; it tunes the shape where no context of the process has), then back to back for at least `min_ms` (~100 ms: the GPU settles at its power cap, as in
 /// a long run), its mean time counted once per call. Operands: A ~ N(0, 1) (activations), B ~ N(0, 0.02)
 /// (weights), bf16; C zeroed. Allocates the largest operands once (cudaMalloc, outside the stream's
 /// pool). Throws std::runtime_error on CUDA / cuBLASLt errors (out of memory).

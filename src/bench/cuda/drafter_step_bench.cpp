@@ -63,7 +63,7 @@ int run_drafter_step_bench(const DrafterStepBenchOptions& o) {
   const double peak_gb = mem.peak_gb();
   // The step's products alone, each back to back at the sustained (power-capped) clock, and with the
   // optimizer's time (memory bound): what is left of step_ms with every other kernel (attention, norms,
-  // cross-entropy rows) at zero time. Between such kernels the GEMMs of a step can run a little
+  // SwiGLU, RoPE, cross-entropy rows) at zero time. Between such kernels the GEMMs of a step can run a little
   // faster than back to back (the clock recovers), so this is an estimate, not a strict bound.
   std::vector<cuda::GemmCall> calls;
   gpu.gemm().record_calls(&calls);

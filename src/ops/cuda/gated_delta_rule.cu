@@ -474,16 +474,16 @@ __device__ __forceinline__ void stage_conv_weights(float* wsm, const GdnProjecti
   for (int e = threadIdx.x; e < n * K; e += kThreads) wsm[e] = pj.conv_w[int64_t(c0) * K + e];
 }
 
-// On sm_90+ the three kernels of the chunked rule overlap (programmatic dependent launch). chunk_state
-// starts beside chunk_prepare's last blocks: chunk_prepare's blocks go in chunk order and each
-// publishes when its chunk is in memory (a fence, then a flag; the last one to finish also counts
-// them all), and chunk_state waits for each chunk's flag (until the count says every chunk is there)
-// before loading it. chunk_out runs beside chunk_state: chunk_state lets the dependent launch start
+// On sm_90+ the three kernels of the chunked rule overlap (programmatic dependent launch). The
+// tensor-core chunk_state starts beside chunk_prepare's last blocks: chunk_prepare's blocks go in chunk
+// order and each publishes when its chunk is in memory (a fence, then a flag, then one more in a count
+// of them all), and chunk_state waits for each chunk's flag (until the count says every chunk is
+// there) before loading it. chunk_out runs beside chunk_state: chunk_state lets the dependent launch start
 // once all its blocks run, and publishes per block how many of its chunks' states and U are in memory
 // (every kPublish chunks and after the last: a fence per publish, which the chain of chunks waits
 // for); each chunk_out block waits for its chunk's before loading them. No kernel waits on a later
-// one, and a dependent kernel starts only when every block of the one before it is resident, so every
-// wait ends.
+// one, and a dependent kernel starts only when every block of the one before it has started (or
+// ended), so every wait ends.
 constexpr int kPublish = 4;
 
 /// A chunk_state block (grid (sequences, Hv, column blocks)) after chunk ci of its c_first .. c_end - 1
@@ -883,9 +883,9 @@ constexpr size_t chunk_state_smem(int dk, int cols) {
 /// made. The state itself stays fp32 in registers for the whole sequence: warp w owns state rows
 /// 16 w .. + 15 x all kCols columns (C fragments), and U rows 16 (w / 2) .. + 15 x columns kCols / 2
 /// (w % 2) ... Every input of chunk ci + 1 (w, k, gates by cp.async, u into registers) loads while
-/// chunk ci is computed: the chain of chunks waits on no memory. With `prepared` (launched beside
-/// chunk_prepare, prep_blocks of its blocks): each chunk's inputs only once they are published
-/// (wait_prepared).
+/// chunk ci is computed: the chain of chunks waits on no memory, except, with `prepared` (launched
+/// beside chunk_prepare, prep_blocks of its blocks), for chunk ci + 1 to be published (wait_prepared)
+/// before its loads are issued.
 template <int kCols>
 __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(Split k_s, Split w_s, const float* u_in,
                                                                const float* G_in, const Chunk* chunks,
@@ -1515,8 +1515,10 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
       q_s(size_t(T * Hk * dkp), false, stream), P_s(size_t(nch * Hv * kChunk * kChunk), false, stream);
   // On sm_90+ the kernels overlap (see publish_prepared): prepared [nch Hk + 1] flags chunk_prepare's
   // blocks done and counts them, for the tensor-core chunk_state; progress [nseq, Hv, col_blocks]
-  // counts each chunk_state block's chunks in memory, for chunk_out. (Zeroed before chunk_prepare:
-  // nothing may come between the kernels of a programmatic launch.)
+  // counts each chunk_state block's chunks in memory, for chunk_out. (These and chunk_state's outputs
+  // H_s, U_s are allocated and zeroed before chunk_prepare: nothing may come between the kernels of a
+  // programmatic launch.)
+  SplitBuffer H_s(size_t(nch * Hv * dkp * dv8), pad_simt, stream), U_s(size_t(T * Hv * dv8), pad_simt, stream);
   const int kc = tc ? cols : kSimtCols, col_blocks = (dv + kc - 1) / kc;
   const bool overlap = major >= 9 && nch > 0, overlap_prep = overlap && tc;
   const int prep_blocks = int(nch * Hk);
@@ -1534,7 +1536,6 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
     DFLASH_CUDA_CHECK_LAUNCH();
   }
   // The sequential part: states before each chunk and the chunks' U.
-  SplitBuffer H_s(size_t(nch * Hv * dkp * dv8), pad_simt, stream), U_s(size_t(T * Hv * dv8), pad_simt, stream);
   int* const prog = overlap ? progress.data() : nullptr;
   const dim3 state_grid{unsigned(nseq), unsigned(Hv), unsigned(col_blocks)};
   auto launch_tc = [&](auto kernel) {

@@ -135,7 +135,7 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
 /// chunk_state runs, else by causal_conv1d_silu and gdn_prepare first (std::invalid_argument as those
 /// throw); std::invalid_argument when x, conv_w, b, a, A_log, dt_bias or row_start is null, x_stride
 /// < 2 Hk dk + Hv dv or ba_stride < Hv. Also std::invalid_argument when chunks x Hv exceed INT32_MAX.
-/// On sm_90+ the three kernels overlap (programmatic dependent launch: chunk_state beside
+/// On sm_90+ the kernels overlap (programmatic dependent launch: the tensor-core chunk_state beside
 /// chunk_prepare, chunk_out beside chunk_state) and chunk_out may finish before chunk_state has written
 /// final_state: a kernel launched after this one with programmatic dependent launch must not read
 /// final_state before its own griddepcontrol.wait (a plain launch waits for all three).
