@@ -419,14 +419,14 @@ __device__ __forceinline__ void invert_unit_lower(const float* A, int ldm, float
 /// width - 1 zero. kNorm: each row l2-normalized and times `scale` (n a power of two <= 128, its lanes
 /// summed by xor shuffles). The operations and their order are conv1d_silu_kernel's (with its fused
 /// norm): the same values. Warp w takes rows 8 w .. 8 w + 7, a lane 4 channels; x rows 8-byte aligned.
-/// wsm: the n channels' conv weights [n][K] in shared memory (stage_conv_weights).
+/// wsm: the n channels' conv weights [K][n] in shared memory (stage_conv_weights).
 template <int K, bool kNorm>
 __device__ __forceinline__ void conv_rows(float* dst, int ld, int width, const GdnProjections& pj, const float* wsm,
                                           int c0, int n, int start, int L, bool history, float scale) {
   static_assert(kThreads / 32 * 8 == kChunk, "eight rows per warp");
   const int c = 4 * (threadIdx.x % 32), r0 = 8 * (threadIdx.x / 32);
   const bool live = c < n;  // (every lane takes part in the shuffles)
-  const float* wrow = wsm + (live ? c : 0) * K;  // (dead lanes: a valid row, zero window)
+  const float* wcol = wsm + (live ? c : 0);  // tap j of channel c + v at wcol[j n + v] (dead lanes: zero window)
   // Two groups of 4 output rows, each with its K + 3 input rows in flight at once (chunk rows
   // r0 + 4 q - K + 1 .. r0 + 4 q + 3; before the chunk: its sequence's rows, else zeros), as bf16 x 4
   // (all 8 rows' inputs at once spilled 170 bytes in chunk_prepare).
@@ -451,12 +451,15 @@ __device__ __forceinline__ void conv_rows(float* dst, int ld, int width, const G
         const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[i + j].y));
         win[j][0] = lo.x, win[j][1] = lo.y, win[j][2] = hi.x, win[j][3] = hi.y;
       }
+      float4 wt[K];  // each tap's 4 weights: one 16-byte load (n % 4 == 0)
+#pragma unroll
+      for (int j = 0; j < K; ++j) wt[j] = *reinterpret_cast<const float4*>(wcol + j * n);
       float out[4];
 #pragma unroll
       for (int v = 0; v < 4; ++v) {
         float acc = 0.f;
 #pragma unroll
-        for (int j = 0; j < K; ++j) acc += wrow[v * K + j] * win[j][v];
+        for (int j = 0; j < K; ++j) acc += (&wt[j].x)[v] * win[j][v];
         out[v] = r < L ? silu(acc) : 0.f;
       }
       if constexpr (kNorm) l2norm_lanes(out, n / 4, scale);
@@ -465,13 +468,15 @@ __device__ __forceinline__ void conv_rows(float* dst, int ld, int width, const G
   }
 }
 
-/// conv_rows' weights: channels c0 .. c0 + n - 1 of pj.conv_w [C][K] into wsm [n][K] (the block's
-/// threads; the caller synchronizes before conv_rows reads them). Read from shared memory per row,
-/// they cost no registers across the row loop (in registers they spilled, from global memory each
-/// warp load touched 16 lines).
+/// conv_rows' weights: channels c0 .. c0 + n - 1 of pj.conv_w [C][K] into wsm [K][n], tap-major (the
+/// block's threads; the caller synchronizes before conv_rows reads them). Read from shared memory per
+/// row, they cost no registers across the row loop (in registers they spilled, from global memory
+/// each warp load touched 16 lines); tap-major, a lane's 4 channels of a tap are 16 bytes next to
+/// its neighbours' (channel-major, the lanes' 64-byte rows met 4 to a bank: 44% of chunk_prepare's
+/// shared-memory wavefronts were such conflicts).
 template <int K>
 __device__ __forceinline__ void stage_conv_weights(float* wsm, const GdnProjections& pj, int c0, int n) {
-  for (int e = threadIdx.x; e < n * K; e += kThreads) wsm[e] = pj.conv_w[int64_t(c0) * K + e];
+  for (int e = threadIdx.x; e < n * K; e += kThreads) wsm[(e % K) * n + e / K] = pj.conv_w[int64_t(c0) * K + e];
 }
 
 // On sm_90+ the three kernels of the chunked rule overlap (programmatic dependent launch). The
