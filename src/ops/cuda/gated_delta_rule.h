@@ -104,10 +104,11 @@ struct GdnProjections {
   const int32_t* row_start = nullptr;  // [T] sequence_starts(cu_seqlens) (device; read where the kernels run apart)
 };
 
-/// Whether gated_delta_rule_chunked computes `p`'s conv1d, l2norm and gates inside its chunk
+/// Whether `p` lets gated_delta_rule_chunked compute its conv1d, l2norm and gates inside its chunk
 /// preparation at key dim dk (conv kernel 4, dk a power of two, x 8-byte aligned, x_stride a
-/// multiple of 4; and the tensor-core chunk_state, which the GPU's shared memory decides) rather than
-/// by causal_conv1d_silu and gdn_prepare first.
+/// multiple of 4) rather than by causal_conv1d_silu and gdn_prepare first. The chunked rule fuses
+/// them only with the tensor-core chunk_state as well, which the GPU's shared memory decides (not
+/// checked here).
 bool gdn_projections_fuse(const GdnProjections& p, int dk);
 
 /// Gated delta rule forward over packed sequences (cu_seqlens, host [n + 1]), in chunks of 64 tokens
