@@ -113,9 +113,12 @@ int run_gdn_bench(const GdnBenchOptions& o) {
                                            out.data(), s);
     const nlohmann::json extra = {{"T", T}, {"sequences", lens.size()}, {"Hk", Hk}, {"Hv", Hv}, {"dk", dk}, {"dv", dv},
                                   {"chunk", 64}, {"conv1d_ms", conv_ms}, {"prepare_ms", prep_ms},
-                                  {"forward_path_ms", layer_ms}, {"forward_path_fused", cuda::gdn_projections_fuse(from, dk)},
+                                  {"forward_path_ms", layer_ms},
+                                  {"forward_path_fused", cuda::gdn_projections_fuse(from, dk)},
                                   {"rel_l2_vs_recurrent", err},
-                                  {"what", "gated_delta_rule_chunked forward (q, k normalized; gates given), CUDA events; forward_path_ms: from in_proj's bf16 output with the conv1d, l2norm and gates inside and the gated RMSNorm applied, as a target forward runs it"}};
+                                  {"what", "gated_delta_rule_chunked forward (q, k normalized; gates given), CUDA events; "
+                                           "forward_path_ms: from in_proj's bf16 output with the conv1d, l2norm and "
+                                           "gates inside and the gated RMSNorm applied, as a target forward runs it"}};
     emit_bench_records("gdn", name, {{"ms", rule_ms, "ms"}}, extra, o.results, o.record);
   }
   DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
