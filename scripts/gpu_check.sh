@@ -70,7 +70,7 @@ if python3 scripts/make_synthetic_data.py "$sd/data" >>"$log" 2>&1; then
     "$build/dflash" train --target tests/fixtures/qwen3_hd64 --data "$sd/data" --out "$sd/$dev" --device "$dev" \
       --mask-token-id 300 --num-taps 1 --num-draft-layers 2 --block-size 4 --num-anchors 8 --max-steps 60 \
       --lr 3e-3 --log-every 20 --stages-every 60 >"$sd/$dev.log" 2>&1 || tests_rc=1
-    train_cmp+="--- $dev"$'\n'"$(grep -E '^(step|stages|train: done)' "$sd/$dev.log")"$'\n'
+    train_cmp+="--- $dev"$'\n'"$(grep -E '^(step|stages|gpu power|train: done)' "$sd/$dev.log")"$'\n'
   done
 fi
 # Several GPUs (a machine with 2): --gpus 0 vs --gpus 0,1 (data parallel) vs target on GPU 0 and
@@ -87,7 +87,7 @@ if [ "$ngpu" -ge 2 ] && [ -d "$sd/data" ]; then
     "$build/dflash" train --target tests/fixtures/qwen3_hd64 --data "$sd/data" --out "$sd/dp$i" --device cuda $place \
       --mask-token-id 300 --num-taps 1 --num-draft-layers 2 --block-size 4 --num-anchors 8 --max-steps 30 \
       --grad-accum 4 --lr 3e-3 --log-every 10 --stages-every 30 >"$sd/dp$i.log" 2>&1 || tests_rc=1
-    dp_cmp+="--- $place"$'\n'"$(grep -E '^(step|stages|train: done)|device cuda' "$sd/dp$i.log" | head -n 12)"$'\n'
+    dp_cmp+="--- $place"$'\n'"$(grep -E '^(step|stages|gpu power|train: done)|device cuda' "$sd/dp$i.log" | head -n 12)"$'\n'
   done
 fi
 # Two processes started by mpirun (Open MPI), one GPU each: the same run as --gpus 0,1 in one process.
@@ -97,7 +97,7 @@ if [ "$ngpu" -ge 2 ] && command -v mpirun >/dev/null && [ -d "$sd/data" ]; then
     --target tests/fixtures/qwen3_hd64 --data "$sd/data" --out "$sd/mpi" --device cuda --gpus 0 \
     --mask-token-id 300 --num-taps 1 --num-draft-layers 2 --block-size 4 --num-anchors 8 --max-steps 30 \
     --grad-accum 4 --lr 3e-3 --log-every 10 --stages-every 30 >"$sd/mpi.log" 2>&1 || tests_rc=1
-  mpi_run=$(grep -E '^(train: process|step|stages|train: done)' "$sd/mpi.log" | head -n 12)
+  mpi_run=$(grep -E '^(train: process|step|stages|gpu power|train: done)' "$sd/mpi.log" | head -n 12)
   [ -n "$mpi_run" ] || mpi_run=$(tail -n 20 "$sd/mpi.log")
 fi
 rm -rf "$sd"

@@ -21,10 +21,12 @@
 #include "text/tokenizer.h"
 #include "train/anchors.h"
 #include "train/distributed.h"
+#include "train/gpu_power.h"
 #include "train/prepare_data.h"
 #include "train/tensorboard.h"
 #include "train/trainer.h"
 #ifdef DFLASH_HAVE_CUDA
+#include "ops/cuda/device_info.h"
 #include "ops/cuda/runtime.h"
 #include "train/cuda/gpu_backend.h"
 #endif
@@ -78,6 +80,34 @@ std::string memory_str([[maybe_unused]] const std::string& device) {
   }
 #endif
   return "-";
+}
+
+/// The GPUs this process trains on (target and drafter devices, once each) as (index, PCI bus id), for
+/// PowerSampler; empty on the CPU.
+std::vector<std::pair<int, std::string>> process_gpus([[maybe_unused]] const TrainConfig& c) {
+  std::vector<std::pair<int, std::string>> r;
+#ifdef DFLASH_HAVE_CUDA
+  if (c.device != "cuda") return r;
+  std::vector<int> ids = c.target_devices();
+  ids.insert(ids.end(), c.drafter_devices().begin(), c.drafter_devices().end());
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  const auto all = cuda::devices();
+  for (int i : ids)
+    for (const cuda::DeviceInfo& d : all)
+      if (d.index == i) r.emplace_back(i, d.pci_bus_id);
+#endif
+  return r;
+}
+
+/// "gpu power over the last N steps: cuda:0 690 of 700 W, SM clock ..., power-capped 96 % of the time;
+/// cuda:1 ...": what holds the clocks down (an H200 under bf16 GEMMs sits at its power cap).
+std::string power_report(const std::vector<std::pair<int, std::string>>& gpus, const std::vector<PowerSummary>& p,
+                         int64_t steps) {
+  std::string r = fmt::format("gpu power over the last {} steps:", steps);
+  for (size_t i = 0; i < gpus.size() && i < p.size(); ++i)
+    r += fmt::format("{} cuda:{} {}", i ? ";" : "", gpus[i].first, p[i].words());
+  return r;
 }
 
 struct StageWindow {
@@ -405,6 +435,10 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
   const bool disaggregated = !c.target_gpus.empty();
   StageWindow stages;
   stages.overlap = disaggregated;
+  const auto gpus = leader ? process_gpus(c) : std::vector<std::pair<int, std::string>>{};
+  std::vector<std::string> bus_ids;
+  for (const auto& g : gpus) bus_ids.push_back(g.second);
+  PowerSampler power(bus_ids);
   auto t_win = Clock::now(), t_stage = Clock::now();
   while (tr.step_count() < total) {
     const TrainStepStats st = tr.step([&](int64_t i) {
@@ -487,6 +521,7 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
     if (stages.steps >= c.stages_every) {
       stages.wall_s = secs_since(t_stage);
       if (leader) fmt::print("{}\n", stage_report(stages, tr.backend().device()));
+      if (power.available()) fmt::print("{}\n", power_report(gpus, power.take(), stages.steps));
       stages = {};
       stages.overlap = disaggregated;
       t_stage = Clock::now();

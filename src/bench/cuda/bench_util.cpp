@@ -10,6 +10,7 @@
 #include <string>
 
 #include "bench/record.h"
+#include "ops/cuda/device_info.h"
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/gemm.h"
 #include "train/anchors.h"
@@ -135,6 +136,22 @@ double gemm_peak_tflops(cudaStream_t s) {
   cuda::fill_normal(b.data(), n * n, 2, 0.f, 1.f, s);
   const auto t = time_runs(s, 3, 10, [&] { g.gemm({n, n, n, false, true}, a.data(), b.data(), c.data()); });
   return 2.0 * double(n) * n * n / (median(t) * 1e-3) / 1e12;
+}
+
+std::unique_ptr<PowerSampler> sample_current_gpu() {
+  int dev = 0;
+  DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
+  std::string bus;
+  for (const cuda::DeviceInfo& d : cuda::devices())
+    if (d.index == dev) bus = d.pci_bus_id;
+  return std::make_unique<PowerSampler>(std::vector<std::string>{bus}, 10);
+}
+
+nlohmann::json power_json(const PowerSummary& p) {
+  if (p.samples == 0) return nullptr;
+  return {{"samples", p.samples},           {"sm_clock_mhz", p.sm_clock_mhz}, {"sm_clock_max_mhz", p.sm_clock_max_mhz},
+          {"power_w", p.power_w},           {"power_limit_w", p.power_limit_w},
+          {"power_capped", p.power_capped}, {"thermal", p.thermal}};
 }
 
 SustainedGemms sustained_gemms(const std::vector<cuda::GemmCall>& calls, bool tuned, cudaStream_t s, double min_ms) {

@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -11,6 +12,7 @@
 
 #include "models/cuda/drafter_gpu.h"
 #include "ops/cuda/gemm.h"
+#include "train/gpu_power.h"
 
 namespace dflash {
 
@@ -45,6 +47,12 @@ struct SustainedGemms {
 /// pool). Throws std::runtime_error on CUDA / cuBLASLt errors (out of memory).
 SustainedGemms sustained_gemms(const std::vector<cuda::GemmCall>& calls, bool tuned, cudaStream_t s,
                                double min_ms = 100);
+
+/// Samples the current CUDA device's SM clock and power (PowerSampler, every 10 ms) while alive.
+std::unique_ptr<PowerSampler> sample_current_gpu();
+
+/// A PowerSummary as the benchmarks record it ("power": {...}); null when nothing was sampled.
+nlohmann::json power_json(const PowerSummary& p);
 
 /// The upper median of v (v not empty).
 double median(std::vector<double> v);

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <chrono>
 
+#include <fmt/format.h>
+
 #include "bench/cuda/bench_util.h"
 #include "bench/presets.h"
 #include "models/cuda/drafter_gpu.h"
@@ -52,12 +54,16 @@ int run_drafter_step_bench(const DrafterStepBenchOptions& o) {
 
   std::vector<double> ms;
   double loss = 0;
+  std::unique_ptr<PowerSampler> sampler;  // the GPU's clock and power during the timed steps
   for (int i = 0; i < o.warmup + o.steps; ++i) {
+    if (i == o.warmup) sampler = sample_current_gpu();
     const auto t0 = std::chrono::steady_clock::now();
     loss = bench_train_step(gpu, seq, o.recompute, i + 1);
     const double dt = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (i >= o.warmup) ms.push_back(dt);
   }
+  const PowerSummary power = sampler ? sampler->take()[0] : PowerSummary{};
+  sampler.reset();
   // One more step with per-stage GPU timings (where the time goes), and the optimizer alone.
   const nlohmann::json stages = timed_train_step(gpu, seq, o.recompute, o.warmup + o.steps + 1);
   const double peak_gb = mem.peak_gb();
@@ -83,7 +89,9 @@ int run_drafter_step_bench(const DrafterStepBenchOptions& o) {
                                 {"gemm_sustained_ms", sg.ms}, {"gemm_sustained_tflop", sg.tflop},
                                 {"gemm_sustained_shapes", sg.shapes},
                                 {"gemm_sustained_plus_optimizer_ms", sg.ms + stages["optimizer"].get<double>()},
+                                {"power", power_json(power)},
                                 {"what", "zero_grads + forward + backward + clip + AdamW"}};
+  fmt::print("bench drafter-step: the GPU during the timed steps: {}\n", power.words());
   emit_bench_records("drafter-step", o.recompute ? o.preset + "+recompute" : o.preset,
                      {{"step_ms", step_ms, "ms"}, {"peak_gb", peak_gb, "GB"}}, extra, o.results, o.record);
   DFLASH_CUDA_CHECK(cudaStreamDestroy(s));

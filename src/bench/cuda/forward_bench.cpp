@@ -4,6 +4,8 @@
 #include <cmath>
 #include <random>
 
+#include <fmt/format.h>
+
 #include "bench/cuda/bench_util.h"
 #include "bench/presets.h"
 #include "models/cuda/target_gpu.h"
@@ -145,6 +147,7 @@ int run_target_forward_gpu_bench(const TargetForwardGpuOptions& o) {
   double with_head_ms = 0, taps_ms = 0, peak_gb = 0;
   std::vector<double> head_runs, taps_runs;  // ms of each timed forward
   nlohmann::json stages, taps_stages;
+  PowerSummary power;
   std::vector<cuda::GemmCall> calls;  // the products of one forward with the LM head
   bool tuned = false;
   {
@@ -156,7 +159,12 @@ int run_target_forward_gpu_bench(const TargetForwardGpuOptions& o) {
     for (auto& t : ids) t = int32_t(rng() % uint32_t(spec.vocab_size));
     ForwardOptions fo;
     fo.logits = false;
-    head_runs = time_runs(s, o.warmup, o.repeat, [&] { gpu.forward(ids, {0, T}, fo, &amax); });
+    time_runs(s, o.warmup, 0, [&] { gpu.forward(ids, {0, T}, fo, &amax); });
+    {  // the GPU's clock and power during the timed forwards
+      const auto sampler = sample_current_gpu();
+      head_runs = time_runs(s, 0, o.repeat, [&] { gpu.forward(ids, {0, T}, fo, &amax); });
+      power = sampler->take()[0];
+    }
     taps_runs = time_runs(s, o.warmup, o.repeat, [&] { gpu.forward_taps(ids, {0, T}, taps, tap_out.data()); });
     with_head_ms = median(head_runs), taps_ms = median(taps_runs);
     peak_gb = mem.peak_gb();
@@ -192,10 +200,12 @@ int run_target_forward_gpu_bench(const TargetForwardGpuOptions& o) {
       {"gemm_peak_tflops_8192", gemm_peak}, {"of_gemm_peak", tf_head / gemm_peak}, {"taps_of_gemm_peak", tf_taps / gemm_peak},
       {"gemm_sustained_ms", sg.ms}, {"gemm_sustained_tflop", sg.tflop}, {"gemm_sustained_shapes", sg.shapes},
       {"peak_gb", peak_gb}, {"device_kind", "cuda"}, {"stage_ms", stages}, {"taps_stage_ms", taps_stages},
+      {"power", power_json(power)},
       {"path", "TargetGpu bf16: cuBLASLt GEMMs, masked_attention_forward, gated_delta_rule_chunked; random weights"}};
   // A bound from the products only where they are all of the model's (no experts: those run grouped
   // GEMMs outside cuBLASLt).
   if (spec.num_experts == 0 && sg.ms > 0) extra["tokens_per_s_gemm_bound"] = double(T) / (sg.ms * 1e-3);
+  fmt::print("bench target-forward: the GPU during the timed forwards: {}\n", power.words());
   const std::string preset = o.preset + (o.layers > 0 ? "-" + std::to_string(L) + "layers" : "") + "-cuda";
   emit_bench_records("target-forward", preset,
                      {{"tokens_per_s", double(T) / (with_head_ms * 1e-3), "tokens/s"},

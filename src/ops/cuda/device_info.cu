@@ -16,7 +16,9 @@ std::vector<DeviceInfo> devices() {
   for (int i = 0; i < n; ++i) {
     cudaDeviceProp p{};
     if (cudaGetDeviceProperties(&p, i) != cudaSuccess) continue;
-    r.push_back({i, p.name, p.major * 10 + p.minor, int64_t(p.totalGlobalMem)});
+    char bus[32] = {};
+    if (cudaDeviceGetPCIBusId(bus, int(sizeof(bus)), i) != cudaSuccess) bus[0] = 0;
+    r.push_back({i, p.name, p.major * 10 + p.minor, int64_t(p.totalGlobalMem), bus});
   }
   return r;
 }

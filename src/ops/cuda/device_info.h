@@ -11,6 +11,7 @@ struct DeviceInfo {
   std::string name;
   int sm = 0;                  // compute capability major*10 + minor, e.g. 90 for H100/H200
   int64_t total_memory = 0;    // bytes
+  std::string pci_bus_id;      // "0000:18:00.0" (cudaDeviceGetPCIBusId): how NVML names the same GPU
 };
 
 /// Visible devices; empty when no driver or GPU is present (never throws).

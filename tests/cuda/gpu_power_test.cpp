@@ -1,0 +1,43 @@
+// PowerSampler on the GPU: NVML finds the device by its PCI bus id and samples plausible clocks and
+// power while a GEMM loop keeps the GPU busy.
+#include <gtest/gtest.h>
+
+#ifdef DFLASH_HAVE_CUDA
+
+#include "bench/cuda/bench_util.h"
+#include "ops/cuda/elementwise.h"
+#include "ops/cuda/gemm.h"
+#include "ops/cuda/runtime.h"
+
+using namespace dflash;
+
+TEST(CudaGpuPower, SamplesTheBusyGpu) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  cudaStream_t s;
+  ASSERT_EQ(cudaStreamCreate(&s), cudaSuccess);
+  const int64_t n = 4096;
+  cuda::DeviceArray<cuda::bf16> a(size_t(n * n)), b(size_t(n * n)), c(size_t(n * n));
+  cuda::fill_normal(a.data(), n * n, 1, 0.f, 1.f, s);
+  cuda::fill_normal(b.data(), n * n, 2, 0.f, 1.f, s);
+  cuda::GemmContext g(s);
+  PowerSummary p;
+  {
+    const auto sampler = sample_current_gpu();
+    ASSERT_TRUE(sampler->available()) << "NVML (libnvidia-ml.so.1) did not find the GPU by its PCI bus id";
+    for (int i = 0; i < 200; ++i) g.gemm({n, n, n, false, true}, a.data(), b.data(), c.data());  // ~0.2 s
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    p = sampler->take()[0];
+  }
+  cudaStreamDestroy(s);
+  EXPECT_GE(p.samples, 5);
+  EXPECT_GT(p.sm_clock_max_mhz, 500);
+  EXPECT_GT(p.sm_clock_mhz, 100);
+  EXPECT_LE(p.sm_clock_mhz, p.sm_clock_max_mhz);
+  EXPECT_GT(p.power_limit_w, 50);
+  EXPECT_GT(p.power_w, 20);
+  EXPECT_LE(p.power_w, 1.5 * p.power_limit_w);
+  EXPECT_FALSE(power_json(p).is_null());
+  std::printf("[gpu power] under a GEMM loop: %s\n", p.words().c_str());
+}
+
+#endif  // DFLASH_HAVE_CUDA
