@@ -17,7 +17,7 @@ namespace dflash {
 /// One reading of one GPU.
 struct PowerSample {
   double sm_mhz = 0;          // SM clock, MHz
-  double watts = 0;           // board power draw, W
+  double watts = 0;           // board power draw, W (Ampere and newer: the driver's average over 1 s)
   bool power_capped = false;  // clock-event reason: the software power cap holds the clock down
   bool thermal = false;       // clock-event reason: a software or hardware thermal slowdown
 };
@@ -27,7 +27,7 @@ struct PowerSummary {
   int samples = 0;
   double sm_clock_mhz = 0;      // median SM clock
   double sm_clock_max_mhz = 0;  // the GPU's maximum SM clock
-  double power_w = 0;           // median power draw
+  double power_w = 0;           // median power draw (1-s averages: runs shorter than ~1 s read low)
   double power_limit_w = 0;     // enforced power limit
   double power_capped = 0;      // fraction of the samples with the power cap holding the clock down
   double thermal = 0;           // fraction with a thermal slowdown
