@@ -100,8 +100,8 @@ std::vector<std::pair<int, std::string>> process_gpus([[maybe_unused]] const Tra
   return r;
 }
 
-/// "gpu power over the last N steps: cuda:0 690 of 700 W, SM clock ..., power-capped 96 % of the time;
-/// cuda:1 ...": what holds the clocks down (an H200 under bf16 GEMMs sits at its power cap).
+/// "gpu power over the last N steps: cuda:0 690 of 700 W, SM clock ...; cuda:1 ...": what holds the
+/// clocks down (an H200 under bf16 GEMMs sits at its power cap). The GPUs of this process only.
 std::string power_report(const std::vector<std::pair<int, std::string>>& gpus, const std::vector<PowerSummary>& p,
                          int64_t steps) {
   std::string r = fmt::format("gpu power over the last {} steps:", steps);
@@ -530,6 +530,7 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
       const fs::path dir = save_checkpoint();
       if (leader) fmt::print("train: checkpoint {}\n", dir.string());
       last_saved = s;
+      power.take();  // the GPUs idled while it was written: not part of the next window
     }
     if (const int sig = sig_any) {
       const fs::path dir = save_checkpoint();

@@ -151,7 +151,7 @@ nlohmann::json power_json(const PowerSummary& p) {
   if (p.samples == 0) return nullptr;
   return {{"samples", p.samples},           {"sm_clock_mhz", p.sm_clock_mhz}, {"sm_clock_max_mhz", p.sm_clock_max_mhz},
           {"power_w", p.power_w},           {"power_limit_w", p.power_limit_w},
-          {"power_capped", p.power_capped}, {"thermal", p.thermal}};
+          {"power_capped", p.power_capped}, {"thermal", p.thermal},   {"hw_slowdown", p.hw_slowdown}};
 }
 
 SustainedGemms sustained_gemms(const std::vector<cuda::GemmCall>& calls, bool tuned, cudaStream_t s, double min_ms) {

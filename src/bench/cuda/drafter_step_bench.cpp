@@ -54,16 +54,15 @@ int run_drafter_step_bench(const DrafterStepBenchOptions& o) {
 
   std::vector<double> ms;
   double loss = 0;
-  std::unique_ptr<PowerSampler> sampler;  // the GPU's clock and power during the timed steps
+  const auto sampler = sample_current_gpu();  // the GPU's clock and power during the timed steps
   for (int i = 0; i < o.warmup + o.steps; ++i) {
-    if (i == o.warmup) sampler = sample_current_gpu();
+    if (i == o.warmup) sampler->take();
     const auto t0 = std::chrono::steady_clock::now();
     loss = bench_train_step(gpu, seq, o.recompute, i + 1);
     const double dt = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (i >= o.warmup) ms.push_back(dt);
   }
-  const PowerSummary power = sampler ? sampler->take()[0] : PowerSummary{};
-  sampler.reset();
+  const PowerSummary power = sampler->take()[0];
   // One more step with per-stage GPU timings (where the time goes), and the optimizer alone.
   const nlohmann::json stages = timed_train_step(gpu, seq, o.recompute, o.warmup + o.steps + 1);
   const double peak_gb = mem.peak_gb();

@@ -159,9 +159,10 @@ int run_target_forward_gpu_bench(const TargetForwardGpuOptions& o) {
     for (auto& t : ids) t = int32_t(rng() % uint32_t(spec.vocab_size));
     ForwardOptions fo;
     fo.logits = false;
-    time_runs(s, o.warmup, 0, [&] { gpu.forward(ids, {0, T}, fo, &amax); });
-    {  // the GPU's clock and power during the timed forwards
+    {  // the GPU's clock and power during the timed forwards (the sampler starts before the warm-up)
       const auto sampler = sample_current_gpu();
+      time_runs(s, o.warmup, 0, [&] { gpu.forward(ids, {0, T}, fo, &amax); });
+      sampler->take();
       head_runs = time_runs(s, 0, o.repeat, [&] { gpu.forward(ids, {0, T}, fo, &amax); });
       power = sampler->take()[0];
     }
