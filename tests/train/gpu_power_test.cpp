@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <filesystem>
 #include <thread>
 
 #include "train/gpu_power.h"
@@ -41,8 +42,15 @@ TEST(GpuPower, NoSamplesOrUnknownLimits) {
 }
 
 #ifdef DFLASH_FAKE_NVML
+/// The stand-in NVML where the build put it, or beside this test binary (a build carried elsewhere).
+std::string fake_nvml() {
+  namespace fs = std::filesystem;
+  if (fs::exists(DFLASH_FAKE_NVML)) return DFLASH_FAKE_NVML;
+  return (fs::read_symlink("/proc/self/exe").parent_path() / fs::path(DFLASH_FAKE_NVML).filename()).string();
+}
+
 TEST(GpuPower, SamplerReadsNvmlInItsUnitsOnItsThread) {
-  PowerSampler p({"0000:18:00.0", "0000:99:00.0"}, 1, DFLASH_FAKE_NVML);
+  PowerSampler p({"0000:18:00.0", "0000:99:00.0"}, 1, fake_nvml());
   ASSERT_TRUE(p.available());
   std::this_thread::sleep_for(std::chrono::milliseconds(60));
   std::vector<PowerSummary> t;
