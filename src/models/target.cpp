@@ -14,6 +14,7 @@
 #include "ops/norm.h"
 #include "ops/rope.h"
 #ifdef DFLASH_HAVE_CUDA
+#include "ops/cuda/device_info.h"
 #include "ops/cuda/masked_attention.h"
 #endif
 
@@ -283,9 +284,11 @@ std::vector<KernelChoice> layer_kernels(const ModelSpec& s, int64_t layer) {
                             (s.attn_output_gate() ? " + sigmoid output gate" : "") + " + cuBLASLt bf16 GEMMs"
                       : std::string("cuBLASLt bf16 GEMMs (in_proj_qkv|z|b|a as one) + gated_delta_rule_chunked "
                                     "(chunk 64, WY/UT form, fp32 state; conv1d + SiLU, q/k l2norm and gates in its "
-                                    "chunk_prepare, cuda::causal_conv1d_silu with a decoding cache; on sm_90+ chunk_state "
-                                    "beside chunk_prepare and chunk_out beside chunk_state; the gated RMSNorm fused into its "
-                                    "output)")) +
+                                    "chunk_prepare, cuda::causal_conv1d_silu with a decoding cache; chunk_state on " +
+                                    std::string(cuda::runs_sm90a() ? "wgmma (sm_90a) at 64 state columns a block, else "
+                                                                   : "") +
+                                    "mma.sync, 3xBF16; on sm_90+ chunk_state beside chunk_prepare and chunk_out beside "
+                                    "chunk_state; the gated RMSNorm fused into its output)")) +
                      (moe ? "; experts: cuda::moe_route (on-device top-k) + grouped_gemm (mma.sync bf16, no host sync)"
                           : ""),
                  ""});

@@ -12,6 +12,7 @@
 
 #include "cuda_test_util.h"
 #include "ops/activation.h"
+#include "ops/cuda/device_info.h"
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/gated_delta_rule.h"
 #include "ops/gated_delta_rule.h"
@@ -496,6 +497,24 @@ TEST(CudaGdn, ChunkedWithLessSharedMemoryMatchesTheRecurrence) {
   // kernel with 32, though its 384 blocks overfill one wave.
   check_chunked(std::vector<int64_t>(48, 65), 1, 2, 128, 128, true, ++seed, false, 200 * 1024);
   EXPECT_THROW(check_chunked({70}, 1, 1, 128, 128, false, ++seed, false, 20 * 1024), std::runtime_error);
+}
+
+// Hopper's warpgroup-MMA chunk_state (64 state columns per block at padded key dim 128, where the
+// blocks fill a wave): sequences ending at and around chunk edges, packed, long; padded keys (dk 120)
+// with a partial second column block (dv 100), no initial state and mild decays; with the gated
+// RMSNorm. The kernel's choice is checked first, so that these cases cannot pass on another kernel.
+TEST(CudaGdn, ChunkStateOnWarpgroupMmasMatchesTheRecurrence) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  if (!cuda::runs_sm90a()) GTEST_SKIP() << "no Hopper GPU running sm_90a code: the warpgroup-MMA chunk_state does not run here";
+  uint64_t seed = 60;
+  ASSERT_EQ(cuda::gdn_chunk_state_kernel(6, 6, 128, 128), cuda::GdnChunkState::kWgmma);
+  check_chunked({1, 63, 64, 65, 127, 4097}, 2, 6, 128, 128, true, ++seed);
+  ASSERT_EQ(cuda::gdn_chunk_state_kernel(3, 12, 120, 100), cuda::GdnChunkState::kWgmma);
+  check_chunked({130, 70, 5}, 3, 12, 120, 100, false, ++seed, false, 0, true);
+  ASSERT_EQ(cuda::gdn_chunk_state_kernel(2, 48, 128, 128), cuda::GdnChunkState::kWgmma);
+  check_chunked({200, 63}, 16, 48, 128, 128, true, ++seed, false, 0, false, 0, kNormStaged);
+  // One sequence of Qwen3.6-27B's 48 value heads (bench target-forward's case).
+  EXPECT_EQ(cuda::gdn_chunk_state_kernel(1, 48, 128, 128), cuda::GdnChunkState::kWgmma);
 }
 
 // The token-by-token kernel of decoding / verification: outputs, final state and every token's state.

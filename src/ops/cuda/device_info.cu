@@ -42,6 +42,20 @@ bool sm90a_without_sm90(const std::string& list) {
   return a && !plain;
 }
 
+bool runs_sm90a() {
+  // The binary carries sm_90a code only when built for "90a" (CMakeLists.txt); a compute capability
+  // 9.0 device then surely runs it only when there is no plain sm_90 code to choose instead.
+  static const bool built = sm90a_without_sm90(DFLASH_CUDA_ARCHS);
+  if (!built) return false;
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+    cudaGetLastError();  // no usable device: nothing runs, and the error is not left behind
+    return false;
+  }
+  return major == 9 && minor == 0;
+}
+
 std::vector<int> compiled_archs() { return parse_archs(DFLASH_CUDA_ARCHS); }  // e.g. "80 90a 100 120", set by CMake
 
 }  // namespace dflash::cuda

@@ -21,6 +21,10 @@ std::vector<int> compiled_archs();
 /// Whether a CMake-style architecture list names sm_90a ("90a") and no plain sm_90 ("90"): then an H100 /
 /// H200 runs the sm_90a code (with both, which one the driver loads is not ours to choose).
 bool sm90a_without_sm90(const std::string& list);
+/// Whether the current device runs this binary's sm_90a code (Hopper's wgmma): the build carries
+/// sm_90a and no plain sm_90 (sm90a_without_sm90) and the device has compute capability 9.0. False
+/// without a usable device (the CUDA error is cleared); never throws.
+bool runs_sm90a();
 /// A CMake-style architecture list ("80 90a 100 120") as numbers ({80, 90, 100, 120}); throws
 /// std::invalid_argument on a token that does not start with a number.
 std::vector<int> parse_archs(const std::string& list);

@@ -125,8 +125,9 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
                               const float* initial_state, float* final_state, float* o, cudaStream_t stream);
 /// The same over the chunks of `plan` (its stream is the one to pass). shared_limit (bytes, 0: the
 /// device's opt-in limit) caps the shared memory per block the kernels may use: below what the
-/// tensor-core chunk_state needs (at dk 128 ~209 KB with 64 state columns per block, ~177 KB with
-/// 32; A100 offers 163 KB) its SIMT form runs. Throws
+/// tensor-core chunk_state needs (at dk 128 ~209 KB with 64 state columns per block, ~194 KB on
+/// Hopper's warpgroup MMAs, ~177 KB with 32; A100 offers 163 KB) its SIMT form runs
+/// (gdn_chunk_state_kernel says which one runs). Throws
 /// std::runtime_error when even that does not fit. v_row_stride (floats, 0: Hv dv): token t's values
 /// at v + t v_row_stride, e.g. the v part of the conv1d output read in place (a multiple of 4, v
 /// 16-byte aligned; std::invalid_argument otherwise). With `norm` the output rows go through its
@@ -145,6 +146,14 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
                               float* final_state, float* o, cudaStream_t stream, size_t shared_limit = 0,
                               int64_t v_row_stride = 0, const GatedNormOut* norm = nullptr,
                               const GdnProjections* from = nullptr);
+
+/// The chunk_state kernel of gated_delta_rule_chunked: warpgroup MMAs (Hopper, sm_90a code; 64 state
+/// columns per block at padded key dim 128), mma.sync with 64 or 32 state columns per block, or fp32
+/// SIMT (GPUs with too little shared memory per block for the others, e.g. A100 at dk 128).
+enum class GdnChunkState { kWgmma, kMma64, kMma32, kSimt };
+/// The chunk_state gated_delta_rule_chunked runs on the current device for nseq sequences of Hv value
+/// heads and head dims dk, dv (shared_limit as there). Throws std::runtime_error on CUDA errors.
+GdnChunkState gdn_chunk_state_kernel(int nseq, int Hv, int dk, int dv, size_t shared_limit = 0);
 
 // ---- Decoding and speculative verification (src/ops/cuda/gated_delta_decode.cu) ----
 // Per sequence s of a cached batch: window [n_seq, K-1, C] holds the last K-1 conv inputs before the

@@ -1251,19 +1251,7 @@ void launch_bwd(const bf16* q, const bf16* k, const bf16* v, const bf16* o, cons
 
 }  // namespace
 
-bool masked_attention_uses_wgmma(int D) {
-  // The binary carries sm_90a code only when built for "90a" (CMakeLists.txt); a compute capability
-  // 9.0 device then surely runs it only when there is no plain sm_90 code to choose instead.
-  static const bool built = sm90a_without_sm90(DFLASH_CUDA_ARCHS);
-  if (!built || (D != 128 && D != 256)) return false;
-  int dev = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
-    cudaGetLastError();  // no usable device: nothing runs, and the error is not left behind
-    return false;
-  }
-  return major == 9 && minor == 0;
-}
+bool masked_attention_uses_wgmma(int D) { return (D == 128 || D == 256) && runs_sm90a(); }
 
 namespace {
 bool backward_uses_wgmma(int D, AttentionKernel kernel) {

@@ -89,17 +89,20 @@ __device__ __forceinline__ void fence_proxy_async() {
 #define DFLASH_M64N64_D "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
                         "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 
-/// d [64 x 64] (+)= A B^T over one k step of 16: A [64 x 16] and B [64 x 16] K-major in shared
-/// memory (descriptors da, db). kAccumulate = false overwrites d through write-only operands (the
-/// compiler then neither reads nor keeps d's earlier values).
-template <bool kAccumulate>
+/// d [64 x 64] (+)= A B^T over one k step of 16: A [64 x 16] and B [64 x 16] in shared memory
+/// (descriptors da, db), K-major, or MN-major where kTransA / kTransB is 1 (then A [16 x 64] with M
+/// along its rows, B [16 x 64] with N along them: d += A^T B). kAccumulate = false overwrites d
+/// through write-only operands (the compiler then neither reads nor keeps d's earlier values).
+template <bool kAccumulate, int kTransA = 0, int kTransB = 0>
 __device__ __forceinline__ void m64n64k16_ss(float (&d)[8][4], uint64_t da, uint64_t db) {
 #if DFLASH_WGMMA_ON
 #define DFLASH_ASM                                                                                           \
   "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " DFLASH_M64N64_D \
-  ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-  if constexpr (kAccumulate) asm volatile(DFLASH_ASM : DFLASH_ACC8(d) : "l"(da), "l"(db), "n"(1));
-  else asm volatile(DFLASH_ASM : DFLASH_OUT8(d) : "l"(da), "l"(db), "n"(0));
+  ", %32, %33, p, 1, 1, %35, %36;\n}\n"
+  if constexpr (kAccumulate)
+    asm volatile(DFLASH_ASM : DFLASH_ACC8(d) : "l"(da), "l"(db), "n"(1), "n"(kTransA), "n"(kTransB));
+  else
+    asm volatile(DFLASH_ASM : DFLASH_OUT8(d) : "l"(da), "l"(db), "n"(0), "n"(kTransA), "n"(kTransB));
 #undef DFLASH_ASM
 #else
   __trap();
