@@ -1056,13 +1056,14 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(Split k_s, Spl
 // with warpgroup MMAs reading every operand from shared memory in the 128-byte swizzle (wgmma.cuh),
 // so no warp loads fragments and the tensor cores take whole 64-row products. Per chunk, after the
 // state before it is split to shared memory: warpgroup 0 computes U = u - w S0 (m64n64, k = 128)
-// while warpgroup 1 stores that state and loads the next chunk's u into registers; then both update
+// while warpgroup 1 queues the next chunk's w, k and gates (cp.async; not before the first barrier:
+// the proxy fence there would wait for the copies) and loads its u into registers; then both update
 // the state, warpgroup w its rows 64 w .. 64 w + 63: S = exp(G_L) S0 + K^T diag(D) U (m64n64, k =
 // the chunk's rows, K^T read MN-major), the state as their accumulators (the mma.sync layout of
-// chunk_state_kernel: warp w rows 16 w ..), while every thread stores U and warpgroup 1 puts the
-// next u in shared memory. Warpgroup 1 also queues the next chunk's w, k and gates (cp.async) while
-// warpgroup 0 computes U (not before the first barrier: the proxy fence there would wait for the
-// copies). The same 3xBF16 products as chunk_state_kernel.
+// chunk_state_kernel: warp w rows 16 w ..), while every thread stores the state before the chunk
+// and U, and warpgroup 1 puts the next u in shared memory. The same 3xBF16 products as
+// chunk_state_kernel. (The split of work between the barriers follows ncu's stall samples: the
+// warpgroup that waits at a barrier has work to take over; bench/results/2026-12-03_session19.md.)
 
 constexpr int kSw = 64;           // bf16 columns of a 128-byte swizzle block
 constexpr int kUld = kSw + 8;     // fp32 row stride of the u tile (conflict-free float2 reads)
@@ -1216,7 +1217,6 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_wgmma_kernel(Split k_
     if (wg == 1) {
       fetch(ci + 1, nxt);  // into the buffers chunk ci - 1 used, read before the last barrier
       load_u(un, nxt);
-      store_split_sw(H_s, dv8, (int64_t(ci) * Hv + h) * kDkp * dv8 + c0, Sh, Sl, kDkp, ncols8, i1, 128);
     } else {  // U = u - w S0 (acc: wh Sh; lo: wh Sl + wl Sh), then U and diag(D) U, split
       auto dw = [&](const bf16* w, int ks) {  // w [64][128], K-major
         return wgmma::desc_sw128(w + (ks / 4) * kChunk * kSw + (ks % 4) * 16, 16, 1024);
@@ -1277,6 +1277,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_wgmma_kernel(Split k_
 #pragma unroll
       for (int j = 0; j < 4; ++j) wgmma::m64n64k16_ss<true, 1, 1>(lo, dk_t(K + kTile, j), du(DUh, j));
       wgmma::commit();
+      store_split_sw(H_s, dv8, (int64_t(ci) * Hv + h) * kDkp * dv8 + c0, Sh, Sl, kDkp, ncols8, tid, kThreads);
       store_split_sw(U_s, int64_t(Hv) * dv8, (int64_t(start) * Hv + h) * dv8 + c0, Urh, Url, L, ncols8, tid, kThreads);
       if (wg == 1) put_u(un);  // Us: read by warpgroup 0 before the last barrier
       wgmma::wait<0>();
