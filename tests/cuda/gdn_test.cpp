@@ -500,21 +500,24 @@ TEST(CudaGdn, ChunkedWithLessSharedMemoryMatchesTheRecurrence) {
 }
 
 // Hopper's warpgroup-MMA chunk_state (64 state columns per block at padded key dim 128, where the
-// blocks fill a wave): sequences ending at and around chunk edges, packed, long; padded keys (dk 120)
-// with a partial second column block (dv 100), no initial state and mild decays; with the gated
-// RMSNorm. The kernel's choice is checked first, so that these cases cannot pass on another kernel.
+// blocks fill a wave): sequences ending at and around chunk edges, packed, long, one empty (its
+// initial state passes through); padded keys (dk 120, 116) with partial second column blocks (dv
+// 100, 68), no initial state and mild decays; with the gated RMSNorm; one sequence of 48 heads.
 TEST(CudaGdn, ChunkStateOnWarpgroupMmasMatchesTheRecurrence) {
   if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
   if (!cuda::runs_sm90a()) GTEST_SKIP() << "no Hopper GPU running sm_90a code: the warpgroup-MMA chunk_state does not run here";
   uint64_t seed = 60;
-  ASSERT_EQ(cuda::gdn_chunk_state_kernel(6, 6, 128, 128), cuda::GdnChunkState::kWgmma);
-  check_chunked({1, 63, 64, 65, 127, 4097}, 2, 6, 128, 128, true, ++seed);
-  ASSERT_EQ(cuda::gdn_chunk_state_kernel(3, 12, 120, 100), cuda::GdnChunkState::kWgmma);
-  check_chunked({130, 70, 5}, 3, 12, 120, 100, false, ++seed, false, 0, true);
-  ASSERT_EQ(cuda::gdn_chunk_state_kernel(2, 48, 128, 128), cuda::GdnChunkState::kWgmma);
-  check_chunked({200, 63}, 16, 48, 128, 128, true, ++seed, false, 0, false, 0, kNormStaged);
-  // One sequence of Qwen3.6-27B's 48 value heads (bench target-forward's case).
-  EXPECT_EQ(cuda::gdn_chunk_state_kernel(1, 48, 128, 128), cuda::GdnChunkState::kWgmma);
+  // Each case checks first that its shapes take the warpgroup-MMA kernel.
+  auto on_wgmma = [&](const std::vector<int64_t>& lens, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, bool init,
+                      bool mild = false, int norm = kNormOff) {
+    ASSERT_EQ(cuda::gdn_chunk_state_kernel(int(lens.size()), int(Hv), int(dk), int(dv)), cuda::GdnChunkState::kWgmma);
+    check_chunked(lens, Hk, Hv, dk, dv, init, ++seed, false, 0, mild, 0, norm);
+  };
+  on_wgmma({1, 63, 64, 0, 65, 127, 4097}, 2, 6, 128, 128, true);  // with an empty sequence
+  on_wgmma({130, 70, 5}, 3, 12, 120, 100, false, true);
+  on_wgmma({192, 128, 3}, 2, 16, 116, 68, true);                  // a second column block of 4 columns
+  on_wgmma({200, 63}, 16, 48, 128, 128, true, false, kNormStaged);
+  on_wgmma({130}, 16, 48, 128, 128, true);  // one sequence of Qwen3.6-27B's 48 value heads (bench target-forward's case)
 }
 
 // The token-by-token kernel of decoding / verification: outputs, final state and every token's state.

@@ -1103,6 +1103,23 @@ __device__ __forceinline__ void store_split_sw(Split dst, int64_t stride, int64_
   }
 }
 
+/// The 3xBF16 product of chunk_state_wgmma_kernel on warpgroup MMAs over kSteps k steps of 16:
+/// acc (+)= Ah Bh (kAccumulate: added to acc's values, else overwriting them) and lo = Ah Bl + Al Bh,
+/// to be added to acc once complete. a(part, ks), b(part, ks): the descriptors of k step ks of the
+/// high (part 0) or low (1) operand; kTransA / kTransB as wgmma::m64n64k16_ss. Issued, not committed.
+template <int kSteps, bool kAccumulate, int kTransA, int kTransB, typename A, typename B>
+__device__ __forceinline__ void wgmma_3xbf16(float (&acc)[8][4], float (&lo)[8][4], A a, B b) {
+  wgmma::fence();
+  wgmma::m64n64k16_ss<kAccumulate, kTransA, kTransB>(acc, a(0, 0), b(0, 0));
+#pragma unroll
+  for (int ks = 1; ks < kSteps; ++ks) wgmma::m64n64k16_ss<true, kTransA, kTransB>(acc, a(0, ks), b(0, ks));
+  wgmma::m64n64k16_ss<false, kTransA, kTransB>(lo, a(0, 0), b(1, 0));
+#pragma unroll
+  for (int ks = 1; ks < kSteps; ++ks) wgmma::m64n64k16_ss<true, kTransA, kTransB>(lo, a(0, ks), b(1, ks));
+#pragma unroll
+  for (int ks = 0; ks < kSteps; ++ks) wgmma::m64n64k16_ss<true, kTransA, kTransB>(lo, a(1, ks), b(0, ks));
+}
+
 /// Shared memory of chunk_state_wgmma_kernel, bytes: bf16 tiles (the split S0 [128][64], w and k in
 /// two buffers of [64][128] each, diag(D) U and U [64][64], two parts each), then fp32 u [64][kUld],
 /// the gates (2 x 64) and D (64), and up to 1024 bytes to align the tiles.
@@ -1218,22 +1235,14 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_wgmma_kernel(Split k_
       fetch(ci + 1, nxt);  // into the buffers chunk ci - 1 used, read before the last barrier
       load_u(un, nxt);
     } else {  // U = u - w S0 (acc: wh Sh; lo: wh Sl + wl Sh), then U and diag(D) U, split
-      auto dw = [&](const bf16* w, int ks) {  // w [64][128], K-major
-        return wgmma::desc_sw128(w + (ks / 4) * kChunk * kSw + (ks % 4) * 16, 16, 1024);
+      auto dw = [&](int part, int ks) {  // w [64][128], K-major
+        return wgmma::desc_sw128(W + part * kTile + (ks / 4) * kChunk * kSw + (ks % 4) * 16, 16, 1024);
       };
-      auto ds = [&](const bf16* s0, int ks) {  // S0 [128][64], MN-major (k down its rows)
-        return wgmma::desc_sw128(s0 + ks * 16 * kSw, kDkp * 128, 1024);
+      auto ds = [&](int part, int ks) {  // S0 [128][64], MN-major (k down its rows)
+        return wgmma::desc_sw128((part ? Sl : Sh) + ks * 16 * kSw, kDkp * 128, 1024);
       };
       float acc[8][4], lo[8][4];
-      wgmma::fence();
-      wgmma::m64n64k16_ss<false, 0, 1>(acc, dw(W, 0), ds(Sh, 0));
-#pragma unroll
-      for (int ks = 1; ks < 8; ++ks) wgmma::m64n64k16_ss<true, 0, 1>(acc, dw(W, ks), ds(Sh, ks));
-      wgmma::m64n64k16_ss<false, 0, 1>(lo, dw(W, 0), ds(Sl, 0));
-#pragma unroll
-      for (int ks = 1; ks < 8; ++ks) wgmma::m64n64k16_ss<true, 0, 1>(lo, dw(W, ks), ds(Sl, ks));
-#pragma unroll
-      for (int ks = 0; ks < 8; ++ks) wgmma::m64n64k16_ss<true, 0, 1>(lo, dw(W + kTile, ks), ds(Sh, ks));
+      wgmma_3xbf16<kDkp / 16, false, 0, 1>(acc, lo, dw, ds);
       wgmma::commit();
       float2 u[8][2];  // this thread's u and D, read while the products run
 #pragma unroll
@@ -1258,24 +1267,19 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_wgmma_kernel(Split k_
     }
     __syncthreads();  // U and diag(D) U complete; S0 and u read by every product and copy
     {  // S = exp(G_L) S0 + K^T diag(D) U for this warpgroup's 64 state rows (lo: Kh DUl + Kl DUh)
-      auto dk_t = [&](const bf16* k, int j) {  // K^T: this warpgroup's 64 key columns, MN-major
-        return wgmma::desc_sw128(k + wg * kChunk * kSw + j * 16 * kSw, kChunk * 128, 1024);
+      auto dk_t = [&](int part, int j) {  // K^T: this warpgroup's 64 key columns, MN-major
+        return wgmma::desc_sw128(K + part * kTile + wg * kChunk * kSw + j * 16 * kSw, kChunk * 128, 1024);
       };
-      auto du = [&](const bf16* x, int j) { return wgmma::desc_sw128(x + j * 16 * kSw, kChunk * 128, 1024); };
+      auto du = [&](int part, int j) {  // diag(D) U [64][64], MN-major
+        return wgmma::desc_sw128((part ? DUl : DUh) + j * 16 * kSw, kChunk * 128, 1024);
+      };
       const float gl = __expf(G[L - 1]);
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) S[nt][e] *= gl;
       float lo[8][4];  // (all 64 rows: rows L .. are zero in K and diag(D) U; no branch around a wgmma)
-      wgmma::fence();
-#pragma unroll
-      for (int j = 0; j < 4; ++j) wgmma::m64n64k16_ss<true, 1, 1>(S, dk_t(K, j), du(DUh, j));
-      wgmma::m64n64k16_ss<false, 1, 1>(lo, dk_t(K, 0), du(DUl, 0));
-#pragma unroll
-      for (int j = 1; j < 4; ++j) wgmma::m64n64k16_ss<true, 1, 1>(lo, dk_t(K, j), du(DUl, j));
-#pragma unroll
-      for (int j = 0; j < 4; ++j) wgmma::m64n64k16_ss<true, 1, 1>(lo, dk_t(K + kTile, j), du(DUh, j));
+      wgmma_3xbf16<kChunk / 16, true, 1, 1>(S, lo, dk_t, du);
       wgmma::commit();
       store_split_sw(H_s, dv8, (int64_t(ci) * Hv + h) * kDkp * dv8 + c0, Sh, Sl, kDkp, ncols8, tid, kThreads);
       store_split_sw(U_s, int64_t(Hv) * dv8, (int64_t(start) * Hv + h) * dv8 + c0, Urh, Url, L, ncols8, tid, kThreads);
