@@ -7,8 +7,9 @@
 // at (c ^ r % 8) 16, in 1024-byte-aligned atoms of 8 rows. A descriptor gives the start address, LBO
 // and SBO. K-major operands (K along the row: Q, K): SBO 1024 (8 rows), LBO unused, one k step of 16
 // = 32 bytes further inside the block, the next 64 columns in the next block. MN-major operands (K
-// down the rows: V in P V): SBO 1024 (8 rows along K), LBO the stride between 64-column blocks along
-// N, one k step = 16 rows further. Both checked against a CPU product on the H200.
+// down the rows: V in P V; as A, M along the rows: K^T in gated_delta_rule.cu's chunk_state): SBO 1024
+// (8 rows along K), LBO the stride between 64-column blocks along M / N, one k step = 16 rows further.
+// Both checked against CPU references on the H200.
 //
 // Accumulator layout of m64nNk16 (per warp w of the warpgroup, rows 16 w .. 16 w + 15; g = lane / 4,
 // t = lane % 4): d[n8][0..1] = (g, 8 n8 + 2t ..), d[n8][2..3] = (g + 8, 8 n8 + 2t ..), the mma.sync
