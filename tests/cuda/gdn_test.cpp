@@ -300,6 +300,14 @@ void check_chunked(const std::vector<int64_t>& lens, int64_t Hk, int64_t Hv, int
   } else {
     cuda::gated_delta_rule_chunked(dq.data(), dk_.data(), dv_.data(), dg.data(), db.data(), cu, int(Hk), int(Hv),
                                    int(dk), int(dv), init ? ds0.data() : nullptr, fs.data(), o.data(), nullptr);
+    if (init) {  // the state in place (as a cached decoding step runs it): the same output and state, bit for bit
+      auto io = device_f32(s0.data);
+      auto o2 = poisoned<float>(size_t(T * Hv * dv));
+      cuda::gated_delta_rule_chunked(dq.data(), dk_.data(), dv_.data(), dg.data(), db.data(), cu, int(Hk), int(Hv),
+                                     int(dk), int(dv), io.data(), io.data(), o2.data(), nullptr);
+      EXPECT_EQ(host_f32(o2), host_f32(o)) << "output with the state in place";
+      EXPECT_EQ(host_f32(io), host_f32(fs)) << "final state in place";
+    }
   }
   const std::vector<float> got = host_f32(o), state = host_f32(recurrent ? ds0 : fs);
   if (recurrent) {
