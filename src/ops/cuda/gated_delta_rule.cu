@@ -1755,8 +1755,8 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   const size_t limit = shared_limit ? std::min(shared_limit, device_shared_limit()) : device_shared_limit();
   const GdnChunkState which = gdn_chunk_state_kernel(nseq, Hv, dk, dv, shared_limit);
-  const bool tc = which != GdnChunkState::kSimt, narrow = which == GdnChunkState::kMma32;
-  const int cols = narrow ? 32 : kMaxCols;
+  const bool tc = which != GdnChunkState::kSimt;
+  const int cols = which == GdnChunkState::kMma32 ? 32 : kMaxCols;
   const size_t smem_tc = which == GdnChunkState::kWgmma ? chunk_state_wgmma_smem() : chunk_state_smem(dk, cols);
   const size_t smem_simt =
       (dk * kSimtCols + 2 * kChunk * (dk + 4) + 2 * kChunk * (kSimtCols + 4) + 3 * kChunk) * sizeof(float);
@@ -1827,9 +1827,9 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   };
   if (which == GdnChunkState::kWgmma) {
     launch_tc(chunk_state_wgmma_kernel);
-  } else if (tc && narrow) {
+  } else if (which == GdnChunkState::kMma32) {
     launch_tc(chunk_state_kernel<32>);
-  } else if (tc) {
+  } else if (which == GdnChunkState::kMma64) {
     launch_tc(chunk_state_kernel<kMaxCols>);
   } else {
     allow_shared_memory(chunk_state_simt_kernel, smem_simt, "chunk_state");

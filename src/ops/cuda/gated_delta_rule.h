@@ -125,7 +125,7 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
                               const float* initial_state, float* final_state, float* o, cudaStream_t stream);
 /// The same over the chunks of `plan` (its stream is the one to pass). shared_limit (bytes, 0: the
 /// device's opt-in limit) caps the shared memory per block the kernels may use: below what the
-/// tensor-core chunk_state needs (at dk 128 ~209 KB with 64 state columns per block, ~194 KB on
+/// tensor-core chunk_state needs (at dk 128 ~209 KB with 64 state columns per block, ~212 KB on
 /// Hopper's warpgroup MMAs, ~177 KB with 32; A100 offers 163 KB) its SIMT form runs
 /// (gdn_chunk_state_kernel says which one runs). Throws
 /// std::runtime_error when even that does not fit. v_row_stride (floats, 0: Hv dv): token t's values
