@@ -42,7 +42,10 @@ __host__ __device__ constexpr int state_rows(int dk) { return (dk + 15) / 16 * 1
 /// Padded value dim of the split H and U (16-byte rows).
 __host__ __device__ constexpr int value_cols(int dv) { return (dv + 7) / 8 * 8; }
 
-__device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
+/// x sigmoid(x) = x / (1 + e^-x) in two MUFU operations (ex2 and an approximate reciprocal: ~4e-7
+/// relative); x / (...) and __expf without fast-math add a denormal fix-up and a division's slow-path
+/// branch to every call. Very negative x: e^-x overflows to inf and the quotient is -0.
+__device__ __forceinline__ float silu(float x) { return __fdividef(x, 1.f + fast_exp2(-x * kLog2e)); }
 
 constexpr int kConvRun = 16;  // tokens per thread in the conv: each input is read from memory once
 
@@ -415,70 +418,62 @@ __device__ __forceinline__ void invert_unit_lower(const float* A, int ldm, float
   }
 }
 
-/// chunk_prepare's inputs from the projections (GdnProjections): rows [0, 64) of the conv1d + SiLU
-/// output of the n channels from c0 (the chunk's L rows from `start`; with `history` the K - 1 rows
-/// before it are its sequence's, else zeros) into dst [64][ld] fp32, rows >= L and columns n ..
-/// width - 1 zero. kNorm: each row l2-normalized and times `scale` (n a power of two <= 128, its lanes
-/// summed by xor shuffles). The operations and their order are conv1d_silu_kernel's (with its fused
-/// norm): the same values. Warp w takes rows 8 w .. 8 w + 7, a lane 4 channels; x rows 8-byte aligned.
-/// wsm: the n channels' conv weights [K][n] in shared memory (stage_conv_weights).
-template <int K, bool kNorm>
-__device__ __forceinline__ void conv_rows(float* dst, int ld, int width, const GdnProjections& pj, const float* wsm,
-                                          int c0, int n, int start, int L, bool history, float scale) {
-  static_assert(kThreads / 32 * 8 == kChunk, "eight rows per warp");
-  const int c = 4 * (threadIdx.x % 32), r0 = 8 * (threadIdx.x / 32);
-  const bool live = c < n;  // (every lane takes part in the shuffles)
-  const float* wcol = wsm + (live ? c : 0);  // tap j of channel c + v at wcol[j n + v] (dead lanes: zero window)
-  // Two groups of 4 output rows, each with its K + 3 input rows in flight at once (chunk rows
-  // r0 + 4 q - K + 1 .. r0 + 4 q + 3; before the chunk: its sequence's rows, else zeros), as bf16 x 4
-  // (all 8 rows' inputs at once spilled 170 bytes in chunk_prepare).
-  constexpr int kRows = K - 1 + 4;
+/// chunk_prepare's conv inputs, queued by cp.async (complete at the next cp.async wait): the n
+/// channels from c0 of the projections pj.x (n % 4 == 0, <= 128) for the chunk's rows -(K - 1) .. 63
+/// from `start` into raw [64 + K - 1][n] bf16 (row 0: chunk row -(K - 1)), zeros for rows >= L and,
+/// without `history`, for rows before the chunk (its sequence's first); and the channels' conv weights
+/// pj.conv_w [C][K] into wsm [K][n] fp32, tap-major (a lane's 4 channels of a tap are 16 bytes next
+/// to its neighbours': conflict-free). A warp per row and a lane per 4 channels, as conv_rows reads
+/// them. The loops are not unrolled: unrolled, their addresses were kept in registers across
+/// chunk_prepare's head loop, and spilled.
+template <int K>
+__device__ __forceinline__ void stage_conv_async(bf16* raw, float* wsm, const GdnProjections& pj, int c0, int n,
+                                                 int start, int L, bool history) {
+  const float* w = pj.conv_w + int64_t(c0) * K;
 #pragma unroll 1
-  for (int q = 0; q < 2; ++q) {
-    uint2 raw[kRows];
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-      const int rr = r0 + 4 * q - K + 1 + i;
-      raw[i] = live && rr < L && (rr >= 0 || history)
-                   ? *reinterpret_cast<const uint2*>(pj.x + int64_t(start + rr) * pj.x_stride + c0 + c)
-                   : make_uint2(0u, 0u);
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = r0 + 4 * q + i;
-      float win[K][4];  // win[j] = x[r - K + 1 + j]
-#pragma unroll
-      for (int j = 0; j < K; ++j) {
-        const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[i + j].x));
-        const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[i + j].y));
-        win[j][0] = lo.x, win[j][1] = lo.y, win[j][2] = hi.x, win[j][3] = hi.y;
-      }
-      float4 wt[K];  // each tap's 4 weights: one 16-byte load (n % 4 == 0)
-#pragma unroll
-      for (int j = 0; j < K; ++j) wt[j] = *reinterpret_cast<const float4*>(wcol + j * n);
-      float out[4];
-#pragma unroll
-      for (int v = 0; v < 4; ++v) {
-        float acc = 0.f;
-#pragma unroll
-        for (int j = 0; j < K; ++j) acc += (&wt[j].x)[v] * win[j][v];
-        out[v] = r < L ? silu(acc) : 0.f;
-      }
-      if constexpr (kNorm) l2norm_lanes(out, n / 4, scale);
-      if (c < width) *reinterpret_cast<float4*>(dst + r * ld + c) = make_float4(out[0], out[1], out[2], out[3]);
-    }
+  for (int e = threadIdx.x; e < n * K; e += kThreads) mma::cp_async4(wsm + (e % K) * n + e / K, w + e, true);
+  const int c = 4 * (threadIdx.x % 32), warp = int(threadIdx.x / 32);
+  if (c >= n) return;
+  constexpr int kStep = kThreads / 32;
+  int64_t at = int64_t(start - (K - 1) + warp) * pj.x_stride + c0 + c;  // element of row rr = i - (K - 1)
+#pragma unroll 1
+  for (int i = warp; i < kChunk + K - 1; i += kStep, at += kStep * pj.x_stride) {
+    const int rr = i - (K - 1);
+    const bool ok = rr < L && (rr >= 0 || history);
+    mma::cp_async8(raw + i * n + c, ok ? pj.x + at : pj.x, ok);
   }
 }
 
-/// conv_rows' weights: channels c0 .. c0 + n - 1 of pj.conv_w [C][K] into wsm [K][n], tap-major (the
-/// block's threads; the caller synchronizes before conv_rows reads them). Read from shared memory per
-/// row, they cost no registers across the row loop (in registers they spilled, from global memory
-/// each warp load touched 16 lines); tap-major, a lane's 4 channels of a tap are 16 bytes next to
-/// its neighbours' (channel-major, the lanes' 64-byte rows met 4 to a bank: 44% of chunk_prepare's
-/// shared-memory wavefronts were such conflicts).
-template <int K>
-__device__ __forceinline__ void stage_conv_weights(float* wsm, const GdnProjections& pj, int c0, int n) {
-  for (int e = threadIdx.x; e < n * K; e += kThreads) wsm[(e % K) * n + e / K] = pj.conv_w[int64_t(c0) * K + e];
+/// Rows [0, 64) of the conv1d + SiLU output of stage_conv_async's n channels (raw, wsm in shared
+/// memory, landed) into dst [64][ld] fp32, rows >= L and columns n .. width - 1 zero. kNorm: each row
+/// l2-normalized and times `scale` (n a power of two <= 128, its lanes summed by xor shuffles). The
+/// operations and their order are conv1d_silu_kernel's (with its fused norm): the same values. Warp w
+/// takes rows 8 w .. 8 w + 7, a lane 4 channels; the inputs and weights of each row read from shared
+/// memory (few registers: chunk_prepare's head loop runs at its register limit).
+template <int K, bool kNorm>
+__device__ __forceinline__ void conv_rows(float* dst, int ld, int width, const bf16* raw, const float* wsm, int n,
+                                          int L, float scale) {
+  static_assert(kThreads / 32 * 8 == kChunk, "eight rows per warp");
+  const int c = 4 * (threadIdx.x % 32), r0 = 8 * (threadIdx.x / 32);
+  const bool live = c < n;  // (every lane takes part in the shuffles; dead lanes compute zeros)
+  const int cl = live ? c : 0;
+#pragma unroll 4
+  for (int r = r0; r < r0 + 8; ++r) {
+    float acc[4] = {};
+#pragma unroll
+    for (int j = 0; j < K; ++j) {  // input row r - K + 1 + j (raw row r + j), tap j
+      float x[4];
+      load4(raw + (r + j) * n + cl, x);
+      const float4 wt = *reinterpret_cast<const float4*>(wsm + j * n + cl);
+#pragma unroll
+      for (int v = 0; v < 4; ++v) acc[v] += (&wt.x)[v] * x[v];
+    }
+    float out[4];
+#pragma unroll
+    for (int v = 0; v < 4; ++v) out[v] = r < L && live ? silu(acc[v]) : 0.f;
+    if constexpr (kNorm) l2norm_lanes(out, n / 4, scale);
+    if (c < width) *reinterpret_cast<float4*>(dst + r * ld + c) = make_float4(out[0], out[1], out[2], out[3]);
+  }
 }
 
 // On sm_90+ the three kernels of the chunked rule overlap (programmatic dependent launch). The
@@ -557,11 +552,14 @@ cudaError_t launch_programmatic(void (*kernel)(Params...), dim3 grid, size_t sme
   return cudaLaunchKernelEx(&cfg, kernel, args...);
 }
 
-/// Shared memory (bytes) of chunk_prepare_kernel for r = Hv / Hk value heads per key head: about
-/// 106 KB at d 128 plus 768 bytes per value head (the gates of all r heads), two blocks per SM on
-/// H100 / H200 up to r = 12.
-constexpr size_t prepare_smem(int dk, int dv, int r) {
-  return size_t(2 * kChunk * prepare_ld(dk, dv) + 2 * kChunk * (kChunk + 4) + 3 * r * kChunk + kInvScratch) * sizeof(float);
+/// Shared memory (bytes) of chunk_prepare_kernel for r = Hv / Hk value heads per key head and conv
+/// kernel size conv_k (0: no conv inside): about 104 KB at d 128, plus 768 bytes per value head (the
+/// gates of all r heads), plus 4 KB of conv weights with conv_k 4; two blocks per SM on H100 / H200 up
+/// to r = 12, or r = 7 with the conv.
+constexpr size_t prepare_smem(int dk, int dv, int r, int conv_k) {
+  return size_t(2 * kChunk * prepare_ld(dk, dv) + 2 * kChunk * (kChunk + 4) + 3 * r * kChunk + kInvScratch +
+                2 * conv_k * 128) *
+         sizeof(float);
 }
 
 /// One block per (chunk, key head), for each of its r = Hv / Hk value heads (GVA): A, T = (I + A)^-1,
@@ -599,22 +597,23 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
   float* Bt = G + r * kChunk;            // [r][64] beta
   float* Bg = Bt + r * kChunk;           // [r][64] beta * exp(G)
   float* Y = Bg + r * kChunk;            // [3][16][kInvLd] scratch of the inverse
+  float* Wc = Y + kInvScratch;           // kConvK > 0: [2][kConvK][<= 128] conv weights (keys | queries, or values)
   const int dv16 = state_rows(dv);  // <= ld: the columns the products read (keys: dkp)
   // kConvK > 0: conv1d + SiLU (+ l2norm) of the projections here, a chunk that is not its
-  // sequence's first continuing the previous rows.
+  // sequence's first continuing the previous rows. Their inputs are copied (cp.async, landing while
+  // the gates are computed) into M's and T's space, free until the first head's A and inverse.
   const bool history = chunk > 0 && chunks[chunk - 1].seq == ch.seq;
   const int qk_ch = Hk * dk;
-  if constexpr (kConvK > 0) {  // the weights staged in T's space (free until the first inverse)
-    stage_conv_weights<kConvK>(Tm, pj, qk_ch + kh * dk, dk);
-    stage_conv_weights<kConvK>(Tm + dk * kConvK, pj, kh * dk, dk);
-    __syncthreads();
-    conv_rows<kConvK, true>(Ks, ld, dkp, pj, Tm, qk_ch + kh * dk, dk, ch.start, L, history, 1.f);
-    conv_rows<kConvK, true>(Xs, ld, dkp, pj, Tm + dk * kConvK, kh * dk, dk, ch.start, L, history, pj.q_scale);
+  bf16* const raw_k = reinterpret_cast<bf16*>(M);  // [64 + kConvK - 1][dk] bf16: fits M's [64][68] fp32
+  bf16* const raw_x = reinterpret_cast<bf16*>(Tm);
+  if constexpr (kConvK > 0) {
+    stage_conv_async<kConvK>(raw_k, Wc, pj, qk_ch + kh * dk, dk, ch.start, L, history);
+    stage_conv_async<kConvK>(raw_x, Wc + kConvK * dk, pj, kh * dk, dk, ch.start, L, history);
   } else {
     load_rows_async(Ks, ld, dkp, k, ch.start, L, Hk, kh, dk, 0, dk);
     load_rows_async(Xs, ld, dkp, q, ch.start, L, Hk, kh, dk, 0, dk);
-    mma::cp_async_commit();
   }
+  mma::cp_async_commit();
   for (int e = tid; e < r * kChunk; e += kThreads) {  // the gates of the r value heads
     const int hh = e / kChunk, i = e % kChunk, h = kh * r + hh;
     const int64_t t = ch.start + i;
@@ -629,6 +628,11 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
   }
   mma::cp_async_wait<0>();
   __syncthreads();
+  if constexpr (kConvK > 0) {
+    conv_rows<kConvK, true>(Ks, ld, dkp, raw_k, Wc, dk, L, 1.f);
+    conv_rows<kConvK, true>(Xs, ld, dkp, raw_x, Wc + kConvK * dk, dk, L, pj.q_scale);
+    __syncthreads();
+  }
   // Keys and queries split in place (each fp32 row becomes its bf16 high and low parts), then stored
   // (q_s, k_s; 16 bytes per lane) and multiplied from there.
   const bf16* Kb = reinterpret_cast<const bf16*>(Ks);
@@ -683,6 +687,11 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
     const int h = kh * r + hh;
     const float *Gh = G + hh * kChunk, *Bth = Bt + hh * kChunk, *Bgh = Bg + hh * kChunk;
     if (hh) __syncthreads();  // the previous head is done with M, T and Xs
+    // kConvK > 0: the values' conv inputs copied into T's space while A and P are computed.
+    if constexpr (kConvK > 0) {
+      stage_conv_async<kConvK>(raw_x, Wc, pj, 2 * qk_ch + h * dv, dv, ch.start, L, history);
+      mma::cp_async_commit();
+    }
     // A (strictly lower; the diagonal tiles' upper parts zero) and P (lower; the upper tiles zero).
     // Each decay is one exp2 of its own difference of gates (products of per-row and per-column
     // factors would overflow), computed for every element and masked after.
@@ -710,17 +719,17 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
         store_split(Pw, 8 * half * kChunk + 8 * nt, p[0], p[1]);
       }
     }
-    // The values load while T and w are computed (the queries were last read before the barrier
-    // after the Gram products).
-    if constexpr (kConvK > 0) {  // (T's space is free: the previous head's last product is done)
-      stage_conv_weights<kConvK>(Tm, pj, 2 * qk_ch + h * dv, dv);
+    // The values (the queries were last read before the barrier after the Gram products): their
+    // conv from the landed inputs, or their copy, which lands while T and w are computed.
+    if constexpr (kConvK > 0) {
+      mma::cp_async_wait<0>();
       __syncthreads();
-      conv_rows<kConvK, false>(Xs, ld, dv16, pj, Tm, 2 * qk_ch + h * dv, dv, ch.start, L, history, 1.f);
+      conv_rows<kConvK, false>(Xs, ld, dv16, raw_x, Wc, dv, L, 1.f);
     } else {
       load_rows_async(Xs, ld, dv16, v, ch.start, L, Hv, h, dv, 0, dv, kChunk, v_stride);
+      mma::cp_async_commit();
     }
-    mma::cp_async_commit();
-    __syncthreads();
+    __syncthreads();  // (kConvK > 0: the conv is done with T's space)
     invert_unit_lower(M, ldm, Tm, ldm, Y);  // T = (I + A)^-1 (synchronizes)
     if (w_out)  // w = T diag(beta e^G) K
       lower_times_rows(
@@ -1804,7 +1813,7 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   if (overlap_prep) DFLASH_CUDA_CHECK(cudaMemsetAsync(prepared.data(), 0, prepared.size() * sizeof(int), stream));
   if (overlap) DFLASH_CUDA_CHECK(cudaMemsetAsync(progress.data(), 0, progress.size() * sizeof(int), stream));
   if (nch) {
-    const size_t smem = prepare_smem(dk, dv, Hv / Hk);
+    const size_t smem = prepare_smem(dk, dv, Hv / Hk, fuse ? from->K : 0);
     auto prepare = fuse ? chunk_prepare_kernel<4> : chunk_prepare_kernel<0>;
     allow_shared_memory(prepare, smem, "chunk_prepare");
     prepare<<<unsigned(prep_blocks), kThreads, smem, stream>>>(

@@ -133,6 +133,11 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
   const unsigned d = unsigned(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
 }
+/// 8-byte cp.async (through L1); zero-fills when !valid.
+__device__ __forceinline__ void cp_async8(void* dst, const void* src, bool valid) {
+  const unsigned d = unsigned(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 8 : 0));
+}
 /// 4-byte cp.async (through L1); zero-fills when !valid.
 __device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
   const unsigned d = unsigned(__cvta_generic_to_shared(dst));
