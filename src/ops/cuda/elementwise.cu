@@ -3,6 +3,7 @@
 #include <stdexcept>
 
 #include "ops/cuda/elementwise.h"
+#include "ops/cuda/fast_math.cuh"
 #include "ops/cuda/vec.cuh"
 
 namespace dflash::cuda {
@@ -24,9 +25,9 @@ int64_t packs_of(int64_t n, const P*... p) {
   for (int64_t i = (from) + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < (n); \
        i += int64_t(gridDim.x) * blockDim.x)
 
-__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + __expf(-g)) * u; }
+__device__ __forceinline__ float silu_mul(float g, float u) { return fast_silu(g) * u; }
 __device__ __forceinline__ void silu_mul_grad(float g, float u, float d, float& dg, float& du) {
-  const float s = 1.f / (1.f + __expf(-g));
+  const float s = fast_sigmoid(g);
   dg = d * u * s * (1.f + g * (1.f - s));
   du = d * g * s;
 }
@@ -217,11 +218,11 @@ __global__ void mul_sigmoid_kernel(bf16* y, const bf16* gate, int64_t n, int64_t
     float Y[8], G[8];
     load8(y + 8 * p, Y), load8(gate + 8 * p, G);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) Y[k] /= 1.f + __expf(-G[k]);
+    for (int k = 0; k < 8; ++k) Y[k] *= fast_sigmoid(G[k]);
     store8(y + 8 * p, Y);
   }
   DFLASH_TAIL_STRIDE(i, 8 * packs, n)
-  y[i] = __float2bfloat16_rn(__bfloat162float(y[i]) / (1.f + __expf(-__bfloat162float(gate[i]))));
+  y[i] = __float2bfloat16_rn(__bfloat162float(y[i]) * fast_sigmoid(__bfloat162float(gate[i])));
 }
 
 void mul_sigmoid(bf16* y, const bf16* gate, int64_t n, cudaStream_t stream) {

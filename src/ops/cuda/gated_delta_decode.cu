@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "ops/cuda/fast_math.cuh"
 #include "ops/cuda/gated_delta_rule.h"
 
 namespace dflash::cuda {
@@ -27,7 +28,7 @@ __global__ void conv1d_silu_window_kernel(const bf16* __restrict__ x, int64_t x_
                                     : window[(int64_t(s) * (K - 1) + (K - 1) + (src - start)) * C + c];
       acc += w[c * K + j] * xv;
     }
-    y[i] = acc / (1.f + __expf(-acc));
+    y[i] = fast_silu(acc);
   }
 }
 

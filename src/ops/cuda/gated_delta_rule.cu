@@ -42,10 +42,6 @@ __host__ __device__ constexpr int state_rows(int dk) { return (dk + 15) / 16 * 1
 /// Padded value dim of the split H and U (16-byte rows).
 __host__ __device__ constexpr int value_cols(int dv) { return (dv + 7) / 8 * 8; }
 
-/// x sigmoid(x) = x / (1 + e^-x) in two MUFU operations (ex2 and an approximate reciprocal: ~4e-7
-/// relative); x / (...) and __expf without fast-math add a denormal fix-up and a division's slow-path
-/// branch to every call. Very negative x: e^-x overflows to inf and the quotient is -0.
-__device__ __forceinline__ float silu(float x) { return __fdividef(x, 1.f + fast_exp2(-x * kLog2e)); }
 
 constexpr int kConvRun = 16;  // tokens per thread in the conv: each input is read from memory once
 
@@ -114,7 +110,7 @@ __global__ void conv1d_silu_kernel(const bf16* __restrict__ x, int64_t x_stride,
 #pragma unroll
       for (int j = 0; j < K; ++j)
         if (t - K + 1 + j >= b) acc += wk[v][j] * win[j][v];
-      out[v] = silu(acc);
+      out[v] = fast_silu(acc);
     }
     if constexpr (kNorm) {  // every lane takes part in the head's sums (a head's lanes are aligned)
       const bool is_q = c < q_ch;
@@ -470,7 +466,7 @@ __device__ __forceinline__ void conv_rows(float* dst, int ld, int width, const b
     }
     float out[4];
 #pragma unroll
-    for (int v = 0; v < 4; ++v) out[v] = r < L && live ? silu(acc[v]) : 0.f;
+    for (int v = 0; v < 4; ++v) out[v] = r < L && live ? fast_silu(acc[v]) : 0.f;
     if constexpr (kNorm) l2norm_lanes(out, n / 4, scale);
     if (c < width) *reinterpret_cast<float4*>(dst + r * ld + c) = make_float4(out[0], out[1], out[2], out[3]);
   }
@@ -1317,7 +1313,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_wgmma_kernel(Split k_
 }
 
 /// One output of the gated RMSNorm: w x s silu(z), s = rsqrt(mean(x^2) + eps) of the row.
-__device__ __forceinline__ float gated_norm(float w, float x, float s, float z) { return w * (x * s) * silu(z); }
+__device__ __forceinline__ float gated_norm(float w, float x, float s, float z) { return w * (x * s) * fast_silu(z); }
 
 constexpr int kZld = 128 + 8;  // bf16 row stride of chunk_out's z tile (conflict-free bf16x2 reads)
 

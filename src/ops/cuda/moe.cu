@@ -7,6 +7,7 @@
 #include <string>
 
 #include "ops/cuda/elementwise.h"
+#include "ops/cuda/fast_math.cuh"
 #include "ops/cuda/mma.cuh"
 
 namespace dflash::cuda {
@@ -201,7 +202,7 @@ __global__ void expert_swiglu_kernel(const float* __restrict__ gu, int64_t rows,
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * Im; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / Im, c = i % Im;
     const float gt = gu[r * 2 * Im + c], up = gu[r * 2 * Im + Im + c];
-    act[i] = __float2bfloat16(gt / (1.f + expf(-gt)) * up);
+    act[i] = __float2bfloat16(fast_silu(gt) * up);
   }
 }
 
@@ -213,7 +214,7 @@ __global__ void combine_kernel(const float* __restrict__ y, const int32_t* __res
     const int64_t t = i / D, c = i % D;
     float acc = 0.f;
     for (int j = 0; j < k; ++j) acc += weights[t * k + j] * y[int64_t(slot_of[t * k + j]) * D + c];
-    if (shared) acc += shared[i] / (1.f + expf(-shared_logit[t * ld]));
+    if (shared) acc += shared[i] * fast_sigmoid(shared_logit[t * ld]);
     x[i] += acc;
   }
 }
