@@ -16,10 +16,11 @@ __device__ __forceinline__ float fast_exp2(float x) {
 
 /// 1 / (1 + e^-x) in two MUFU operations (fast_exp2 and __fdividef's approximate reciprocal: ~4e-7
 /// relative). x / (1 + __expf(-x)) without fast-math adds a denormal fix-up and an IEEE division
-/// (with its slow-path branch) to every call. Very negative x: e^-x overflows to inf and this is 0.
+/// (with its slow-path branch) to every call. x below about -87.3: 0 (1 + e^-x past 2^126, where
+/// __fdividef gives 0; the true value is below 1e-37); -inf: NaN, as the IEEE form.
 __device__ __forceinline__ float fast_sigmoid(float x) { return __fdividef(1.f, 1.f + fast_exp2(-x * kLog2e)); }
 
-/// x sigmoid(x) (SiLU) as fast_sigmoid: x / (1 + e^-x), -0 for very negative x.
+/// x sigmoid(x) (SiLU) as fast_sigmoid: x / (1 + e^-x); -0 for x below about -87.3, NaN for -inf.
 __device__ __forceinline__ float fast_silu(float x) { return __fdividef(x, 1.f + fast_exp2(-x * kLog2e)); }
 
 }  // namespace dflash::cuda

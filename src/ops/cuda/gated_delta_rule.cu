@@ -600,6 +600,8 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prepare_kernel(const float*
   // the gates are computed) into M's and T's space, free until the first head's A and inverse.
   const bool history = chunk > 0 && chunks[chunk - 1].seq == ch.seq;
   const int qk_ch = Hk * dk;
+  static_assert((kChunk + kConvK - 1) * 128 * sizeof(bf16) <= kChunk * ldm * sizeof(float),
+                "the conv inputs of 128 channels fit A's and T's tiles");
   bf16* const raw_k = reinterpret_cast<bf16*>(M);  // [64 + kConvK - 1][dk] bf16: fits M's [64][68] fp32
   bf16* const raw_x = reinterpret_cast<bf16*>(Tm);
   if constexpr (kConvK > 0) {
