@@ -42,7 +42,6 @@ __host__ __device__ constexpr int state_rows(int dk) { return (dk + 15) / 16 * 1
 /// Padded value dim of the split H and U (16-byte rows).
 __host__ __device__ constexpr int value_cols(int dv) { return (dv + 7) / 8 * 8; }
 
-
 constexpr int kConvRun = 16;  // tokens per thread in the conv: each input is read from memory once
 
 /// V = 1 or 4 consecutive bf16 as floats (V = 4: one 8-byte load, vec.cuh's load4).
