@@ -205,13 +205,29 @@ struct RowTile {
   float m_a, m_b, l_a, l_b;
 };
 
+/// How far (log2 units) a row's scores may exceed its running max before the max moves.
+constexpr float kMaxSlack = 8.f;
+
+/// The factors online_softmax_scores leaves for O: rows g and g + 8 times a and b, none when `stay`.
+struct Rescale {
+  float a, b;
+  bool stay;
+};
+
 /// The online softmax of one m-tile over a key tile: s [16 x N] raw scores -> probabilities (in
-/// place), running max / sum (log2 domain, scaled) updated, oacc rescaled. Rows ra / rb; a tile not
-/// `full` masks by their ranges. scale_log2 > 0, so the max of the raw scores scales to the max of
-/// the scaled ones and each probability is one FFMA and one exp2.
-template <int D, int N>
-__device__ __forceinline__ void online_softmax(float (*s)[4], RowTile<D>& r, bool full, const KvRange32* ranges, int ra,
-                                               int rb, int Nq, int k0, int seg, int Nk, int t, float scale_log2) {
+/// place), running max / sum (log2 domain, scaled) updated; returns O's factors (rescale_o). Rows
+/// ra / rb; a tile not `full` masks by their ranges. scale_log2 > 0, so the max of the raw scores
+/// scales to the max of the scaled ones and each probability is one FFMA and one exp2.
+/// kConditional: conditional rescaling (FlashAttention-4, Zadouri et al. 2025): while no score of the
+/// warp's rows exceeds its row's running max by more than kMaxSlack, the max stays, the
+/// probabilities are exp2(s - m) <= 2^kMaxSlack (O / l and the logsumexp are the same for any m) and
+/// the warp skips rescaling O. On in the head_dim 256 forward, where that is 128 multiplies per thread
+/// and tile (655 -> 632 us in the 27B target's attention); off elsewhere (the head_dim 128 forward,
+/// whose softmax overlaps a product in flight, measured 1.09 -> 1.16 ms with it).
+template <int D, int N, bool kConditional>
+__device__ __forceinline__ Rescale online_softmax_scores(float (*s)[4], RowTile<D>& r, bool full, const KvRange32* ranges,
+                                                         int ra, int rb, int Nq, int k0, int seg, int Nk, int t,
+                                                         float scale_log2) {
   float mx_a = -INFINITY, mx_b = -INFINITY;
   if (!full) {
     const KvRange32 rga = ra < Nq ? ranges[ra] : KvRange32{}, rgb = rb < Nq ? ranges[rb] : KvRange32{};
@@ -228,9 +244,11 @@ __device__ __forceinline__ void online_softmax(float (*s)[4], RowTile<D>& r, boo
     mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
     mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
   }
-  const float mn_a = fmaxf(r.m_a, quad_max(mx_a) * scale_log2), mn_b = fmaxf(r.m_b, quad_max(mx_b) * scale_log2);
+  const float tm_a = quad_max(mx_a) * scale_log2, tm_b = quad_max(mx_b) * scale_log2;
+  // (false while a row saw nothing, m = -inf, and this tile shows it a key; NaN scores rescale too)
+  const bool stay = kConditional && __all_sync(0xffffffffu, tm_a <= r.m_a + kMaxSlack && tm_b <= r.m_b + kMaxSlack);
+  const float mn_a = stay ? r.m_a : fmaxf(r.m_a, tm_a), mn_b = stay ? r.m_b : fmaxf(r.m_b, tm_b);
   const float base_a = mn_a == -INFINITY ? 0.f : mn_a, base_b = mn_b == -INFINITY ? 0.f : mn_b;
-  const float al_a = fast_exp2(r.m_a - base_a), al_b = fast_exp2(r.m_b - base_b);  // 0 while nothing was seen
   float ps_a = 0.f, ps_b = 0.f;
 #pragma unroll
   for (int nt = 0; nt < N / 8; ++nt) {
@@ -239,11 +257,30 @@ __device__ __forceinline__ void online_softmax(float (*s)[4], RowTile<D>& r, boo
     ps_a += s[nt][0] + s[nt][1];
     ps_b += s[nt][2] + s[nt][3];
   }
+  if (stay) {
+    r.l_a += ps_a, r.l_b += ps_b;
+    return {1.f, 1.f, true};
+  }
+  const float al_a = fast_exp2(r.m_a - base_a), al_b = fast_exp2(r.m_b - base_b);  // 0 while nothing was seen
   r.l_a = r.l_a * al_a + ps_a;
   r.l_b = r.l_b * al_b + ps_b;
   r.m_a = mn_a, r.m_b = mn_b;
+  return {al_a, al_b, false};
+}
+
+/// O's part of the online softmax (separate, so that a product still writing O can run meanwhile).
+template <int D>
+__device__ __forceinline__ void rescale_o(RowTile<D>& r, const Rescale& c) {
+  if (c.stay) return;
 #pragma unroll
-  for (int i = 0; i < D / 8; ++i) r.oacc[i][0] *= al_a, r.oacc[i][1] *= al_a, r.oacc[i][2] *= al_b, r.oacc[i][3] *= al_b;
+  for (int i = 0; i < D / 8; ++i) r.oacc[i][0] *= c.a, r.oacc[i][1] *= c.a, r.oacc[i][2] *= c.b, r.oacc[i][3] *= c.b;
+}
+
+/// online_softmax_scores (rescaling O on every tile), then rescale_o.
+template <int D, int N>
+__device__ __forceinline__ void online_softmax(float (*s)[4], RowTile<D>& r, bool full, const KvRange32* ranges, int ra,
+                                               int rb, int Nq, int k0, int seg, int Nk, int t, float scale_log2) {
+  rescale_o(r, online_softmax_scores<D, N, false>(s, r, full, ranges, ra, rb, Nq, k0, seg, Nk, t, scale_log2));
 }
 
 /// The forward's epilogue for one m-tile: rows ra and rb of head h get O / l (bf16; 0 for a row
@@ -383,8 +420,9 @@ __global__ void __launch_bounds__(32 * W, MT == 2 ? 2 : (D <= 128 ? 3 : 2))
 // memory and Q's fragments from registers (loaded once; head_dim 128) or from shared memory (256),
 // O += P V takes P from registers and V (MN-major) from shared memory. At head_dim 128 the next key
 // tile's S is issued before this tile's softmax, so the tensor cores work while the warps
-// exponentiate; at 256 the registers hold one S tile only. The two warpgroups take turns issuing
-// their score products (PingPong), so one's products run while the other exponentiates.
+// exponentiate; at 256 the registers hold one S tile only, and the next tile's S is issued beside
+// this tile's P V (P kept as bf16 fragments), with no barrier of the CTA between tiles. The two
+// warpgroups take turns issuing their products (PingPong), so one's run while the other exponentiates.
 
 /// copy_rows_async into wgmma's 128-byte-swizzled layout: the [kRows][D] tile as D / 64 column
 /// blocks of [kRows][64]; row r of a block at r 128 bytes, its 16-byte chunk c at ((c ^ r % 8) 16).
@@ -417,8 +455,9 @@ __device__ __forceinline__ bf16* align_sw128(unsigned char* smem) {
 template <int D, int kArows>
 __device__ __forceinline__ void ss_abt(float (&d)[8][4], const bf16* a, const bf16* b) {
   // k step ks: column block ks / 4, 32 bytes per k step inside it
-  auto da = [&](int ks) { return wgmma::desc_sw128(a + (ks / 4) * kArows * 64 + (ks % 4) * 16, 16, 1024); };
-  auto db = [&](int ks) { return wgmma::desc_sw128(b + (ks / 4) * 64 * 64 + (ks % 4) * 16, 16, 1024); };
+  const uint64_t a0 = wgmma::desc_sw128(a, 16, 1024), b0 = wgmma::desc_sw128(b, 16, 1024);
+  auto da = [&](int ks) { return wgmma::desc_at(a0, ((ks / 4) * kArows * 64 + (ks % 4) * 16) * 2); };
+  auto db = [&](int ks) { return wgmma::desc_at(b0, ((ks / 4) * 64 * 64 + (ks % 4) * 16) * 2); };
   wgmma::m64n64k16_ss<false>(d, da(0), db(0));
 #pragma unroll
   for (int ks = 1; ks < D / 16; ++ks) wgmma::m64n64k16_ss<true>(d, da(ks), db(ks));
@@ -439,33 +478,43 @@ __device__ __forceinline__ void load_a_sw128(uint32_t a[4], const bf16* tile, in
 /// fragments, load_a_sw128), B = a whole swizzled tile of 64 rows, K-major. Issued, not committed.
 template <int D>
 __device__ __forceinline__ void rs_abt(float (&d)[8][4], const uint32_t (*a)[4], const bf16* b) {
-  auto db = [&](int ks) { return wgmma::desc_sw128(b + (ks / 4) * 64 * 64 + (ks % 4) * 16, 16, 1024); };
+  const uint64_t b0 = wgmma::desc_sw128(b, 16, 1024);
+  auto db = [&](int ks) { return wgmma::desc_at(b0, ((ks / 4) * 64 * 64 + (ks % 4) * 16) * 2); };
   wgmma::m64n64k16_rs<false>(d, a[0], db(0));
 #pragma unroll
   for (int ks = 1; ks < D / 16; ++ks) wgmma::m64n64k16_rs<true>(d, a[ks], db(ks));
 }
 
-/// d [64 x D] += A B (wgmma, D / 128 products of n = 128): A [64 x K] = the accumulator tiles c
-/// rounded to bf16 (all fragments built before the fence), B = a swizzled tile of K rows x D,
-/// MN-major (K down its rows). Issued, not committed. O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q.
+/// d [64 x D] += A B (wgmma, D / 128 products of n = 128): A [64 x K] from registers (a[k step]: the
+/// warp's fragments of the accumulator tiles rounded to bf16, acc_to_a, built before the fence),
+/// B = a swizzled tile of K rows x D, MN-major (K down its rows). Issued, not committed.
+template <int K, int D = 128>
+__device__ __forceinline__ void rs_ab_frags(float (&d)[D / 8][4], const uint32_t (*a)[4], const bf16* b) {
+  const uint64_t b0 = wgmma::desc_sw128(b, K * 128, 1024);  // LBO = the stride between two 64-column blocks, SBO = 8 rows
+#pragma unroll
+  for (int h = 0; h < D / 128; ++h) {  // output columns 128 h ..: column blocks 2 h and 2 h + 1 of B
+    float(&dh)[16][4] = *reinterpret_cast<float(*)[16][4]>(&d[16 * h]);
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk)
+      wgmma::m64n128k16_rs_mn(dh, a[kk], wgmma::desc_at(b0, (2 * h * K * 64 + kk * 16 * 64) * 2), true);
+  }
+}
+
+/// rs_ab_frags of the accumulator tiles c [64 x K] (fragments built, then the fence). O += P V,
+/// dQ += dS K, dV += P^T dO, dK += dS^T Q.
 template <int K, int D = 128>
 __device__ __forceinline__ void rs_ab(float (&d)[D / 8][4], const float (*c)[4], const bf16* b) {
   uint32_t a[K / 16][4];
 #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk) acc_to_a(a[kk], c, kk);
   wgmma::fence();
-#pragma unroll
-  for (int h = 0; h < D / 128; ++h) {  // output columns 128 h ..: column blocks 2 h and 2 h + 1 of B
-    float(&dh)[16][4] = *reinterpret_cast<float(*)[16][4]>(&d[16 * h]);
-#pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk)  // LBO = the stride between the two 64-column blocks, SBO = 8 rows
-      wgmma::m64n128k16_rs_mn(dh, a[kk], wgmma::desc_sw128(b + 2 * h * K * 64 + kk * 16 * 64, K * 128, 1024), true);
-  }
+  rs_ab_frags<K, D>(d, a, b);
 }
 
 /// Shared-memory buffers of the Hopper kernels' key tiles (forward, dQ) or query items (dK / dV):
-/// the forward's head_dim 128 path fetches two tiles ahead (four buffers), its head_dim 256 path one
-/// (two: the 64 x 256 Q tile leaves no room for a third); the backward kernels one, with three.
+/// the forward's head_dim 128 path fetches two tiles ahead (four buffers), its head_dim 256 path keeps
+/// K and V in rings of two each (the 64 x 256 Q tile leaves no room for a third); the backward kernels
+/// fetch one tile ahead, with three.
 __host__ __device__ constexpr int fwd_wgmma_bufs(bool prefetch_s) { return prefetch_s ? 4 : 2; }
 constexpr int kBwdWgmmaBufs = 3;
 
@@ -495,8 +544,8 @@ __global__ void __launch_bounds__(128 * WG, 1)
                      const __grid_constant__ CUtensorMap tmv, const KvRange32* __restrict__ ranges, int Nq, int Nk,
                      int H, int Hkv, float scale_log2, bf16* o, float* lse) {
   // head_dim 128: Q's fragments in registers, the next tile's S in flight during this tile's softmax
-  // (kPrefetchS); 256: Q read from shared memory and one S tile at a time (the registers hold the
-  // 64 x 256 O accumulator instead).
+  // (kPrefetchS); 256: Q read from shared memory, the next tile's S in flight beside this tile's
+  // P V, with P kept as bf16 fragments (the registers hold the 64 x 256 O accumulator besides).
   static_assert(D == 128 || D == 256, "head_dim 128 or 256");
   static_assert(N == 64, "S tiles of 64 keys (m64n64k16)");
   static_assert(kPrefetchS == (D == 128), "Q's fragments (128, ldmatrix) on the prefetching path; Q read by wgmma (256), after a proxy fence, on the other");
@@ -509,12 +558,15 @@ __global__ void __launch_bounds__(128 * WG, 1)
   bf16* Kb = Qs + QR * D;        // kBufs x [N x D]: tile j in buffer j % kBufs
   bf16* Vb = Kb + kBufs * N * D; // kBufs x [N x D]
   __shared__ int lohi[8];
-  __shared__ __align__(8) uint64_t kv_full[kBufs];  // buffer b's K and V landed (one phase per tile)
+  // 128: buffer b's K and V landed (one phase per tile); 256: K's ring, then V's
+  __shared__ __align__(8) uint64_t kv_full[kPrefetchS ? kBufs : 2 * kBufs];
+  __shared__ int released[2 * kBufs];  // 256: warps done with K's buffer b, V's buffer b (8 per tile)
   const int h = blockIdx.y, kvh = h / (H / Hkv), row0 = (gridDim.x - 1 - blockIdx.x) * QR;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   copy_rows_sw128<D, kThreads, QR>(Qs, q, Nq, H, h, row0);  // one cp.async group
   cp_async_commit();
-  if (threadIdx.x == 0) tma::init_ring(kv_full, kBufs);
+  if (threadIdx.x < 2 * kBufs) released[threadIdx.x] = 0;
+  if (threadIdx.x == 0) tma::init_ring(kv_full, kPrefetchS ? kBufs : 2 * kBufs);
   tile_union(ranges, Nq, row0, QR, lohi);  // (synchronizes)
   RowTile<D> rt;
 #pragma unroll
@@ -546,20 +598,74 @@ __global__ void __launch_bounds__(128 * WG, 1)
     wgmma::commit();
     wgmma::wait<0>();
   };
-  // One barrier per tile: a buffer is refilled only after a barrier that every warp passed once done
-  // with the tile it held.
-  if constexpr (!kPrefetchS) {  // two buffers: tile j, tile j + 1 in flight
-    fetch(0);
+  if constexpr (!kPrefetchS) {
+    // K and V in rings of two buffers each (tile j's in buffer j % 2). Step j issues S_{j+1} =
+    // Q K_{j+1}^T and O += P_j V_j in one turn, so that the tensor cores run one warpgroup's two
+    // products while the other warpgroup exponentiates (FlashAttention-3's intra-warpgroup overlap,
+    // section 3.2), and O is rescaled once P_j V_j is done. No barrier of the CTA between steps: each
+    // warp releases a buffer once its products are done with it, and the last of the eight warps to
+    // release one starts the copy of the tile two further into it (K_{j+2} once every S_j is done,
+    // V_{j+2} once every P_j V_j is), so the two warpgroups stay half a step apart.
+    uint64_t* k_full = kv_full;
+    uint64_t* v_full = kv_full + kBufs;
+    auto load = [&](bool key, int j) {  // tile j's K (or V) into buffer j % 2; nothing past the last
+      if (j < tiles.n)
+        tma::load_tile<N, D>((key ? Kb : Vb) + (j % 2) * N * D, key ? &tmk : &tmv, (key ? k_full : v_full) + j % 2,
+                             kvh, tiles.start(j));
+    };
+    auto release = [&](bool key, int j) {  // this warp is done with tile j's K (or V)
+      if (lane == 0) {
+        __threadfence_block();  // (ordered before the other warps' view of the count)
+        if (atomicAdd(&released[(key ? 0 : kBufs) + j % 2], 1) % 8 == 7) {
+          __threadfence_block();
+          load(key, j + 2);
+        }
+      }
+    };
+    auto scores = [&](int j, float (&sc)[N / 8][4]) {  // tile j's online softmax; O's factors
+      const int seg = tiles.seg(j), k0 = tiles.start(j);
+      return online_softmax_scores<D, N, true>(sc, rt, tile_full(lohi, seg, k0, N, Nk), ranges, ra, rb, Nq, k0, seg, Nk,
+                                         t, scale_log2);
+    };
+    if (threadIdx.x == 0) load(true, 0), load(false, 0), load(true, 1), load(false, 1);
     cp_async_wait<0>();  // Q, read by wgmma (the async proxy)
     wgmma::fence_proxy_async();
+    __syncthreads();  // Q visible to every warp
+    float sc[N / 8][4];
+    uint32_t pa[N / 16][4];  // P_j, the A fragments of O += P_j V_j
+    if (tiles.n > 0) tma::wait_ring(k_full, kBufs, 0);
+    issue_s(sc, 0);  // (with no tile, of a buffer never written, and never read)
+    wgmma::wait<0>();
+    if (tiles.n > 0) {
+      release(true, 0);
+      scores(0, sc);  // (O is zero: nothing to rescale)
+    }
+#pragma unroll
+    for (int kk = 0; kk < N / 16; ++kk) acc_to_a(pa[kk], sc, kk);
     for (int j = 0; j < tiles.n; ++j) {
-      landed(j);
-      __syncthreads();  // Q visible to all (j = 0); every warp is done with tile j - 1
-      fetch(j + 1);     // into tile j - 1's buffer, in flight during tile j
-      float sc[N / 8][4];
-      issue_s(sc, j);
-      wgmma::wait<0>();
-      softmax_pv(j, sc);
+      const bool more = j + 1 < tiles.n;
+      if (more) tma::wait_ring(k_full, kBufs, j + 1);
+      tma::wait_ring(v_full, kBufs, j);
+      wgmma::fence();
+      pp.turn();
+      // S_{j+1}; after the last tile, tile j's again, never read (no branch around a wgmma: the
+      // compiler would serialize them all)
+      ss_abt<D, QR>(sc, Qw, Kb + ((more ? j + 1 : j) % 2) * N * D);
+      wgmma::commit();
+      rs_ab_frags<N, D>(rt.oacc, pa, Vb + (j % 2) * N * D);  // O += P_j V_j
+      wgmma::commit();
+      pp.pass();
+      wgmma::wait<1>();  // S_{j+1}
+      Rescale c{1.f, 1.f, true};
+      if (more) {
+        release(true, j + 1);
+        c = scores(j + 1, sc);
+      }
+      wgmma::wait<0>();  // P_j V_j
+      release(false, j);
+      rescale_o(rt, c);
+#pragma unroll
+      for (int kk = 0; kk < N / 16; ++kk) acc_to_a(pa[kk], sc, kk);
     }
   } else {
     // Tile j: S_j was issued one step earlier, so the tensor cores compute S_{j+1} while this
@@ -1180,7 +1286,8 @@ template <int D>
 void launch_fwd_wgmma(const bf16* q, const bf16* k, const bf16* v, const KvRange32* r, int Nq, int Nk, int H,
                       int Hkv, float scale, bf16* o, float* lse, cudaStream_t s) {
   // (3 warpgroups leave no registers for two S tiles; at head_dim 256, 32-key tiles with the next S
-  // prefetched measured 18.5 ms against 15.7 for this in the 27B target forward's attention stage)
+  // prefetched measured 18.5 ms against 15.7 for a 64-key path without, in the 27B target forward's
+  // attention stage; its path now keeps one S tile and P as bf16 fragments)
   constexpr bool kPrefetchS = D == 128;
   constexpr int WG = 2, N = 64, QR = 64 * WG;
   const size_t smem = size_t(QR + 2 * fwd_wgmma_bufs(kPrefetchS) * N) * D * sizeof(bf16) + 1024;  // + the swizzle atoms' alignment

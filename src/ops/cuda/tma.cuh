@@ -107,6 +107,16 @@ __device__ __forceinline__ void load_3d(void* dst, const CUtensorMap* map, uint6
 #endif
 }
 
+/// Rows row0 .. row0 + R - 1 of one head of a [rows, heads, D] tensor into `a` as D / 64 swizzled
+/// [R][64] blocks (copy_rows_sw128's layout), counted on `full` (one phase). One thread calls it; m:
+/// rows_map with box_rows R.
+template <int R, int D>
+__device__ __forceinline__ void load_tile(bf16* a, const CUtensorMap* m, uint64_t* full, int head, int row0) {
+  expect_bytes(full, R * D * sizeof(bf16));
+#pragma unroll
+  for (int blk = 0; blk < D / 64; ++blk) load_3d(a + blk * R * 64, m, full, 64 * blk, head, row0);
+}
+
 /// Rows row0 .. row0 + R - 1 of one head of two [rows, heads, D] tensors (K and V, or Q and dO)
 /// into `a` and `b`, each as D / 64 swizzled [R][64] blocks (copy_rows_sw128's layout), counted on
 /// `full` (one phase). One thread calls it; ma / mb: rows_map with box_rows R.
