@@ -560,7 +560,7 @@ __global__ void __launch_bounds__(128 * WG, 1)
   __shared__ int lohi[8];
   // 128: buffer b's K and V landed (one phase per tile); 256: K's ring, then V's
   __shared__ __align__(8) uint64_t kv_full[kPrefetchS ? kBufs : 2 * kBufs];
-  __shared__ int released[2 * kBufs];  // 256: warps done with K's buffer b, V's buffer b (8 per tile)
+  __shared__ int released[2 * kBufs];  // 256: warps done with K's buffer b, V's buffer b (all per tile)
   const int h = blockIdx.y, kvh = h / (H / Hkv), row0 = (gridDim.x - 1 - blockIdx.x) * QR;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   copy_rows_sw128<D, kThreads, QR>(Qs, q, Nq, H, h, row0);  // one cp.async group
@@ -603,7 +603,7 @@ __global__ void __launch_bounds__(128 * WG, 1)
     // Q K_{j+1}^T and O += P_j V_j in one turn, so that the tensor cores run one warpgroup's two
     // products while the other warpgroup exponentiates (FlashAttention-3's intra-warpgroup overlap,
     // section 3.2), and O is rescaled once P_j V_j is done. No barrier of the CTA between steps: each
-    // warp releases a buffer once its products are done with it, and the last of the eight warps to
+    // warp releases a buffer once its products are done with it, and the last of the CTA's warps to
     // release one starts the copy of the tile two further into it (K_{j+2} once every S_j is done,
     // V_{j+2} once every P_j V_j is), so the two warpgroups stay half a step apart.
     uint64_t* k_full = kv_full;
@@ -616,7 +616,7 @@ __global__ void __launch_bounds__(128 * WG, 1)
     auto release = [&](bool key, int j) {  // this warp is done with tile j's K (or V)
       if (lane == 0) {
         __threadfence_block();  // (ordered before the other warps' view of the count)
-        if (atomicAdd(&released[(key ? 0 : kBufs) + j % 2], 1) % 8 == 7) {
+        if (atomicAdd(&released[(key ? 0 : kBufs) + j % 2], 1) % (kThreads / 32) == kThreads / 32 - 1) {
           __threadfence_block();
           load(key, j + 2);
         }
