@@ -245,7 +245,8 @@ __device__ __forceinline__ Rescale online_softmax_scores(float (*s)[4], RowTile<
     mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
   }
   const float tm_a = quad_max(mx_a) * scale_log2, tm_b = quad_max(mx_b) * scale_log2;
-  // (false while a row saw nothing, m = -inf, and this tile shows it a key; NaN scores rescale too)
+  // (false while a row saw nothing, m = -inf, and this tile shows it a key; fmaxf drops NaN scores
+  // from the max, and their exp2 makes l and O NaN on either path)
   const bool stay = kConditional && __all_sync(0xffffffffu, tm_a <= r.m_a + kMaxSlack && tm_b <= r.m_b + kMaxSlack);
   const float mn_a = stay ? r.m_a : fmaxf(r.m_a, tm_a), mn_b = stay ? r.m_b : fmaxf(r.m_b, tm_b);
   const float base_a = mn_a == -INFINITY ? 0.f : mn_a, base_b = mn_b == -INFINITY ? 0.f : mn_b;
@@ -513,13 +514,14 @@ __device__ __forceinline__ void rs_ab(float (&d)[D / 8][4], const float (*c)[4],
 
 /// Shared-memory buffers of the Hopper kernels' key tiles (forward, dQ) or query items (dK / dV):
 /// the forward's head_dim 128 path fetches two tiles ahead (four buffers), its head_dim 256 path keeps
-/// K and V in rings of two each (the 64 x 256 Q tile leaves no room for a third); the backward kernels
-/// fetch one tile ahead, with three.
+/// K and V in rings of two each beside the 128 x 256 Q tile (a third K buffer would still fit, 225 KB;
+/// not tried); the backward kernels fetch one tile ahead, with three.
 __host__ __device__ constexpr int fwd_wgmma_bufs(bool prefetch_s) { return prefetch_s ? 4 : 2; }
 constexpr int kBwdWgmmaBufs = 3;
 
 /// Warpgroup ping-pong (FlashAttention-3, Shah et al. 2024, section 3.1) for a CTA of two
-/// warpgroups: named barriers 1 and 2 order their score products' issue, warpgroup 0 first and
+/// warpgroups: named barriers 1 and 2 order their products' issue (the score products; in the
+/// head_dim 256 forward the next S and this tile's P V together), warpgroup 0 first and
 /// warpgroup 1 once warpgroup 0's are queued, so that the tensor cores run one warpgroup's products
 /// while the other exponentiates instead of both waiting on both. turn() before the issue, pass()
 /// right after it (the barrier ids are computed, no branch around an MMA in flight), finish() once
