@@ -567,7 +567,7 @@ __global__ void __launch_bounds__(128 * WG, 1)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   copy_rows_sw128<D, kThreads, QR>(Qs, q, Nq, H, h, row0);  // one cp.async group
   cp_async_commit();
-  if (threadIdx.x < 2 * kBufs) released[threadIdx.x] = 0;
+  if (!kPrefetchS && threadIdx.x < 2 * kBufs) released[threadIdx.x] = 0;
   if (threadIdx.x == 0) tma::init_ring(kv_full, kPrefetchS ? kBufs : 2 * kBufs);
   tile_union(ranges, Nq, row0, QR, lohi);  // (synchronizes)
   RowTile<D> rt;
@@ -626,8 +626,8 @@ __global__ void __launch_bounds__(128 * WG, 1)
     };
     auto scores = [&](int j, float (&sc)[N / 8][4]) {  // tile j's online softmax; O's factors
       const int seg = tiles.seg(j), k0 = tiles.start(j);
-      return online_softmax_scores<D, N, true>(sc, rt, tile_full(lohi, seg, k0, N, Nk), ranges, ra, rb, Nq, k0, seg, Nk,
-                                         t, scale_log2);
+      return online_softmax_scores<D, N, true>(sc, rt, tile_full(lohi, seg, k0, N, Nk), ranges, ra, rb, Nq, k0, seg,
+                                               Nk, t, scale_log2);
     };
     if (threadIdx.x == 0) load(true, 0), load(false, 0), load(true, 1), load(false, 1);
     cp_async_wait<0>();  // Q, read by wgmma (the async proxy)
