@@ -47,7 +47,9 @@ TEST(CudaGpuPower, SamplesTheBusyGpu) {
   EXPECT_GT(p.power_w, 0.4 * p.power_limit_w);  // a second of GEMMs draws near the limit (an H200: ~690 of 700 W)
   EXPECT_LE(p.power_w, 1.5 * p.power_limit_w);
   // A board at its limit has the driver's power-cap reason set (its bit read right) at least sometimes.
-  if (p.power_w > 0.9 * p.power_limit_w) EXPECT_GT(p.power_capped, 0.0);
+  if (p.power_w > 0.9 * p.power_limit_w) {
+    EXPECT_GT(p.power_capped, 0.0);
+  }
   EXPECT_FALSE(power_json(p).is_null());
   std::printf("[gpu power] under a GEMM loop: %s\n", p.words().c_str());
 }
