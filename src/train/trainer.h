@@ -44,9 +44,7 @@ struct TrainStepStats {
   double lr = 0;                     // learning rate used
   int64_t micro_batches = 0, empty_micro_batches = 0;  // empty: no anchor / no loss weight
   int64_t tokens = 0;                // context tokens seen
-  // Wall time per stage, summed over micro-batches. optimizer_ms: the all-reduce, clip and what of the
-  // update the host waits for (on the GPU the AdamW update runs on beside the next forward).
-  double target_ms = 0, drafter_ms = 0, optimizer_ms = 0;
+  double target_ms = 0, drafter_ms = 0, optimizer_ms = 0;  // wall time per stage, summed over micro-batches
   double queue_ms = 0;               // drafter replicas waiting for taps, summed over micro-batches
   std::string nonfinite;             // a step skipped for NaN / Inf: which gradient, which example's taps
   std::vector<int64_t> slot_correct, slot_count;       // [B] top-1 hits per slot (as DrafterStepResult)

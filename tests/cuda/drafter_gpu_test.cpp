@@ -189,32 +189,6 @@ TEST(CudaDrafter, StepMatchesTheCpuReference) {
     const auto cn = cw.named();
     for (size_t i = 0; i < an.size(); ++i)
       EXPECT_LE(test::rel_l2(an[i].second->data, cn[i].second->data), 1e-6) << an[i].first;
-
-    // The update runs on after optimizer_step returns, beside the next step's forward (which waits
-    // for each layer's parameters): steps back to back end bitwise where steps with synchronize()
-    // after each do, losses and weights, and the bf16 copy the forward reads (via the losses).
-    {
-      DrafterGpu a(t.cfg, t.w, t.embed, t.lm_head, s), b(t.cfg, t.w, t.embed, t.lm_head, s);
-      std::vector<double> la, lb;
-      for (int64_t i = 1; i <= 3; ++i) {
-        a.zero_grads();
-        la.push_back(a.step(gs, opt).loss);
-        a.optimizer_step(ao, 1e-3, 1.0, i);
-        b.zero_grads();
-        lb.push_back(b.step(gs, opt).loss);
-        b.optimizer_step(ao, 1e-3, 1.0, i);
-        b.synchronize();
-      }
-      a.zero_grads();
-      la.push_back(a.step(gs, opt).loss);
-      b.zero_grads();
-      lb.push_back(b.step(gs, opt).loss);
-      EXPECT_EQ(la, lb);
-      EXPECT_NE(la.front(), la.back());  // (the updates changed the weights)
-      const auto wa = a.weights(), wb = b.weights();
-      const auto wan = wa.named(), wbn = wb.named();
-      for (size_t i = 0; i < wan.size(); ++i) EXPECT_EQ(wan[i].second->data, wbn[i].second->data) << wan[i].first;
-    }
   }
   DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
 }

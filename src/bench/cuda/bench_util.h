@@ -63,17 +63,14 @@ double median(std::vector<double> v);
 DrafterGpuSequence bench_sequence(const DrafterConfig& c, int64_t S, int64_t anchors, const cuda::bf16* taps);
 
 /// One training step as the benchmarks time it: zero_grads, forward + backward of `seq`, clip 1.0
-/// and AdamW step t (1-based) at lr 6e-4. Returns the loss once the gradient norm is known; the
-/// AdamW update may still be running (as in training: the next step's forward overlaps it;
-/// DrafterGpu::synchronize waits for it).
+/// and AdamW step t (1-based) at lr 6e-4. Synchronizes. Returns the loss.
 double bench_train_step(DrafterGpu& d, const DrafterGpuSequence& seq, bool recompute, int64_t t);
 
 /// Stage timings (name, ms) as a JSON object, in their order.
 nlohmann::json stage_json(const std::vector<std::pair<std::string, double>>& stage_ms);
 
 /// The same step with per-stage GPU timers: DrafterGpuStepResult::stage_ms (forward, attention_fwd,
-/// cross_entropy, backward, attention_bwd) and "optimizer" (wall time of optimizer_step and the
-/// whole update, alone), in ms. Starts after any earlier update.
+/// cross_entropy, backward, attention_bwd) and "optimizer" (wall time of optimizer_step), in ms.
 nlohmann::json timed_train_step(DrafterGpu& d, const DrafterGpuSequence& seq, bool recompute, int64_t t);
 
 /// Peak memory of a benchmark on device 0: what its static allocations (weights, fixed buffers) took

@@ -41,9 +41,6 @@ DeviceArray<bf16> upload_bf16(const std::vector<float>& v, cudaStream_t s) {
 
 using cuda::StageTimer;
 
-/// Grid cap of the AdamW update's launches (cuda::adamw_update's max_blocks; 0: a float4 per thread).
-constexpr int kUpdateBlocks = 0;
-
 /// Saved activations of one draft layer (what the backward needs, as the CPU LayerSaved).
 /// In the last layer with compacted rows, x_mid .. act and o_rows hold only the rows with a loss weight.
 struct Saved {
@@ -93,17 +90,6 @@ void DrafterGpu::allocate(int64_t V) {
     if (I.offset.at(layer_param(i, "mlp.up_proj.weight")) !=
         I.offset.at(gate_up_param(i)) + cfg_.intermediate_size * cfg_.hidden_size)
       throw std::logic_error("DrafterGpu: up_proj does not follow gate_proj in the parameter order");
-  // The update's groups, in the order the forward reads them: fc, hidden_norm and norm (the last
-  // three parameters), then each draft layer's (contiguous in the flat order).
-  const int64_t tail = I.offset.at("fc.weight");
-  if (I.offset.at("hidden_norm.weight") < tail || I.offset.at("norm.weight") < tail)
-    throw std::logic_error("DrafterGpu: fc, hidden_norm and norm are not the last parameters");
-  I.groups = {{tail, I.n}};
-  for (int64_t i = 0; i < cfg_.num_hidden_layers; ++i)
-    I.groups.push_back({I.offset.at(layer_param(i, "self_attn.q_proj.weight")),
-                        i + 1 < cfg_.num_hidden_layers ? I.offset.at(layer_param(i + 1, "self_attn.q_proj.weight")) : tail});
-  I.upd_done.resize(I.groups.size());
-  for (cudaEvent_t& e : I.upd_done) DFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   I.V = V;
   I.master = DeviceArray<float>(size_t(I.n));
   I.wb = DeviceArray<bf16>(size_t(I.n));
@@ -150,10 +136,6 @@ DrafterGpu::DrafterGpu(const DrafterConfig& cfg, int64_t V, uint64_t seed, cudaS
 DrafterGpu::~DrafterGpu() = default;
 
 int64_t DrafterGpu::num_params() const { return impl_->n; }
-void DrafterGpu::synchronize() {
-  impl_->join();
-  DFLASH_CUDA_CHECK(cudaStreamSynchronize(impl_->s));
-}
 float* DrafterGpu::grad_data() { return impl_->grad_buffer(); }
 cudaStream_t DrafterGpu::stream() const { return impl_->s; }
 cuda::GemmContext& DrafterGpu::gemm() { return impl_->gemm; }
@@ -175,12 +157,8 @@ DrafterWeights<float> download(const DrafterConfig& cfg, const DeviceArray<T>& f
 }
 }  // namespace
 
-DrafterWeights<float> DrafterGpu::weights() const {
-  impl_->join();
-  return download(cfg_, impl_->master, impl_->s);
-}
+DrafterWeights<float> DrafterGpu::weights() const { return download(cfg_, impl_->master, impl_->s); }
 DrafterWeights<float> DrafterGpu::grads() const {
-  impl_->join();
   return impl_->grad_zero_pending ? drafter_zeros<float>(cfg_) : download(cfg_, impl_->grad, impl_->s);
 }
 
@@ -198,7 +176,6 @@ std::vector<std::vector<float>> split(const std::vector<float>& flat, const Draf
 }  // namespace
 
 void DrafterGpu::moments(std::vector<std::vector<float>>* m, std::vector<std::vector<float>>* v) const {
-  impl_->join();
   if (m) *m = split(impl_->m.to_host(impl_->s), cfg_);
   if (v) *v = split(impl_->v.to_host(impl_->s), cfg_);
 }
@@ -217,7 +194,6 @@ void DrafterGpu::set_state(const DrafterWeights<float>& w, const std::vector<std
     fv.insert(fv.end(), v[i].begin(), v[i].end());
   }
   if (int64_t(fw.size()) != I.n) throw std::invalid_argument("DrafterGpu::set_state: parameter count");
-  I.join();
   DFLASH_CUDA_CHECK(cudaMemcpyAsync(I.master.data(), fw.data(), fw.size() * 4, cudaMemcpyHostToDevice, I.s));
   DFLASH_CUDA_CHECK(cudaMemcpyAsync(I.m.data(), fm.data(), fm.size() * 4, cudaMemcpyHostToDevice, I.s));
   DFLASH_CUDA_CHECK(cudaMemcpyAsync(I.v.data(), fv.data(), fv.size() * 4, cudaMemcpyHostToDevice, I.s));
@@ -239,17 +215,8 @@ ClipResult DrafterGpu::optimizer_step(const AdamWOptions& o, double lr, double m
     return r;
   }
   r.coef = double(I.coef.to_host(I.s)[0]);
-  // On `upd`, group by group (see Impl::upd): the next forward's products run beside it.
-  const cuda::AdamWStep st = cuda::adamw_scalars(lr, o.beta1, o.beta2, o.eps, o.weight_decay, t);
-  DFLASH_CUDA_CHECK(cudaEventRecord(I.grads_ready, I.s));
-  DFLASH_CUDA_CHECK(cudaStreamWaitEvent(I.upd, I.grads_ready, 0));
-  for (size_t g = 0; g < I.groups.size(); ++g) {
-    const auto [b, e] = I.groups[g];
-    cuda::adamw_update(I.master.data() + b, grad + b, I.m.data() + b, I.v.data() + b, I.wb.data() + b, e - b, st,
-                       I.coef.data(), I.upd, kUpdateBlocks);
-    DFLASH_CUDA_CHECK(cudaEventRecord(I.upd_done[g], I.upd));
-  }
-  I.update_pending = true;
+  cuda::adamw_update(I.master.data(), grad, I.m.data(), I.v.data(), I.wb.data(), I.n,
+                     cuda::adamw_scalars(lr, o.beta1, o.beta2, o.eps, o.weight_decay, t), I.coef.data(), I.s);
   return r;
 }
 
@@ -315,7 +282,6 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   timer.begin("forward");
   StreamBuffer<bf16> fc_out(size_t(S * d), s), ctx(size_t(S * d), s);
   StreamBuffer<float> inv_ctx(size_t(S), s);
-  I.wait_update(0);  // fc, hidden_norm, norm
   linear(seq.taps, S, K * d, d, "fc.weight", fc_out.data(), 0.f);
   cuda::rms_norm_forward(fc_out.data(), I.F("hidden_norm.weight"), ctx.data(), inv_ctx.data(), S, d, c.rms_norm_eps,
                          false, s);
@@ -383,7 +349,6 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   for (int64_t i = 0; i < L; ++i) {
     Saved& a = sv[size_t(i)];
     a.x_in = std::move(x);
-    I.wait_update(size_t(1 + i));
     x = forward_layer(i, a);
     if (opt.recompute) {  // keep only the layer input; the backward runs the layer again
       StreamBuffer<bf16> keep = std::move(a.x_in);
@@ -391,7 +356,6 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
       a.x_in = std::move(keep);
     }
   }
-  I.join();  // (every group waited for: the backward may write the gradients)
   StreamBuffer<bf16> hf(size_t(Qf * d), s);  // [Qf, d]: the rows with a loss weight (when there are any)
   StreamBuffer<float> inv_final(size_t(Qf), s);
   cuda::rms_norm_forward(x.data(), I.F("norm.weight"), hf.data(), inv_final.data(), Qf, d, c.rms_norm_eps, false, s);

@@ -72,9 +72,7 @@ class DrafterGpu {
   /// Multiplies every gradient by `s` (averaging over micro-batches).
   void scale_grads(float s);
   /// clip_grad_norm(max_norm) then AdamW step t (1-based) at lr, fused over all parameters; skips
-  /// the update (and reports it) when the norm is not finite. Synchronizes for the norm; the update
-  /// itself runs on after the return, on a stream of its own: the next step's forward waits for each
-  /// layer's parameters only, every other method for all of them (synchronize() too).
+  /// the update (and reports it) when the norm is not finite. Synchronizes (returns the norm).
   ClipResult optimizer_step(const AdamWOptions& o, double lr, double max_norm, int64_t t);
 
   DrafterWeights<float> weights() const;  // fp32 masters, downloaded
@@ -102,8 +100,6 @@ class DrafterGpu {
   /// std::invalid_argument for a token outside the vocabulary or a wrong number of sequences.
   std::vector<std::vector<int32_t>> draft(const std::vector<int32_t>& last);
 
-  /// Waits for everything queued: the stream and any update still running.
-  void synchronize();
   int64_t num_params() const;
   /// The flat fp32 gradient [num_params()] on the device (for a data-parallel all-reduce) and the
   /// stream every method of this object runs on. After zero_grads() with no backward since,

@@ -53,7 +53,6 @@ void cache_keys_values(DrafterGpu::Impl& I, const DrafterConfig& c, int64_t i, c
 
 void DrafterGpu::extend_context(const bf16* taps, const std::vector<int64_t>& cu) {
   Impl& I = *impl_;
-  I.join();  // (the weights after any pending update)
   KvCache& C = I.ctx;
   const DrafterConfig& c = cfg_;
   const int64_t d = c.hidden_size, K = int64_t(c.target_layer_ids.size()), hd = c.head_dim;
@@ -88,7 +87,6 @@ void DrafterGpu::extend_context(const bf16* taps, const std::vector<int64_t>& cu
 
 std::vector<std::vector<int32_t>> DrafterGpu::draft(const std::vector<int32_t>& last) {
   Impl& I = *impl_;
-  I.join();
   KvCache& C = I.ctx;
   cudaStream_t s = I.s;
   const DrafterConfig& c = cfg_;

@@ -30,44 +30,13 @@ struct DrafterGpu::Impl {
   cuda::DeviceArray<float> coef;
   cuda::DeviceArray<double> inv_freq;             // RoPE [head_dim / 2], computed in double as the reference
   KvCache ctx;                                    // drafting: each layer's context keys / values per sequence
-  // The AdamW update runs on its own stream `upd`, one launch per parameter group in the order the
-  // next forward reads them (group 0: fc, hidden_norm, norm; group 1 + i: draft layer i), each
-  // followed by its event: the next step's forward waits per group, so that the update (memory bound)
-  // runs beside the forward's products. Everything else waits for the whole update first (join()).
-  cudaStream_t upd = nullptr;
-  std::vector<std::pair<int64_t, int64_t>> groups;  // flat [begin, end) per group
-  std::vector<cudaEvent_t> upd_done;                // [groups.size()]
-  cudaEvent_t grads_ready = nullptr;
-  bool update_pending = false;
 
-  explicit Impl(cudaStream_t st) : s(st), gemm(st) {
-    DFLASH_CUDA_CHECK(cudaStreamCreateWithFlags(&upd, cudaStreamNonBlocking));
-    DFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&grads_ready, cudaEventDisableTiming));
-  }
-  ~Impl() {
-    cudaStreamSynchronize(upd);  // (no throw from a destructor: errors surface at the next call)
-    for (cudaEvent_t e : upd_done) cudaEventDestroy(e);
-    cudaEventDestroy(grads_ready);
-    cudaStreamDestroy(upd);
-  }
-  Impl(const Impl&) = delete;
-  Impl& operator=(const Impl&) = delete;
-  /// Stream s waits for the update of parameter group g (nothing when no update is pending).
-  void wait_update(size_t g) {
-    if (update_pending) DFLASH_CUDA_CHECK(cudaStreamWaitEvent(s, upd_done.at(g), 0));
-  }
-  /// Stream s waits for the whole pending update (its last group's event).
-  void join() {
-    if (!update_pending) return;
-    DFLASH_CUDA_CHECK(cudaStreamWaitEvent(s, upd_done.back(), 0));
-    update_pending = false;
-  }
+  explicit Impl(cudaStream_t st) : s(st), gemm(st) {}
   const cuda::bf16* W(const std::string& name) const { return wb.data() + offset.at(name); }
   const float* F(const std::string& name) const { return master.data() + offset.at(name); }
   float* G(const std::string& name) { return grad.data() + offset.at(name); }
-  /// The gradient buffer (after any pending update), zeroed first if a zero_grads() is pending.
+  /// The gradient buffer, zeroed first if a zero_grads() is pending.
   float* grad_buffer() {
-    join();
     if (grad_zero_pending) grad.fill_bytes(0, s);
     grad_zero_pending = false;
     return grad.data();

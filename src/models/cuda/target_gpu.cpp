@@ -81,9 +81,9 @@ struct LayerGpu {
   }
 };
 
-std::vector<float> host_f32(const bf16* b, int64_t n, cudaStream_t s) {
+std::vector<float> host_f32(const StreamBuffer<bf16>& b, int64_t n, cudaStream_t s) {
   std::vector<uint16_t> h(static_cast<size_t>(n));
-  DFLASH_CUDA_CHECK(cudaMemcpyAsync(h.data(), b, size_t(n) * 2, cudaMemcpyDeviceToHost, s));
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(h.data(), b.data(), size_t(n) * 2, cudaMemcpyDeviceToHost, s));
   DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));
   std::vector<float> r(h.size());
   for (size_t i = 0; i < h.size(); ++i) r[i] = bf16_to_f32(h[i]);
@@ -267,9 +267,9 @@ void check_batch(const ModelSpec& sp, const std::vector<int32_t>& ids, const std
 }
 }  // namespace
 
-StreamBuffer<bf16> TargetGpu::run_layers(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu, int64_t last,
-                                         const std::function<void(int64_t, const bf16*)>& on_hidden, bool cached,
-                                         bool keep_rollback) {
+StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu, int64_t last,
+                                          const std::function<void(int64_t, const float*)>& on_hidden, bool cached,
+                                          bool keep_rollback) {
   Impl& I = *impl_;
   const ModelSpec& sp = spec_;
   cudaStream_t s = I.s;
@@ -325,10 +325,11 @@ StreamBuffer<bf16> TargetGpu::run_layers(const std::vector<int32_t>& ids, const 
   cuda::rope_table(d_pos.data(), I.inv_freq.data(), T, rot, cs.data(), sn.data(), s);
   if (I.timer) I.timer->clear();
   I.stage("other");
-  StreamBuffer<bf16> x(size_t(T * D), s);  // the residual stream (bf16, as transformers' bf16 model)
+  StreamBuffer<float> x(size_t(T * D), s);  // the residual stream, fp32 (GEMM inputs are bf16)
   StreamBuffer<bf16> h(size_t(T * D), s), q(size_t(T * H * Dh), s), k(size_t(T * Hkv * Dh), s),
       v(size_t(T * Hkv * Dh), s), o(size_t(T * H * Dh), s), gu(size_t(T * 2 * Im), s), act(size_t(T * Im), s);
-  cuda::embedding_gather(I.embed.data(), sp.vocab_size, D, d_ids.data(), T, x.data(), nullptr, s);
+  cuda::embedding_gather(I.embed.data(), sp.vocab_size, D, d_ids.data(), T, h.data(), nullptr, s);
+  cuda::bf16_to_f32(h.data(), x.data(), T * D, s);
   on_hidden(0, x.data());
   const float scale = float(1.0 / std::sqrt(double(Dh)));
   auto linear = [&](const bf16* in, int64_t out_f, int64_t in_f, const DeviceArray<bf16>& w, auto* y, float beta) {
@@ -591,20 +592,21 @@ ForwardOutput TargetGpu::forward_impl(const std::vector<int32_t>& ids, const std
   for (int j : opt.hidden_states) last = std::max<int64_t>(last, j == L ? L - 1 : j - 1);
   ForwardOutput out;
   auto want = [&](int64_t j) { return std::find(opt.hidden_states.begin(), opt.hidden_states.end(), j) != opt.hidden_states.end(); };
-  auto keep = [&](int64_t j, const bf16* p) {
+  auto keep = [&](int64_t j, const float* p) {
     if (j == L || !want(j)) return;  // index L is after the final norm (below)
     Tensor t({T, D});
-    t.data = host_f32(p, T * D, I.s);
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(t.data.data(), p, t.data.size() * 4, cudaMemcpyDeviceToHost, I.s));
+    DFLASH_CUDA_CHECK(cudaStreamSynchronize(I.s));
     out.hidden_states[int(j)] = std::move(t);
   };
-  StreamBuffer<bf16> x = run_layers(ids, cu, last, keep, cached, cached && opt.keep_rollback);
+  StreamBuffer<float> x = run_layers(ids, cu, last, keep, cached, cached && opt.keep_rollback);
   if (last == L - 1 && (opt.logits || argmax || want(L))) I.stage("lm_head");
   if (last == L - 1) finish_forward(x, T, opt, out, argmax);
   if (I.timer) I.timer->stop();
   return out;
 }
 
-void TargetGpu::finish_forward(StreamBuffer<bf16>& x, int64_t T, const ForwardOptions& opt, ForwardOutput& out,
+void TargetGpu::finish_forward(StreamBuffer<float>& x, int64_t T, const ForwardOptions& opt, ForwardOutput& out,
                                std::vector<int32_t>* argmax) {
   Impl& I = *impl_;
   const ModelSpec& sp = spec_;
@@ -615,7 +617,7 @@ void TargetGpu::finish_forward(StreamBuffer<bf16>& x, int64_t T, const ForwardOp
   cuda::rms_norm_forward(x.data(), I.norm.data(), hf.data(), nullptr, T, D, sp.rms_norm_eps, sp.zero_centered_norm(), I.s);
   if (want_L) {
     Tensor t({T, D});
-    t.data = host_f32(hf.data(), T * D, I.s);
+    t.data = host_f32(hf, T * D, I.s);
     out.hidden_states[int(L)] = std::move(t);
   }
   if (opt.logits) {
@@ -637,20 +639,23 @@ void TargetGpu::forward_taps(const std::vector<int32_t>& ids, const std::vector<
       throw std::invalid_argument("forward_taps: layer id " + std::to_string(id) + " outside the target's " +
                                   std::to_string(spec_.num_hidden_layers) + " layers");
   const int64_t last = *std::max_element(layer_ids.begin(), layer_ids.end());
+  StreamBuffer<bf16> xb(size_t(T * D), impl_->s);
   const int64_t L = spec_.num_hidden_layers;
-  StreamBuffer<bf16> xb(last == L - 1 ? size_t(T * D) : 0, impl_->s);  // a tap of the last layer, normed
-  run_layers(ids, cu, last, [&](int64_t j, const bf16* x) {
-    bool normed = false;
+  run_layers(ids, cu, last, [&](int64_t j, const float* x) {
+    bool converted = false;
     for (int64_t k = 0; k < K; ++k)
       if (layer_ids[size_t(k)] + 1 == j) {  // tap i = hidden_states[i + 1]
-        // transformers' hidden_states[L] (a tap of the last layer) is after the final norm
-        if (j == L && !normed) {
-          cuda::rms_norm_forward(x, impl_->norm.data(), xb.data(), nullptr, T, D, spec_.rms_norm_eps,
-                                 spec_.zero_centered_norm(), impl_->s);
-          normed = true;
+        if (!converted) {
+          // transformers' hidden_states[L] (a tap of the last layer) is after the final norm
+          if (j == L)
+            cuda::rms_norm_forward(x, impl_->norm.data(), xb.data(), nullptr, T, D, spec_.rms_norm_eps,
+                                   spec_.zero_centered_norm(), impl_->s);
+          else
+            cuda::f32_to_bf16(x, xb.data(), T * D, impl_->s);
+          converted = true;
         }
-        DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(out + k * D, size_t(K * D) * 2, j == L ? xb.data() : x, size_t(D) * 2,
-                                            size_t(D) * 2, size_t(T), cudaMemcpyDeviceToDevice, impl_->s));
+        DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(out + k * D, size_t(K * D) * 2, xb.data(), size_t(D) * 2, size_t(D) * 2,
+                                            size_t(T), cudaMemcpyDeviceToDevice, impl_->s));
       }
   });
   if (impl_->timer) impl_->timer->stop();

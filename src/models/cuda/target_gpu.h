@@ -1,6 +1,5 @@
 // A target on one GPU (Llama / Qwen3, and Qwen3.5 / 3.6 hybrids: GatedDeltaNet and gated attention
-// layers), bf16 weights and GEMM inputs, fp32 accumulation, a bf16 residual stream (as transformers and the
-// serving engines run a bf16 model; each residual add is one rounding of the fp32 sum): the forward pass
+// layers), bf16 weights and GEMM inputs, fp32 accumulation and an fp32 residual stream: the forward pass
 // of `dflash forward --device cuda` and the taps of GPU training. Same math as TargetModel::forward
 // (src/models/target.h), built from the kernels in src/ops/cuda.
 #pragma once
@@ -91,19 +90,19 @@ class TargetGpu {
   struct Impl;
 
  private:
-  /// Runs the decoder over a packed batch; calls on_hidden(j, x [T, D] bf16) for each hidden-state
+  /// Runs the decoder over a packed batch; calls on_hidden(j, x [T, D] fp32) for each hidden-state
   /// index j (0 = embeddings, j = output of layer j - 1) up to layer `last` (inclusive); returns x.
   /// With `cached`, sequence s continues cached sequence s and its keys / values join the cache.
-  cuda::StreamBuffer<cuda::bf16> run_layers(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu, int64_t last,
-                                            const std::function<void(int64_t, const cuda::bf16*)>& on_hidden,
-                                            bool cached = false, bool keep_rollback = false);
+  cuda::StreamBuffer<float> run_layers(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu, int64_t last,
+                                       const std::function<void(int64_t, const float*)>& on_hidden,
+                                       bool cached = false, bool keep_rollback = false);
   /// Runs the GatedDeltaNet replays truncate_cache left (each rolled-back sequence's accepted tokens of
   /// the last keep_rollback forward, from the state before it), batched: one launch per layer.
   void replay_accepted();
   ForwardOutput forward_impl(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu,
                              const ForwardOptions& opt, bool cached, std::vector<int32_t>* argmax);
   /// Final norm, hidden_states[L], logits and argmax of x [T, D] into out / argmax.
-  void finish_forward(cuda::StreamBuffer<cuda::bf16>& x, int64_t T, const ForwardOptions& opt, ForwardOutput& out,
+  void finish_forward(cuda::StreamBuffer<float>& x, int64_t T, const ForwardOptions& opt, ForwardOutput& out,
                       std::vector<int32_t>* argmax);
 
   std::unique_ptr<Impl> impl_;

@@ -132,14 +132,13 @@ AdamWStep adamw_scalars(double lr, double beta1, double beta2, double eps, doubl
 }
 
 void adamw_update(float* p, const float* grad, float* m, float* v, bf16* p_bf16, int64_t n, const AdamWStep& s,
-                  const float* grad_scale, cudaStream_t stream, int max_blocks) {
+                  const float* grad_scale, cudaStream_t stream) {
   if (n < 0) throw std::invalid_argument("adamw_update: negative size");
   if (n == 0) return;
   auto aligned = [](const void* x, uintptr_t a) { return reinterpret_cast<uintptr_t>(x) % a == 0; };
   const bool vec = aligned(p, 16) && aligned(grad, 16) && aligned(m, 16) && aligned(v, 16) && aligned(p_bf16, 8);
   const int64_t n4 = vec ? n / 4 : 0;
-  const int64_t cap = max_blocks > 0 ? max_blocks : 65535 * 4;
-  const int grid = int(std::min<int64_t>((std::max<int64_t>(n4, n - 4 * n4) + kThreads - 1) / kThreads, cap));
+  const int grid = int(std::min<int64_t>((std::max<int64_t>(n4, n - 4 * n4) + kThreads - 1) / kThreads, 65535 * 4));
   adamw_kernel<<<grid, kThreads, 0, stream>>>(p, grad, m, v, p_bf16, n, n4, s, grad_scale);
   DFLASH_CUDA_CHECK_LAUNCH();
 }

@@ -29,10 +29,8 @@ AdamWStep adamw_scalars(double lr, double beta1, double beta2, double eps, doubl
 /// clip coefficient; pass nullptr for 1):
 ///   g = grad * scale; p *= decay (if wd); m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
 ///   p -= step_size * m / (sqrt(v) / sqrt_bc2 + eps);  p_bf16 = bf16(p) (if non-null).
-/// max_blocks > 0 caps the grid (blocks of 256 threads, each looping over its share): an update that
-/// runs beside other kernels then holds fewer SMs.
 void adamw_update(float* p, const float* grad, float* m, float* v, bf16* p_bf16, int64_t n, const AdamWStep& s,
-                  const float* grad_scale, cudaStream_t stream, int max_blocks = 0);
+                  const float* grad_scale, cudaStream_t stream);
 
 /// *coef = min(1, max_norm / (sqrt(*sumsq) + 1e-6)) as float (torch clip_grad_norm_), or NaN when the
 /// norm is not finite; *norm = sqrt(*sumsq). All device pointers.

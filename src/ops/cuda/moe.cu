@@ -209,13 +209,13 @@ __global__ void expert_swiglu_kernel(const float* __restrict__ gu, int64_t rows,
 __global__ void combine_kernel(const float* __restrict__ y, const int32_t* __restrict__ slot_of,
                                const float* __restrict__ weights, int k, const float* __restrict__ shared,
                                const float* __restrict__ shared_logit, int64_t ld, int64_t T, int64_t D,
-                               bf16* __restrict__ x) {
+                               float* __restrict__ x) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < T * D; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / D, c = i % D;
     float acc = 0.f;
     for (int j = 0; j < k; ++j) acc += weights[t * k + j] * y[int64_t(slot_of[t * k + j]) * D + c];
     if (shared) acc += shared[i] * fast_sigmoid(shared_logit[t * ld]);
-    x[i] = __float2bfloat16(__bfloat162float(x[i]) + acc);
+    x[i] += acc;
   }
 }
 
@@ -264,7 +264,7 @@ void grouped_gemm(const bf16* A, const int32_t* a_rows, const bf16* B, const int
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
-void moe_ffn_forward(GemmContext& gemm, const MoeShape& s, const MoeWeightsGpu& w, const bf16* h, bf16* x) {
+void moe_ffn_forward(GemmContext& gemm, const MoeShape& s, const MoeWeightsGpu& w, const bf16* h, float* x) {
   check_experts(s.E, s.k, "moe_ffn_forward");
   if (s.T <= 0) return;
   if (s.T * s.k / GBM + s.E >= 65536)  // grouped_gemm's grid; also keeps row offsets within int32

@@ -60,11 +60,11 @@ struct MoeWeightsGpu {
   const bf16* shared_down_proj = nullptr;  // [D, Is]
 };
 
-/// x [T, D] bf16 (the residual stream) += MoE(h), the sum in fp32 rounded once: h [T, D] bf16 (the post-attention RMSNorm's output). Router logits by
+/// x [T, D] fp32 += MoE(h): h [T, D] bf16 (the post-attention RMSNorm's output). Router logits by
 /// cuBLASLt (fp32 out), moe_route, moe_permute, grouped_gemm (gate_up, gathering h's rows), SwiGLU
 /// to bf16, grouped_gemm (down), then per token the weighted sum of its k expert outputs (most likely
 /// first) plus sigmoid(shared gate) * shared_expert(h). Temporaries come from the stream's pool.
 /// Throws as the functions above, std::runtime_error on CUDA / cuBLASLt errors.
-void moe_ffn_forward(GemmContext& gemm, const MoeShape& s, const MoeWeightsGpu& w, const bf16* h, bf16* x);
+void moe_ffn_forward(GemmContext& gemm, const MoeShape& s, const MoeWeightsGpu& w, const bf16* h, float* x);
 
 }  // namespace dflash::cuda
