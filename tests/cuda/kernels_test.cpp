@@ -82,6 +82,40 @@ TEST(CudaDeviceInfo, ArchitectureListsWithFeatureSuffixes) {
   EXPECT_FALSE(cuda::sm90a_without_sm90("90-virtual 90a"));
 }
 
+TEST(CudaRuntime, OutOfMemoryMessageGivesTheNumbers) {
+  // (No GPU needed.) What a refused allocation reports, in GB of 1e9 bytes.
+  EXPECT_EQ(cuda::out_of_memory_message(1, size_t(2500) << 20, 800000000, 79180000000, 1500000000),
+            "out of GPU memory on cuda:1: 2.62 GB asked with 0.80 GB free of 79.18 GB (1.50 GB held by the "
+            "stream-ordered pool)");
+}
+
+TEST(CudaRuntime, RefusedAllocationsThrowTheMessageAndLeaveTheDeviceUsable) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  size_t free = 0, total = 0;
+  DFLASH_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+  const size_t too_many = total / 2 + 1;  // floats: twice the device's memory
+  for (const bool pooled : {false, true}) {
+    cudaStream_t s;
+    DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
+    try {
+      if (pooled) {
+        const cuda::StreamBuffer<float> b(too_many, s);
+      } else {
+        const DeviceArray<float> a(too_many);
+      }
+      ADD_FAILURE() << (pooled ? "StreamBuffer" : "DeviceArray") << " of " << too_many * 4 << " bytes did not throw";
+    } catch (const std::runtime_error& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("out of GPU memory on cuda:"), std::string::npos) << m;
+      EXPECT_NE(m.find(pooled ? "(cudaMallocAsync)" : "(cudaMalloc)"), std::string::npos) << m;
+    }
+    DeviceArray<float> small(1024);  // the device still serves allocations and kernels
+    small.fill_bytes(0, s);
+    DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));
+    DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
+  }
+}
+
 TEST(CudaGemm, AllTransposesOddSizesAccumulateAndBf16Output) {
   REQUIRE_GPU();
   Stream st;

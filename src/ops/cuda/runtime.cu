@@ -1,3 +1,4 @@
+#include <cstdio>
 #include <stdexcept>
 #include <string>
 
@@ -9,6 +10,32 @@ void check(cudaError_t e, const char* expr, const char* file, int line) {
   if (e == cudaSuccess) return;
   throw std::runtime_error(std::string("CUDA error: ") + expr + " at " + file + ":" + std::to_string(line) + ": " +
                            cudaGetErrorString(e));
+}
+
+std::string out_of_memory_message(int device, size_t asked, size_t free, size_t total, size_t pool_reserved) {
+  char b[256];
+  std::snprintf(b, sizeof b,
+                "out of GPU memory on cuda:%d: %.2f GB asked with %.2f GB free of %.2f GB (%.2f GB held by the "
+                "stream-ordered pool)",
+                device, double(asked) / 1e9, double(free) / 1e9, double(total) / 1e9, double(pool_reserved) / 1e9);
+  return b;
+}
+
+void check_alloc(cudaError_t e, size_t bytes, const char* what) {
+  if (e != cudaErrorMemoryAllocation) return check(e, what, __FILE__, __LINE__);
+  cudaGetLastError();  // (not sticky: the device stays usable)
+  int device = -1;
+  size_t free = 0, total = 0;
+  uint64_t reserved = 0;
+  cudaMemPool_t pool;
+  if (cudaGetDevice(&device) == cudaSuccess) {
+    cudaMemGetInfo(&free, &total);
+    if (cudaDeviceGetDefaultMemPool(&pool, device) == cudaSuccess)
+      cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved);
+  }
+  cudaGetLastError();
+  throw std::runtime_error(out_of_memory_message(device, bytes, free, total, size_t(reserved)) + " (" + what +
+                           "): the run needs more memory than this GPU has left");
 }
 
 bool has_device() {

@@ -26,6 +26,13 @@ void check(cudaError_t e, const char* expr, const char* file, int line);
 /// Checks the last kernel launch (cudaGetLastError).
 #define DFLASH_CUDA_CHECK_LAUNCH() ::dflash::cuda::check(cudaGetLastError(), "kernel launch", __FILE__, __LINE__)
 
+/// The message of an allocation the device refused: "out of GPU memory on cuda:<device>: <asked> GB
+/// asked with <free> GB free of <total> GB (<pool> GB held by the stream-ordered pool)", GB = 1e9 bytes.
+std::string out_of_memory_message(int device, size_t asked, size_t free, size_t total, size_t pool_reserved);
+/// As check for an allocation of `bytes`; an out-of-memory error throws std::runtime_error with
+/// out_of_memory_message (the current device's numbers) and `what`, instead of the bare CUDA error.
+void check_alloc(cudaError_t e, size_t bytes, const char* what);
+
 /// True when a CUDA device is usable by this process (never throws).
 bool has_device();
 /// Throws std::runtime_error "<what>: no usable CUDA device (<reason>)" unless device `index` is usable.
@@ -38,7 +45,7 @@ class DeviceArray {
  public:
   DeviceArray() = default;
   explicit DeviceArray(size_t n) : n_(n) {
-    if (n) DFLASH_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&p_), n * sizeof(T)));
+    if (n) check_alloc(cudaMalloc(reinterpret_cast<void**>(&p_), n * sizeof(T)), n * sizeof(T), "cudaMalloc");
   }
   /// Copy of n host elements (synchronous on `stream`).
   DeviceArray(const T* host, size_t n, cudaStream_t stream) : DeviceArray(n) {
@@ -92,7 +99,7 @@ class StreamBuffer {
  public:
   StreamBuffer() = default;
   StreamBuffer(size_t n, cudaStream_t stream) : n_(n), stream_(stream) {
-    if (n) DFLASH_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&p_), n * sizeof(T), stream));
+    if (n) check_alloc(cudaMallocAsync(reinterpret_cast<void**>(&p_), n * sizeof(T), stream), n * sizeof(T), "cudaMallocAsync");
   }
   ~StreamBuffer() {
     if (p_) cudaFreeAsync(p_, stream_);

@@ -214,7 +214,8 @@ struct PackedTaps {
   bf16* data = nullptr;
   PackedTaps(size_t n, int dev, cudaStream_t s) : device(dev), stream(s) {
     DFLASH_CUDA_CHECK(cudaSetDevice(dev));
-    DFLASH_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&data), n * sizeof(bf16), s));
+    cuda::check_alloc(cudaMallocAsync(reinterpret_cast<void**>(&data), n * sizeof(bf16), s), n * sizeof(bf16),
+                      "cudaMallocAsync(packed taps)");
   }
   PackedTaps(const PackedTaps&) = delete;
   PackedTaps& operator=(const PackedTaps&) = delete;
