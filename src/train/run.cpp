@@ -22,6 +22,7 @@
 #include "train/anchors.h"
 #include "train/distributed.h"
 #include "train/gpu_power.h"
+#include "train/memory_plan.h"
 #include "train/prepare_data.h"
 #include "train/tensorboard.h"
 #include "train/trainer.h"
@@ -139,41 +140,6 @@ std::string stage_report(const StageWindow& w, const std::string& device) {
   return fmt::format("stages over the last {} steps ({}): target forward {:.0f}% | queue wait {:.0f}% | drafter "
                      "forward+backward {:.0f}% | optimizer + all-reduce {:.0f}% | other {:.0f}% -> {}",
                      w.steps, device, 100 * t, 100 * q, 100 * d, 100 * o, 100 * other, verdict);
-}
-
-/// Device memory the GPU run needs, estimated from the shapes (bytes), and its parts for the log.
-struct MemoryPlan {
-  double drafter_state = 0, target = 0, activations = 0, cross_entropy = 0;
-  double total() const { return drafter_state + target + activations + cross_entropy; }
-};
-
-MemoryPlan plan_memory(const DrafterConfig& dc, const ModelSpec& ts, int64_t S, int64_t anchors, bool recompute,
-                       int64_t pack_tokens) {
-  MemoryPlan p;
-  double n = 0;
-  for (const auto& [name, shape] : drafter_param_shapes(dc)) n += double(BasicTensor<float>::numel_of(shape));
-  const double d = double(dc.hidden_size), V = double(ts.vocab_size);
-  p.drafter_state = n * (4 + 2 + 4 + 4 + 4) + 2 * V * d * 2;  // masters, bf16 copy, grads, m, v; embed + lm_head
-  const double tl = double(ts.hidden_size) * double(ts.num_attention_heads + 2 * ts.num_key_value_heads) *
-                        double(ts.head_dim) +
-                    double(ts.num_attention_heads * ts.head_dim * ts.hidden_size) +
-                    3.0 * double(ts.hidden_size) * double(ts.intermediate_size);
-  p.target = 2.0 * (tl * double(ts.num_hidden_layers) + 2 * V * double(ts.hidden_size));
-  // one packed forward's activations (fp32 residual, bf16 q/k/v/o, MLP) and its taps, twice (queued)
-  const double T = double(std::max(S, pack_tokens)), Dt = double(ts.hidden_size);
-  p.target += T * (4 * Dt + 2 * (Dt + 2 * double((ts.num_attention_heads + ts.num_key_value_heads) * ts.head_dim)) +
-                   4 * double(ts.intermediate_size)) +
-              2 * T * double(dc.target_layer_ids.size()) * double(dc.hidden_size) * 2;
-  const double Q = double(anchors * dc.block_size), SQ = double(S) + Q, hq = double(dc.num_attention_heads * dc.head_dim),
-               hk = double(dc.num_key_value_heads * dc.head_dim), I = double(dc.intermediate_size);
-  const double per_layer = 2.0 * (Q * (3 * d + 3 * hq + 3 * I) + SQ * (d + 3 * hk));  // saved bf16 activations
-  // with recompute: the layer inputs of all layers plus one layer's activations at a time
-  p.activations = (recompute ? 2.0 * Q * d * double(dc.num_hidden_layers) + per_layer
-                             : per_layer * double(dc.num_hidden_layers)) +
-                  2.0 * 2.0 * Q * I +                                             // + backward temporaries
-                  double(S) * double(dc.target_layer_ids.size()) * d * 2;        // taps
-  p.cross_entropy = 1.5 * double(int64_t(1) << 30) + Q * d * 2;
-  return p;
 }
 
 std::unique_ptr<Tokenizer> load_tokenizer(const TrainConfig& c) {
@@ -326,7 +292,7 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
     for (int g : all) {
       const auto has = [g](const std::vector<int>& l) { return std::find(l.begin(), l.end(), g) != l.end(); };
       const bool tg = has(c.target_devices()), dg = has(c.drafter_devices());
-      const double need_b = (tg ? mp.target : 0) + (dg ? mp.drafter_state + mp.activations + mp.cross_entropy : 0);
+      const double need_b = mp.on_gpu(tg, dg);
       std::string have = "?";
       double free_b = 0;
 #ifdef DFLASH_HAVE_CUDA
@@ -343,11 +309,8 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
                    c.num_anchors, dc.block_size, mp.cross_entropy / 1e9, need_b / 1e9);
       else
         fmt::print("train: memory plan (cuda:{}, {}): target {:.1f} GB\n", g, have, need_b / 1e9);
-      if (free_b > 0 && need_b > 0.95 * free_b)
-        throw std::runtime_error(fmt::format(
-            "this run needs about {:.1f} GB on cuda:{} but {:.1f} GB are free: {}", need_b / 1e9, g, free_b / 1e9,
-            dg ? "lower --num-anchors (the activations scale with it) or --max-length, or use a GPU with more memory"
-               : "the target does not fit: use a GPU with more memory"));
+      const std::string refusal = memory_refusal(mp, tg, dg, g, free_b);
+      if (!refusal.empty()) throw std::runtime_error(refusal);
     }
   }
 
