@@ -48,7 +48,7 @@ std::string memory_refusal(const MemoryPlan& p, bool target_here, bool drafter_h
   std::string knob;
   if (target_here && drafter_here && p.target + p.drafter_state > 0.95 * free_b)
     knob = "the target and the drafter's state alone do not fit one GPU together: put them on separate GPUs "
-           "(--target-gpus 0 --drafter-gpus 1) or use a GPU with more memory";
+           "(--target-gpus / --drafter-gpus, e.g. --target-gpus 0 --drafter-gpus 1) or use a GPU with more memory";
   else if (drafter_here)
     knob = std::string("lower --num-anchors (the activations scale with it) or --max-length") +
            (target_here ? ", put the target and the drafter on separate GPUs (--target-gpus / --drafter-gpus)" : "") +

@@ -20,7 +20,7 @@ TEST(MemoryPlan, The27bPipelineNeedsAboutWhatTheGpuMeasured) {
   // the plan estimates from the shapes (the hybrid target as if dense) and must not be far off.
   EXPECT_GT(m.total(), 0.8 * 99.8e9);
   EXPECT_LT(m.total(), 1.3 * 99.8e9);
-  EXPECT_GT(m.target, 50e9);         // 27 B bf16 weights and more
+  EXPECT_GT(m.target, 45e9);         // ~25 B bf16 weights (the hybrid counted as dense) and more
   EXPECT_GT(m.drafter_state, 30e9);  // 1.73 B parameters x 18 bytes, embed and lm_head
   EXPECT_DOUBLE_EQ(m.on_gpu(true, true), m.total());
   EXPECT_DOUBLE_EQ(m.on_gpu(true, false), m.target);

@@ -21,8 +21,8 @@ std::string out_of_memory_message(int device, size_t asked, size_t free, size_t 
   return b;
 }
 
-void check_alloc(cudaError_t e, size_t bytes, const char* what) {
-  if (e != cudaErrorMemoryAllocation) return check(e, what, __FILE__, __LINE__);
+void check_alloc(cudaError_t e, size_t bytes, const char* expr, const char* file, int line) {
+  if (e != cudaErrorMemoryAllocation) return check(e, expr, file, line);
   cudaGetLastError();  // (not sticky: the device stays usable)
   int device = -1;
   size_t free = 0, total = 0;
@@ -34,8 +34,8 @@ void check_alloc(cudaError_t e, size_t bytes, const char* what) {
       cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved);
   }
   cudaGetLastError();
-  throw std::runtime_error(out_of_memory_message(device, bytes, free, total, size_t(reserved)) + " (" + what +
-                           "): the run needs more memory than this GPU has left");
+  throw std::runtime_error(out_of_memory_message(device, bytes, free, total, size_t(reserved)) + " (" + expr + " at " +
+                           file + ":" + std::to_string(line) + "): the run needs more memory than this GPU has left");
 }
 
 bool has_device() {

@@ -30,8 +30,10 @@ void check(cudaError_t e, const char* expr, const char* file, int line);
 /// asked with <free> GB free of <total> GB (<pool> GB held by the stream-ordered pool)", GB = 1e9 bytes.
 std::string out_of_memory_message(int device, size_t asked, size_t free, size_t total, size_t pool_reserved);
 /// As check for an allocation of `bytes`; an out-of-memory error throws std::runtime_error with
-/// out_of_memory_message (the current device's numbers) and `what`, instead of the bare CUDA error.
-void check_alloc(cudaError_t e, size_t bytes, const char* what);
+/// out_of_memory_message (the current device's numbers: callers allocate on it) and the call's
+/// expression and place, instead of the bare CUDA error.
+void check_alloc(cudaError_t e, size_t bytes, const char* expr, const char* file, int line);
+#define DFLASH_CUDA_CHECK_ALLOC(expr, bytes) ::dflash::cuda::check_alloc((expr), (bytes), #expr, __FILE__, __LINE__)
 
 /// True when a CUDA device is usable by this process (never throws).
 bool has_device();
@@ -45,7 +47,7 @@ class DeviceArray {
  public:
   DeviceArray() = default;
   explicit DeviceArray(size_t n) : n_(n) {
-    if (n) check_alloc(cudaMalloc(reinterpret_cast<void**>(&p_), n * sizeof(T)), n * sizeof(T), "cudaMalloc");
+    if (n) DFLASH_CUDA_CHECK_ALLOC(cudaMalloc(reinterpret_cast<void**>(&p_), n * sizeof(T)), n * sizeof(T));
   }
   /// Copy of n host elements (synchronous on `stream`).
   DeviceArray(const T* host, size_t n, cudaStream_t stream) : DeviceArray(n) {
@@ -99,7 +101,8 @@ class StreamBuffer {
  public:
   StreamBuffer() = default;
   StreamBuffer(size_t n, cudaStream_t stream) : n_(n), stream_(stream) {
-    if (n) check_alloc(cudaMallocAsync(reinterpret_cast<void**>(&p_), n * sizeof(T), stream), n * sizeof(T), "cudaMallocAsync");
+    if (n)
+      DFLASH_CUDA_CHECK_ALLOC(cudaMallocAsync(reinterpret_cast<void**>(&p_), n * sizeof(T), stream), n * sizeof(T));
   }
   ~StreamBuffer() {
     if (p_) cudaFreeAsync(p_, stream_);

@@ -214,8 +214,7 @@ struct PackedTaps {
   bf16* data = nullptr;
   PackedTaps(size_t n, int dev, cudaStream_t s) : device(dev), stream(s) {
     DFLASH_CUDA_CHECK(cudaSetDevice(dev));
-    cuda::check_alloc(cudaMallocAsync(reinterpret_cast<void**>(&data), n * sizeof(bf16), s), n * sizeof(bf16),
-                      "cudaMallocAsync(packed taps)");
+    DFLASH_CUDA_CHECK_ALLOC(cudaMallocAsync(reinterpret_cast<void**>(&data), n * sizeof(bf16), s), n * sizeof(bf16));
   }
   PackedTaps(const PackedTaps&) = delete;
   PackedTaps& operator=(const PackedTaps&) = delete;
