@@ -2,12 +2,15 @@
 
 #include <algorithm>
 #include <chrono>
+#include <stdexcept>
+#include <string>
 
 #include "bench/cuda/bench_util.h"
 #include "bench/presets.h"
 #include "models/cuda/drafter_gpu.h"
 #include "models/cuda/target_gpu.h"
 #include "train/cuda/gpu_backend.h"
+#include "train/memory_plan.h"
 #include "train/trainer.h"
 #include "common/clock.h"
 
@@ -91,6 +94,15 @@ int run_pipeline_bench(const PipelineBenchOptions& o) {
   const DrafterConfig& c = p.drafter.cfg;
   const int64_t S = o.seq > 0 ? o.seq : p.drafter.S, K = int64_t(c.target_layer_ids.size());
   cuda::require_device("bench pipeline");
+  {  // what cannot fit is refused up front, as dflash train does, not found out of memory half-way
+    int dev = 0;
+    size_t free_b = 0, total_b = 0;
+    DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
+    DFLASH_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    const MemoryPlan plan = plan_memory(c, p.target, S, o.anchors, false, S);
+    const std::string refusal = memory_refusal(plan, true, true, dev, double(free_b));
+    if (!refusal.empty()) throw std::runtime_error("bench pipeline: " + refusal);
+  }
   cudaStream_t s;
   DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
 
