@@ -42,7 +42,8 @@ double MemoryPlan::on_gpu(bool target_here, bool drafter_here) const {
   return (target_here ? target : 0) + (drafter_here ? drafter_state + activations + cross_entropy : 0);
 }
 
-std::string memory_refusal(const MemoryPlan& p, bool target_here, bool drafter_here, int gpu, double free_b) {
+std::string memory_refusal(const MemoryPlan& p, bool target_here, bool drafter_here, int gpu, double free_b,
+                           const std::string& shrink) {
   const double need_b = p.on_gpu(target_here, drafter_here);
   if (!(free_b > 0) || need_b <= 0.95 * free_b) return "";
   std::string knob;
@@ -50,7 +51,7 @@ std::string memory_refusal(const MemoryPlan& p, bool target_here, bool drafter_h
     knob = "the target and the drafter's state alone do not fit one GPU together: put them on separate GPUs "
            "(--target-gpus / --drafter-gpus, e.g. --target-gpus 0 --drafter-gpus 1) or use a GPU with more memory";
   else if (drafter_here)
-    knob = std::string("lower --num-anchors (the activations scale with it) or --max-length") +
+    knob = shrink + " (the activations scale with them)" +
            (target_here ? ", put the target and the drafter on separate GPUs (--target-gpus / --drafter-gpus)" : "") +
            ", or use a GPU with more memory";
   else

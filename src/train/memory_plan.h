@@ -28,7 +28,9 @@ MemoryPlan plan_memory(const DrafterConfig& dc, const ModelSpec& ts, int64_t S, 
 /// "" when need_b fits within 95 % of free_b on cuda:gpu, else the refusal: the bytes needed and free,
 /// and the knob that helps. target_here / drafter_here: what the GPU holds (both: colocated); when
 /// the target and the drafter state alone exceed it, only separate GPUs (--target-gpus /
-/// --drafter-gpus) or a larger GPU help, and the refusal says so.
-std::string memory_refusal(const MemoryPlan& p, bool target_here, bool drafter_here, int gpu, double free_b);
+/// --drafter-gpus) or a larger GPU help, and the refusal says so. shrink: the caller's own flags
+/// that cut the drafter's activations (e.g. "lower --num-anchors or --max-length").
+std::string memory_refusal(const MemoryPlan& p, bool target_here, bool drafter_here, int gpu, double free_b,
+                           const std::string& shrink);
 
 }  // namespace dflash

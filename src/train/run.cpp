@@ -309,7 +309,7 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
                    c.num_anchors, dc.block_size, mp.cross_entropy / 1e9, need_b / 1e9);
       else
         fmt::print("train: memory plan (cuda:{}, {}): target {:.1f} GB\n", g, have, need_b / 1e9);
-      const std::string refusal = memory_refusal(mp, tg, dg, g, free_b);
+      const std::string refusal = memory_refusal(mp, tg, dg, g, free_b, "lower --num-anchors or --max-length");
       if (!refusal.empty()) throw std::runtime_error(refusal);
     }
   }

@@ -32,23 +32,27 @@ TEST(MemoryPlan, The27bPipelineNeedsAboutWhatTheGpuMeasured) {
 
 TEST(MemoryPlan, RefusalNamesTheKnobThatHelps) {
   const MemoryPlan m = plan_27b();
+  auto refuse = [](const MemoryPlan& p, bool t, bool d, int gpu, double free_b) {
+    return memory_refusal(p, t, d, gpu, free_b, "lower --num-anchors or --max-length");
+  };
   const double h100 = 79e9, h200 = 140e9;
-  EXPECT_EQ(memory_refusal(m, true, true, 0, h200), "");  // colocated on an H200
-  EXPECT_EQ(memory_refusal(m, true, true, 0, 0), "");     // free memory unknown: no refusal
+  EXPECT_EQ(refuse(m, true, true, 0, h200), "");  // colocated on an H200
+  EXPECT_EQ(refuse(m, true, true, 0, 0), "");     // free memory unknown: no refusal
   // Colocated on an 80 GB GPU: the target and the drafter's state alone do not fit; only two GPUs help.
-  const std::string both = memory_refusal(m, true, true, 0, h100);
+  const std::string both = refuse(m, true, true, 0, h100);
   EXPECT_NE(both.find("on cuda:0 but 79.0 GB are free"), std::string::npos) << both;
   EXPECT_NE(both.find("--target-gpus 0 --drafter-gpus 1"), std::string::npos) << both;
   EXPECT_EQ(both.find("--num-anchors"), std::string::npos) << both;
   // Disaggregated, each side fits one 80 GB GPU.
-  EXPECT_EQ(memory_refusal(m, true, false, 0, h100), "");
-  EXPECT_EQ(memory_refusal(m, false, true, 1, h100), "");
+  EXPECT_EQ(refuse(m, true, false, 0, h100), "");
+  EXPECT_EQ(refuse(m, false, true, 1, h100), "");
   // A drafter GPU short of room for the activations: fewer anchors help.
   const double some = (m.drafter_state + m.cross_entropy + 0.5 * m.activations) / 0.95;
-  const std::string drafter = memory_refusal(m, false, true, 1, some);
+  const std::string drafter = refuse(m, false, true, 1, some);
   EXPECT_NE(drafter.find("on cuda:1"), std::string::npos) << drafter;
-  EXPECT_NE(drafter.find("lower --num-anchors"), std::string::npos) << drafter;
+  EXPECT_NE(drafter.find("lower --num-anchors or --max-length (the activations scale with them)"), std::string::npos)
+      << drafter;
   EXPECT_EQ(drafter.find("--target-gpus"), std::string::npos) << drafter;
   // A target GPU too small for the weights.
-  EXPECT_NE(memory_refusal(m, true, false, 0, 20e9).find("the target does not fit"), std::string::npos);
+  EXPECT_NE(refuse(m, true, false, 0, 20e9).find("the target does not fit"), std::string::npos);
 }

@@ -100,7 +100,7 @@ int run_pipeline_bench(const PipelineBenchOptions& o) {
     DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
     DFLASH_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
     const MemoryPlan plan = plan_memory(c, p.target, S, o.anchors, false, S);
-    const std::string refusal = memory_refusal(plan, true, true, dev, double(free_b));
+    const std::string refusal = memory_refusal(plan, true, true, dev, double(free_b), "lower --anchors or --seq");
     if (!refusal.empty()) throw std::runtime_error("bench pipeline: " + refusal);
   }
   cudaStream_t s;
