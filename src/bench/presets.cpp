@@ -71,18 +71,18 @@ DrafterBenchPreset drafter_bench_preset(const std::string& name, const std::stri
   DrafterConfig& c = p.cfg;
   c.num_hidden_layers = 5, c.block_size = 16, c.head_dim = 128, c.num_attention_heads = 32, c.num_key_value_heads = 8;
   if (name == "qwen3-8b") {  // ../shared/docs/anchors.md: d 4096, vocab 151936, S 3072
-    c.hidden_size = 4096, c.intermediate_size = 12288, c.rope_theta = 1e6, c.num_target_layers = 36;
+    c.hidden_size = 4096, c.intermediate_size = 12288, c.rope.theta = 1e6, c.num_target_layers = 36;
     p.V = 151936, p.S = 3072, c.mask_token_id = 151669;
   } else if (name == "qwen3.6-27b") {  // d 5120, vocab 248320, S 4096
-    c.hidden_size = 5120, c.intermediate_size = 17408, c.rope_theta = 1e7, c.num_target_layers = 64;
+    c.hidden_size = 5120, c.intermediate_size = 17408, c.rope.theta = 1e7, c.num_target_layers = 64;
     p.V = 248320, p.S = 4096, c.mask_token_id = 248070;
   } else if (name == "qwen3.6-35b-a3b") {  // d 2048 (intermediate 3 x hidden: the target has no dense MLP)
-    c.hidden_size = 2048, c.intermediate_size = 6144, c.rope_theta = 1e7, c.num_target_layers = 40;
+    c.hidden_size = 2048, c.intermediate_size = 6144, c.rope.theta = 1e7, c.num_target_layers = 40;
     c.num_attention_heads = 16, c.num_key_value_heads = 4;
     p.V = 248320, p.S = 4096, c.mask_token_id = 248070;
   } else if (name == "tiny") {  // smoke test of the command itself
     c.hidden_size = 256, c.intermediate_size = 512, c.num_attention_heads = 4, c.num_key_value_heads = 2;
-    c.head_dim = 64, c.rope_theta = 1e6, c.num_target_layers = 8;
+    c.head_dim = 64, c.rope.theta = 1e6, c.num_target_layers = 8;
     p.V = 1000, p.S = 256, c.mask_token_id = 999;
   } else {
     throw unknown_preset(where, name);

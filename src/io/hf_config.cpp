@@ -30,6 +30,14 @@ double num_or(const nlohmann::json& j, const char* key, double dflt, const std::
   return it->get<double>();
 }
 
+bool bool_or(const nlohmann::json& j, const char* key, bool dflt, const std::string& where) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return dflt;
+  if (!it->is_boolean()) throw std::runtime_error(where + ": field '" + key + "' must be true or false");
+  return it->get<bool>();
+}
+}  // namespace
+
 void read_rope(const nlohmann::json& cfg, RopeSpec& rope, const DenseDefaults& d, const std::string& where) {
   // transformers 5 writes rope_parameters {rope_type, rope_theta, partial_rotary_factor, ...};
   // older files have rope_theta / partial_rotary_factor at the top and rope_scaling.
@@ -40,8 +48,11 @@ void read_rope(const nlohmann::json& cfg, RopeSpec& rope, const DenseDefaults& d
     else if (it != cfg.end() && !it->is_null()) throw std::runtime_error(where + ": '" + key + "' must be an object");
   }
   std::string type = "default";
-  if (rp.contains("rope_type")) type = rp["rope_type"].get<std::string>();
-  else if (rp.contains("type")) type = rp["type"].get<std::string>();
+  for (const char* key : {"type", "rope_type"})  // "type": the older spelling
+    if (rp.contains(key)) {
+      if (!rp[key].is_string()) throw std::runtime_error(where + ": rope field '" + key + "' must be a string");
+      type = rp[key].get<std::string>();
+    }
   rope.type = type;
   rope.theta = num_or(rp, "rope_theta", num_or(cfg, "rope_theta", d.rope_theta, where), where);
   rope.partial_rotary_factor =
@@ -54,11 +65,30 @@ void read_rope(const nlohmann::json& cfg, RopeSpec& rope, const DenseDefaults& d
     if (!(rope.factor > 0) || !(rope.high_freq_factor > rope.low_freq_factor) || rope.original_max_position_embeddings <= 0)
       throw std::runtime_error(where + ": llama3 rope scaling needs factor > 0, high_freq_factor > low_freq_factor and "
                                "original_max_position_embeddings > 0");
+  } else if (type == "yarn") {  // transformers _compute_yarn_parameters: factor required, the rest optional
+    rope.factor = num_req(rp, "factor", where);
+    // without its own pretrained length, the model's max_position_embeddings (transformers' fallback)
+    rope.original_max_position_embeddings =
+        rp.contains("original_max_position_embeddings") && !rp["original_max_position_embeddings"].is_null()
+            ? req_int(rp, "original_max_position_embeddings", where)
+            : req_int(cfg, "max_position_embeddings", where);
+    rope.beta_fast = num_or(rp, "beta_fast", 32.0, where);
+    rope.beta_slow = num_or(rp, "beta_slow", 1.0, where);
+    rope.attention_factor = num_or(rp, "attention_factor", 0.0, where);
+    rope.mscale = num_or(rp, "mscale", 0.0, where);
+    rope.mscale_all_dim = num_or(rp, "mscale_all_dim", 0.0, where);
+    rope.truncate = bool_or(rp, "truncate", true, where);
+    if (!(rope.factor >= 1) || rope.original_max_position_embeddings <= 0 || !(rope.beta_fast > 0) ||
+        !(rope.beta_slow > 0) || rope.attention_factor < 0)
+      throw std::runtime_error(where + ": yarn rope scaling needs factor >= 1, original_max_position_embeddings > 0, "
+                               "beta_fast / beta_slow > 0 and attention_factor >= 0");
   } else if (type != "default") {
-    throw std::runtime_error(where + ": rope type '" + type + "' is not supported (supported: default, llama3)");
+    throw std::runtime_error(where + ": rope type '" + type + "' is not supported (supported: default, llama3, yarn)");
   }
   if (!(rope.theta > 0)) throw std::runtime_error(where + ": rope_theta must be positive");
 }
+
+namespace {
 // Fails for features the engine does not implement (attention_bias, mlp_bias, sliding windows).
 void reject_unsupported(const nlohmann::json& cfg, const std::string& where) {
   for (const char* key : {"attention_bias", "mlp_bias"})
@@ -103,6 +133,10 @@ void read_dense_fields(const nlohmann::json& cfg, ModelSpec& s, const DenseDefau
       }
   }
   read_rope(cfg, s.rope, d, where);
+  // (The targets' forward passes have no cos / sin scale: yarn is read for drafters only.)
+  if (s.rope.type == "yarn")
+    throw std::runtime_error(where + ": a target with yarn rope scaling is not supported (rope_type 'yarn'; drafters "
+                             "with yarn are)");
   reject_unsupported(cfg, where);
 }
 

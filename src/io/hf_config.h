@@ -34,6 +34,10 @@ struct DenseDefaults {
 /// Shared dense fields (sizes, heads, head_dim, eps, rope, bos/eos, tie_word_embeddings, act)
 /// from one config object (the text_config for wrappers).
 void read_dense_fields(const nlohmann::json& cfg, ModelSpec& spec, const DenseDefaults& d, const std::string& where);
+/// RoPE of one config object: rope_scaling / rope_parameters (rope_type or type: default, llama3,
+/// yarn) and rope_theta / partial_rotary_factor there or at the top level. Throws std::runtime_error
+/// naming `where` and the field for a missing scaling field or an unsupported type.
+void read_rope(const nlohmann::json& cfg, RopeSpec& rope, const DenseDefaults& d, const std::string& where);
 /// Integer field that must be present.
 int64_t req_int(const nlohmann::json& cfg, const char* key, const std::string& where);
 }  // namespace hf

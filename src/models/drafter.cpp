@@ -15,6 +15,7 @@
 #include "ops/dflash_attention.h"
 #include "ops/linear.h"
 #include "ops/norm.h"
+#include "ops/rope.h"
 
 namespace dflash {
 
@@ -57,21 +58,23 @@ void add_into(BasicTensor<T>& a, const BasicTensor<T>& b) {
   for (size_t i = 0; i < a.data.size(); ++i) a.data[i] += b.data[i];
 }
 
-/// cos / sin tables [n, hd/2] of the HF default RoPE, angles in double (reference: float64 inv_freq,
-/// float64 angle, cos/sin rounded to the compute dtype).
+/// cos / sin tables [n, hd/2] of the drafter's RoPE (reference: exact float64 inv_freq
+/// (cpu::rope_frequencies<double>), float64 angle, cos/sin times the attention factor (yarn), rounded to
+/// the compute dtype).
 template <typename T>
 struct Rope {
   int64_t half = 0;
   std::vector<T> c, s;
-  Rope(const std::vector<int64_t>& pos, int64_t hd, double theta) : half(hd / 2) {
+  Rope(const std::vector<int64_t>& pos, int64_t hd, const RopeSpec& rope) : half(hd / 2) {
+    const std::vector<double> inv = cpu::rope_frequencies<double>(rope, hd);
+    const double scale = cpu::rope_attention_factor(rope);
     c.resize(pos.size() * size_t(half));
     s.resize(c.size());
     for (size_t t = 0; t < pos.size(); ++t)
       for (int64_t i = 0; i < half; ++i) {
-        const double inv = 1.0 / std::pow(theta, double(2 * i) / double(hd));
-        const double ang = double(pos[t]) * inv;
-        c[t * size_t(half) + size_t(i)] = T(std::cos(ang));
-        s[t * size_t(half) + size_t(i)] = T(std::sin(ang));
+        const double ang = double(pos[t]) * inv[size_t(i)];
+        c[t * size_t(half) + size_t(i)] = T(scale * std::cos(ang));
+        s[t * size_t(half) + size_t(i)] = T(scale * std::sin(ang));
       }
   }
   // x [n, H, hd] in place; sign -1 = transpose (backward)
@@ -212,16 +215,13 @@ BlockLayout block_layout(const std::vector<int64_t>& ids, const std::vector<int6
 }
 
 namespace {
-bool is_sliding(const DrafterConfig& cfg, int64_t i) {
-  return size_t(i) < cfg.layer_types.size() && cfg.layer_types[size_t(i)] == "sliding_attention";
-}
 /// k_norm + RoPE keys [n, Hkv, hd] and values of the rows `in` [n, d] at `pos` (layer lw).
 void keys_values(const DrafterConfig& cfg, const DrafterLayerWeights<float>& lw, const Tensor& in,
                  const std::vector<int64_t>& pos, Tensor* k, Tensor* v) {
   const int64_t n = in.dim(0), hd = cfg.head_dim, Hkv = cfg.num_key_value_heads;
   *k = cpu::rms_norm_forward(reshaped(cpu::linear(in, lw.k_proj, "drafter k_proj"), {n, Hkv, hd}), lw.k_norm,
                              cfg.rms_norm_eps, nullptr);
-  Rope<float>(pos, hd, cfg.rope_theta).apply(*k, 1.f);
+  Rope<float>(pos, hd, cfg.rope).apply(*k, 1.f);
   *v = reshaped(cpu::linear(in, lw.v_proj, "drafter v_proj"), {n, Hkv, hd});
 }
 void append_rows(Tensor& to, const Tensor& rows) {
@@ -262,11 +262,11 @@ DrafterStepResult<T> drafter_step(const DrafterConfig& cfg, const DrafterWeights
   std::vector<T> wts(lay.weights.begin(), lay.weights.end());
   BasicTensor<T> x({Q, d});
   for (int64_t r = 0; r < Q; ++r) std::copy(seq.embed->row(lay.block_ids[size_t(r)]), seq.embed->row(lay.block_ids[size_t(r)]) + d, x.row(r));
-  const Rope<T> rope_q(pos_q, hd, cfg.rope_theta), rope_kv(pos_kv, hd, cfg.rope_theta);
+  const Rope<T> rope_q(pos_q, hd, cfg.rope), rope_kv(pos_kv, hd, cfg.rope);
   const double scale = 1.0 / std::sqrt(double(hd));
   std::vector<std::vector<KvRanges>> ranges(static_cast<size_t>(L));
   for (int64_t i = 0; i < L; ++i) {
-    ranges[size_t(i)] = dflash_kv_ranges(seq.anchors, N, B, S, is_sliding(cfg, i) ? cfg.sliding_window : 0);
+    ranges[size_t(i)] = dflash_kv_ranges(seq.anchors, N, B, S, cfg.layer_window(i), cfg.layer_causal(i));
   }
 
   // ---- forward ----
@@ -403,7 +403,7 @@ Tensor drafter_draft_logits(const DrafterConfig& cfg, const DrafterWeights<float
     const int64_t id = k == 0 ? last_token : cfg.mask_token_id;
     std::copy(embed.row(id), embed.row(id) + d, x.row(k));
   }
-  const Rope<float> rope(pos, hd, cfg.rope_theta);
+  const Rope<float> rope(pos, hd, cfg.rope);
   for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) {
     const auto& lw = w.layers[size_t(i)];
     const Tensor hn = rms_norm_forward(x, lw.input_layernorm, cfg.rms_norm_eps, nullptr);
@@ -415,7 +415,7 @@ Tensor drafter_draft_logits(const DrafterConfig& cfg, const DrafterWeights<float
     Tensor k = p ? c.k[size_t(i)] : Tensor({0, cfg.num_key_value_heads, hd}), v = p ? c.v[size_t(i)] : k;
     append_rows(k, kb);
     append_rows(v, vb);
-    const auto ranges = dflash_kv_ranges({p}, 1, B, p, is_sliding(cfg, i) ? cfg.sliding_window : 0);
+    const auto ranges = dflash_kv_ranges({p}, 1, B, p, cfg.layer_window(i), cfg.layer_causal(i));
     const Tensor o = masked_attention_forward(q, k, v, ranges, 1.0 / std::sqrt(double(hd)), nullptr);
     add_into(x, linear(reshaped(o, {B, H * hd}), lw.o_proj, "drafter o_proj"));
     const Tensor hp = rms_norm_forward(x, lw.post_attention_layernorm, cfg.rms_norm_eps, nullptr);

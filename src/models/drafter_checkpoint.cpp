@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -137,6 +138,30 @@ void write_drafter_checkpoint(const std::string& dir_in, const DrafterConfig& cf
   }
   const fs::path parent = fs::path(dir).parent_path();
   sync_path(parent.empty() ? std::string(".") : parent.string(), true);
+}
+
+namespace {
+/// `s` as one shell word: unchanged when it has only safe characters, else in single quotes.
+std::string shell_word(const std::string& s) {
+  const bool safe = !s.empty() && std::all_of(s.begin(), s.end(), [](char ch) {
+    return std::isalnum(static_cast<unsigned char>(ch)) || (ch != 0 && std::strchr("/._-+:=@,", ch) != nullptr);
+  });
+  if (safe) return s;
+  std::string r = "'";
+  for (char ch : s) r += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+  return r + "'";
+}
+}  // namespace
+
+std::string serving_commands(const std::string& target, const std::string& drafter_dir, const DrafterConfig& cfg) {
+  const int64_t sliding = std::count(cfg.layer_types.begin(), cfg.layer_types.end(), "sliding_attention");
+  const bool mixed = sliding > 0 && sliding < int64_t(cfg.layer_types.size());
+  const nlohmann::json spec = {{"method", "dflash"}, {"model", drafter_dir}, {"num_speculative_tokens", cfg.block_size - 1}};
+  return "SGLang: python -m sglang.launch_server --model-path " + shell_word(target) +
+         " --speculative-algorithm DFLASH --speculative-draft-model-path " + shell_word(drafter_dir) +
+         " --speculative-num-draft-tokens " + std::to_string(cfg.block_size) + "\n" +
+         "vLLM:   " + (mixed ? "VLLM_USE_V2_MODEL_RUNNER=1 " : "") + "vllm serve " + shell_word(target) +
+         " --speculative-config " + shell_word(spec.dump()) + "\n";
 }
 
 }  // namespace dflash

@@ -1,6 +1,9 @@
-// Writing a DFlash drafter checkpoint in the published format (../shared/docs/dflash.md,
-// "Checkpoint format"): config.json + model.safetensors (BF16, names without a "model." prefix),
-// the layout SGLang / vLLM / z-lab load and load_drafter_weights reads back.
+// Writing a DFlash drafter checkpoint in the published format (docs/interop.md): config.json +
+// model.safetensors (BF16, names without a "model." prefix), and how it is served. What loads it:
+// SGLang (--speculative-algorithm DFLASH), vLLM (method "dflash"), z-lab's
+// DFlashDraftModel.from_pretrained, and load_drafter_weights here. What does not: transformers'
+// AutoModel.from_pretrained(..., trust_remote_code=True), z-lab's README path (no modeling file is
+// shipped: it would build a plain Qwen3Model and drop fc / hidden_norm).
 #pragma once
 #include <functional>
 #include <string>
@@ -29,6 +32,18 @@ namespace dflash {
 /// cfg.validate failures and tensors whose shapes differ from drafter_param_shapes(cfg).
 void write_drafter_checkpoint(const std::string& dir, const DrafterConfig& cfg, const DrafterWeights<float>& w,
                               const std::function<void(const std::string& path)>& write_training_state = {});
+
+/// The commands that serve the checkpoint `drafter_dir` beside `target` (the Hugging Face checkpoint
+/// of the same model: a directory or a hub id), one line each, shell-quoted:
+///   SGLang: --speculative-algorithm DFLASH, --speculative-num-draft-tokens = block_size (SGLang
+///           reads block_size and warns when the flag differs);
+///   vLLM:   --speculative-config {"method": "dflash", ..., "num_speculative_tokens": block_size - 1}
+///           (vLLM never reads block_size: a wrong count silently lowers tau), behind
+///           VLLM_USE_V2_MODEL_RUNNER=1 for a drafter that mixes sliding and full layers (vLLM refuses
+///           it on its first runner).
+/// Loading by `DFlashDraftModel.from_pretrained` (z-lab's package) works too; `AutoModel` with
+/// trust_remote_code does not (no modeling file is shipped).
+std::string serving_commands(const std::string& target, const std::string& drafter_dir, const DrafterConfig& cfg);
 
 /// File name of the training state inside a checkpoint directory.
 inline constexpr const char* kTrainingStateFile = "training_state.safetensors";

@@ -4,13 +4,16 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "io/hf_config.h"
+#include "text/chat_template.h"
 #include "text/tokenizer.h"
 
 namespace dflash {
 
 std::vector<int64_t> default_target_layer_ids(int64_t L, int64_t n) {
   if (L <= 0 || n <= 0) throw std::invalid_argument("default_target_layer_ids: need layers > 0 and taps > 0");
-  if (n == 1) return {L / 2};
+  if (L < 2) throw std::invalid_argument("default_target_layer_ids: a target of one layer has no layer to tap but its last");
+  if (n == 1) return {L == 2 ? 0 : L / 2};  // (L / 2 is the last layer of a 2-layer target)
   if (L < 4) throw std::invalid_argument("default_target_layer_ids: a target needs at least 4 layers for several taps");
   std::vector<int64_t> ids;
   for (int64_t i = 0; i < n; ++i) {
@@ -20,15 +23,51 @@ std::vector<int64_t> default_target_layer_ids(int64_t L, int64_t n) {
   return ids;
 }
 
+namespace {
+/// Ids that end a sequence or a turn: the target's EOS ids, the tokenizer's EOS and, where the
+/// tokenizer's chat template is a known family, its end-of-turn token.
+std::vector<int64_t> stop_ids(const ModelSpec& target, const Tokenizer* tok) {
+  std::vector<int64_t> r = target.eos_token_ids;
+  if (!tok) return r;
+  if (auto e = tok->eos_id()) r.push_back(*e);
+  if (!tok->chat_template().empty()) {
+    try {
+      if (auto e = tok->token_to_id(end_of_turn_token(detect_chat_family(tok->chat_template())))) r.push_back(*e);
+    } catch (const std::runtime_error&) {  // a template of no known family: its EOS above
+    }
+  }
+  return r;
+}
+
+bool is_stop(int64_t id, const std::vector<int64_t>& stops) {
+  return std::find(stops.begin(), stops.end(), id) != stops.end();
+}
+
+/// The published Qwen3.5 / 3.6 drafters' mask token: <|audio_start|> of the Qwen3.5 tokenizer, a
+/// special token no text chat writes.
+constexpr int64_t kQwen35MaskTokenId = 248070;
+}  // namespace
+
+void check_mask_token(int64_t id, const ModelSpec& target, const Tokenizer& tok, const std::string& where) {
+  if (is_stop(id, stop_ids(target, &tok)))
+    throw std::invalid_argument(where + ": mask_token_id " + std::to_string(id) + " (" + tok.id_to_token(int32_t(id)) +
+                                ") ends a turn or a sequence for this target: the drafter fills its blocks with it and "
+                                "a server would stop there; choose another id");
+}
+
 int64_t default_mask_token_id(const ModelSpec& target, const Tokenizer& tok) {
   if (auto id = tok.token_to_id("<|MASK|>")) return *id;
-  if (target.vocab_size > tok.vocab_size()) return tok.vocab_size();  // first spare embedding row
+  const std::vector<int64_t> stops = stop_ids(target, &tok);
   const std::string& tmpl = tok.chat_template();
-  for (int64_t id = tok.vocab_size() - 1; id >= 0; --id) {
-    if (!tok.is_special(int32_t(id)) || id == tok.bos_id().value_or(-1) || id == tok.eos_id().value_or(-1)) continue;
-    if (tmpl.find(tok.id_to_token(int32_t(id))) != std::string::npos) continue;
-    return id;
-  }
+  auto unused_special = [&](int64_t id) {
+    return id < tok.vocab_size() && tok.is_special(int32_t(id)) && id != tok.bos_id().value_or(-1) && !is_stop(id, stops) &&
+           tmpl.find(tok.id_to_token(int32_t(id))) == std::string::npos;
+  };
+  if (target.arch == Arch::Qwen3_5 && target.vocab_size > kQwen35MaskTokenId && unused_special(kQwen35MaskTokenId))
+    return kQwen35MaskTokenId;
+  if (target.vocab_size > tok.vocab_size()) return tok.vocab_size();  // first spare embedding row
+  for (int64_t id = tok.vocab_size() - 1; id >= 0; --id)
+    if (unused_special(id)) return id;
   throw std::runtime_error("no mask token: the tokenizer has no <|MASK|>, the target no spare embedding row and no "
                            "unused special token exists; pass --mask-token-id");
 }
@@ -60,6 +99,16 @@ void DrafterConfig::validate(const std::string& where) const {
     if (id < 0 || id >= num_target_layers)
       fail("target layer id " + std::to_string(id) + " is outside the target's " + std::to_string(num_target_layers) +
            " layers");
+  for (size_t i = 1; i < target_layer_ids.size(); ++i)
+    if (target_layer_ids[i] <= target_layer_ids[i - 1])
+      fail("target_layer_ids must be strictly increasing (got " + std::to_string(target_layer_ids[i - 1]) + " then " +
+           std::to_string(target_layer_ids[i]) + "): servers capture the sorted distinct layers");
+  if (target_layer_ids.back() == num_target_layers - 1)
+    fail("target layer id " + std::to_string(target_layer_ids.back()) + " is the target's last layer: servers capture "
+         "each tapped layer's output as the next layer's input, and there is none after it");
+  if (max_position_embeddings <= 0)
+    fail("max_position_embeddings must be positive (got " + std::to_string(max_position_embeddings) +
+         "): servers size the RoPE cache by it");
   if (mask_token_id < -1 || mask_token_id >= vocab_size)
     fail("mask_token_id " + std::to_string(mask_token_id) + " is outside the vocabulary [0, " +
          std::to_string(vocab_size) + ")");
@@ -70,7 +119,15 @@ void DrafterConfig::validate(const std::string& where) const {
     if (t != "full_attention" && t != "sliding_attention") fail("unknown layer type '" + t + "'");
     if (t == "sliding_attention" && sliding_window <= 0) fail("sliding_attention layers need sliding_window > 0");
   }
-  if (!(rope_theta > 0) || !(rms_norm_eps > 0)) fail("rope_theta and rms_norm_eps must be positive");
+  if (!(rope.theta > 0) || !(rms_norm_eps > 0)) fail("rope_theta and rms_norm_eps must be positive");
+  if (rope.partial_rotary_factor != 1.0)
+    fail("partial_rotary_factor " + std::to_string(rope.partial_rotary_factor) + ": a DFlash drafter rotates its whole head_dim");
+  if (rope.type != "default" && rope.type != "llama3" && rope.type != "yarn")
+    fail("rope type '" + rope.type + "' is not supported (default, llama3, yarn)");
+}
+
+bool DrafterConfig::is_sliding(int64_t layer) const {
+  return layer >= 0 && size_t(layer) < layer_types.size() && layer_types[size_t(layer)] == "sliding_attention";
 }
 
 DrafterConfig derive_drafter_config(const ModelSpec& t, const Tokenizer* tok, const DrafterOverrides& o) {
@@ -83,19 +140,14 @@ DrafterConfig derive_drafter_config(const ModelSpec& t, const Tokenizer* tok, co
   c.num_attention_heads = o.num_attention_heads.value_or(hybrid ? 32 : t.num_attention_heads);
   c.num_key_value_heads = o.num_key_value_heads.value_or(hybrid ? 8 : t.num_key_value_heads);
   c.head_dim = o.head_dim.value_or(hybrid ? 128 : t.head_dim);
-  c.rope_theta = o.rope_theta.value_or(t.rope.theta);
+  c.rope.theta = o.rope_theta.value_or(t.rope.theta);
   c.rms_norm_eps = t.rms_norm_eps;
   c.vocab_size = t.vocab_size;
-  c.max_position_embeddings = t.max_position_embeddings;
+  if (t.max_position_embeddings > 0) c.max_position_embeddings = t.max_position_embeddings;
   c.block_size = o.block_size.value_or(16);
   c.num_target_layers = t.num_hidden_layers;
   if (o.target_layer_ids) {
-    c.target_layer_ids = *o.target_layer_ids;
-    for (size_t i = 1; i < c.target_layer_ids.size(); ++i)
-      if (c.target_layer_ids[i] <= c.target_layer_ids[i - 1])
-        throw std::invalid_argument("target layer ids must be strictly increasing (got " +
-                                    std::to_string(c.target_layer_ids[i - 1]) + " then " +
-                                    std::to_string(c.target_layer_ids[i]) + ")");
+    c.target_layer_ids = *o.target_layer_ids;  // (validate: strictly increasing, not the last layer)
   } else {
     const int64_t n = o.num_taps.value_or(5);
     if (n > 1 && t.num_hidden_layers < 4)
@@ -106,6 +158,10 @@ DrafterConfig derive_drafter_config(const ModelSpec& t, const Tokenizer* tok, co
   if (o.mask_token_id) c.mask_token_id = *o.mask_token_id;
   else if (tok) c.mask_token_id = default_mask_token_id(t, *tok);
   else throw std::invalid_argument("derive_drafter_config: a tokenizer or an explicit mask token id is needed");
+  if (tok) check_mask_token(c.mask_token_id, t, *tok, "drafter config");
+  else if (is_stop(c.mask_token_id, stop_ids(t, nullptr)))
+    throw std::invalid_argument("drafter config: mask_token_id " + std::to_string(c.mask_token_id) +
+                                " is an EOS id of the target; choose another id");
   c.sliding_window = o.sliding_window.value_or(0);
   c.layer_types.assign(size_t(c.num_hidden_layers), "full_attention");
   for (int64_t i : o.sliding_layers) {
@@ -116,21 +172,50 @@ DrafterConfig derive_drafter_config(const ModelSpec& t, const Tokenizer* tok, co
   return c;
 }
 
+namespace {
+/// rope_scaling as transformers reads it (the older key, which transformers 5, SGLang, vLLM and z-lab's
+/// MLX loader all take), for a scaled RoPE; null for the default one.
+nlohmann::json rope_scaling_json(const RopeSpec& r) {
+  if (r.type == "default") return nullptr;
+  nlohmann::json j = {{"rope_type", r.type}, {"factor", r.factor},
+                      {"original_max_position_embeddings", r.original_max_position_embeddings}};
+  if (r.type == "llama3") {
+    j["low_freq_factor"] = r.low_freq_factor, j["high_freq_factor"] = r.high_freq_factor;
+  } else {  // yarn
+    j["beta_fast"] = r.beta_fast, j["beta_slow"] = r.beta_slow;
+    if (r.attention_factor > 0) j["attention_factor"] = r.attention_factor;
+    if (r.mscale != 0) j["mscale"] = r.mscale;
+    if (r.mscale_all_dim != 0) j["mscale_all_dim"] = r.mscale_all_dim;
+    if (!r.truncate) j["truncate"] = false;
+  }
+  return j;
+}
+
+bool flag(const nlohmann::json& o, const char* key, const std::string& where) {
+  if (!o.contains(key) || o[key].is_null()) return false;
+  if (!o[key].is_boolean()) throw std::runtime_error(where + ": field '" + key + "' must be true or false");
+  return o[key].get<bool>();
+}
+}  // namespace
+
 nlohmann::json drafter_config_to_json(const DrafterConfig& c) {
   bool sliding = false;
   for (const auto& t : c.layer_types) sliding = sliding || t == "sliding_attention";
+  nlohmann::json dflash = {{"mask_token_id", c.mask_token_id}, {"target_layer_ids", c.target_layer_ids}};
+  if (c.causal) dflash["causal"] = *c.causal;
   return {{"architectures", {"DFlashDraftModel"}},
           {"model_type", "qwen3"},
           {"block_size", c.block_size},
           {"num_target_layers", c.num_target_layers},
           {"num_hidden_layers", c.num_hidden_layers},
-          {"dflash_config", {{"mask_token_id", c.mask_token_id}, {"target_layer_ids", c.target_layer_ids}}},
+          {"dflash_config", dflash},
           {"hidden_size", c.hidden_size},
           {"intermediate_size", c.intermediate_size},
           {"num_attention_heads", c.num_attention_heads},
           {"num_key_value_heads", c.num_key_value_heads},
           {"head_dim", c.head_dim},
-          {"rope_theta", c.rope_theta},
+          {"rope_theta", c.rope.theta},
+          {"rope_scaling", rope_scaling_json(c.rope)},
           {"rms_norm_eps", c.rms_norm_eps},
           {"vocab_size", c.vocab_size},
           {"layer_types", c.layer_types},
@@ -149,6 +234,7 @@ DrafterConfig drafter_config_from_json(const nlohmann::json& j, const std::strin
     if (!o.contains(k) || !o[k].is_number_integer()) fail(std::string("field '") + k + "' is missing or not an integer");
     return o[k].get<int64_t>();
   };
+  auto has = [](const nlohmann::json& o, const char* k) { return o.contains(k) && !o[k].is_null(); };
   if (!j.is_object()) fail("config must be a JSON object");
   if (!j.contains("dflash_config") || !j["dflash_config"].is_object()) fail("not a DFlash config: no 'dflash_config'");
   const auto& d = j["dflash_config"];
@@ -158,9 +244,14 @@ DrafterConfig drafter_config_from_json(const nlohmann::json& j, const std::strin
   c.num_hidden_layers = req(j, "num_hidden_layers");
   c.num_attention_heads = req(j, "num_attention_heads");
   c.num_key_value_heads = j.contains("num_key_value_heads") ? req(j, "num_key_value_heads") : c.num_attention_heads;
-  c.head_dim = j.contains("head_dim") && !j["head_dim"].is_null() ? req(j, "head_dim") : c.hidden_size / std::max<int64_t>(1, c.num_attention_heads);
+  c.head_dim = has(j, "head_dim") ? req(j, "head_dim") : c.hidden_size / std::max<int64_t>(1, c.num_attention_heads);
   c.vocab_size = req(j, "vocab_size");
-  c.block_size = req(j, "block_size");
+  // SGLang reads dflash_config.block_size first, z-lab the top level: both, when given, must agree.
+  if (!has(d, "block_size") && !has(j, "block_size")) fail("field 'block_size' is missing (top level or dflash_config)");
+  c.block_size = has(d, "block_size") ? req(d, "block_size") : req(j, "block_size");
+  if (has(d, "block_size") && has(j, "block_size") && req(j, "block_size") != c.block_size)
+    fail("block_size " + std::to_string(req(j, "block_size")) + " and dflash_config.block_size " +
+         std::to_string(c.block_size) + " differ: servers read one or the other");
   c.num_target_layers = req(j, "num_target_layers");
   // Older z-lab configs leave these out; their loaders then use the tokenizer's <|MASK|> and one
   // tap per draft layer with the default formula (z-lab dflash model/utils.py build_target_layer_ids).
@@ -175,15 +266,34 @@ DrafterConfig drafter_config_from_json(const nlohmann::json& j, const std::strin
       c.target_layer_ids.push_back(x.get<int64_t>());
     }
   }
-  c.rope_theta = j.value("rope_theta", 1e6);
-  if (j.contains("rope_parameters") && j["rope_parameters"].is_object())
-    c.rope_theta = j["rope_parameters"].value("rope_theta", c.rope_theta);
+  hf::DenseDefaults rd;
+  rd.rope_theta = 1e6;  // vLLM's default for a drafter without rope_theta
+  hf::read_rope(j, c.rope, rd, where);
   c.rms_norm_eps = j.value("rms_norm_eps", 1e-6);
   if (j.contains("max_position_embeddings") && !j["max_position_embeddings"].is_null())
     c.max_position_embeddings = req(j, "max_position_embeddings");
-  if (j.contains("sliding_window") && j["sliding_window"].is_number_integer()) c.sliding_window = j["sliding_window"];
-  if (j.contains("layer_types") && j["layer_types"].is_array()) c.layer_types = j["layer_types"].get<std::vector<std::string>>();
-  else c.layer_types.assign(size_t(std::max<int64_t>(0, c.num_hidden_layers)), "full_attention");
+  // transformers' Qwen3Config keeps sliding_window only with use_sliding_window, and without
+  // layer_types makes layers from max_window_layers on sliding (when a window is kept).
+  const bool use_sliding = flag(j, "use_sliding_window", where);
+  if (use_sliding && has(j, "sliding_window")) c.sliding_window = req(j, "sliding_window");
+  if (j.contains("layer_types") && j["layer_types"].is_array()) {
+    c.layer_types = j["layer_types"].get<std::vector<std::string>>();
+  } else {
+    const int64_t first_sliding = has(j, "max_window_layers") ? req(j, "max_window_layers") : 28;
+    for (int64_t i = 0; i < std::max<int64_t>(0, c.num_hidden_layers); ++i)
+      c.layer_types.push_back(c.sliding_window > 0 && i >= first_sliding ? "sliding_attention" : "full_attention");
+  }
+  // vLLM: dflash_config.use_swa makes every layer sliding when layer_types has none, and a sliding
+  // layer's window is dflash_config.swa_window_size before sliding_window.
+  if (flag(d, "use_swa", where) && std::find(c.layer_types.begin(), c.layer_types.end(), "sliding_attention") == c.layer_types.end())
+    c.layer_types.assign(c.layer_types.size(), "sliding_attention");
+  if (has(d, "swa_window_size")) c.sliding_window = req(d, "swa_window_size");
+  // is_causal, else dflash_config.causal, sets every layer's causality (vLLM).
+  for (const auto* o : {&d, &j}) {
+    const char* key = o == &j ? "is_causal" : "causal";
+    if (has(*o, key)) c.causal = flag(*o, key, where);
+  }
+  if (flag(d, "attention_sink_bias", where)) fail("dflash_config.attention_sink_bias (attention sinks) is not supported");
   c.validate(where);
   return c;
 }

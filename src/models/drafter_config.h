@@ -17,18 +17,38 @@ class Tokenizer;
 struct DrafterConfig {
   int64_t hidden_size = 0, intermediate_size = 0, num_hidden_layers = 5;
   int64_t num_attention_heads = 0, num_key_value_heads = 0, head_dim = 0;
-  double rope_theta = 1e6, rms_norm_eps = 1e-6;
-  int64_t vocab_size = 0, max_position_embeddings = 0;
+  double rms_norm_eps = 1e-6;
+  /// RoPE over the whole head_dim: rope_theta, and rope_scaling (llama3, yarn) as transformers reads it.
+  RopeSpec rope = default_rope();
+  int64_t vocab_size = 0;
+  int64_t max_position_embeddings = 32768;    // transformers' Qwen3Config default; servers size RoPE by it
   int64_t block_size = 16;
   int64_t num_target_layers = 0;              // layers of the target
   std::vector<int64_t> target_layer_ids;      // taps: output of target layer i = hidden_states[i + 1]
   int64_t mask_token_id = -1;                 // -1: not given (older configs); resolve_mask_token_id
   std::vector<std::string> layer_types;       // "full_attention" | "sliding_attention", one per layer
   int64_t sliding_window = 0;                 // used by sliding_attention layers
+  /// Causal attention inside the block for every layer (config.json `is_causal`, else
+  /// `dflash_config.causal`, as vLLM reads them); unset: full layers see their whole block (dflash.md).
+  std::optional<bool> causal;
 
-  /// Throws std::runtime_error prefixed by `where` when fields disagree (head shapes, taps outside
-  /// the target, mask id outside the vocabulary, layer_types size, sliding window).
+  bool is_sliding(int64_t layer) const;
+  /// The layer's sliding window (0 for a full layer): it sees context [a + k - (window - 1), a).
+  int64_t layer_window(int64_t layer) const { return is_sliding(layer) ? sliding_window : 0; }
+  /// Whether slot k of a block sees only slots 0..k: `causal` for every layer, and always for a
+  /// sliding layer (both servers run its window as FlashAttention's (window - 1, 0), which looks back only).
+  bool layer_causal(int64_t layer) const { return is_sliding(layer) || causal.value_or(false); }
+
+  /// Throws std::runtime_error prefixed by `where` when fields disagree or no server would serve the
+  /// drafter: head shapes, taps not strictly increasing, outside the target or on its last layer
+  /// (servers capture layer inputs: there is none after it), mask id outside the vocabulary,
+  /// max_position_embeddings <= 0, layer_types size, sliding window, RoPE.
   void validate(const std::string& where) const;
+  static RopeSpec default_rope() {
+    RopeSpec r;
+    r.theta = 1e6;
+    return r;
+  }
 };
 
 /// What a user may override (unset = the default the doc gives).
@@ -42,14 +62,20 @@ struct DrafterOverrides {
 };
 
 /// dflash.md's default taps for a target of `num_target_layers` layers and `n` taps:
-/// n == 1 -> [L / 2]; else round(1 + i * (L - 4) / (n - 1)), i = 0..n-1 (Python's round: half to even).
+/// n == 1 -> [L / 2] (for L = 2: [0], never the last layer); else round(1 + i * (L - 4) / (n - 1)), i = 0..n-1 (Python's round: half to even).
 /// Examples: (36, 5) -> [1, 9, 17, 25, 33]; (64, 5) -> [1, 16, 31, 46, 61].
 std::vector<int64_t> default_target_layer_ids(int64_t num_target_layers, int64_t n);
 
-/// The mask token: `<|MASK|>` when the tokenizer has it; else the first embedding row past the
-/// tokenizer's ids when the target has spare rows (Qwen3: 151669); else the highest-id special token
-/// that is neither BOS/EOS nor written by the chat template. Throws when none exists.
+/// The mask token: `<|MASK|>` when the tokenizer has it; for a Qwen3.5 / 3.6 target with the Qwen3.5
+/// tokenizer 248070 (`<|audio_start|>`, the published drafters' id); else the first embedding row
+/// past the tokenizer's ids when the target has spare rows (Qwen3: 151669); else the highest-id special
+/// token that is neither BOS/EOS nor written by the chat template. Never a stop token (check_mask_token).
+/// Throws std::runtime_error when none exists.
 int64_t default_mask_token_id(const ModelSpec& target, const Tokenizer& tok);
+/// Throws std::invalid_argument naming `where` when `id` ends a turn or a sequence for this target
+/// and tokenizer (its EOS ids, the tokenizer's EOS, the chat template's end-of-turn token): a drafter
+/// fills its block with the mask, and a server that checks drafted tokens for a stop would stop there.
+void check_mask_token(int64_t id, const ModelSpec& target, const Tokenizer& tok, const std::string& where);
 
 /// The drafter for `target` (hidden size, intermediate size (3 x hidden for a target with only
 /// mixture-of-experts layers) and rope theta of the target; attention
@@ -58,9 +84,16 @@ int64_t default_mask_token_id(const ModelSpec& target, const Tokenizer& tok);
 DrafterConfig derive_drafter_config(const ModelSpec& target, const Tokenizer* tok, const DrafterOverrides& o);
 
 /// config.json of a DFlash checkpoint (architectures DFlashDraftModel, model_type qwen3,
-/// dflash_config {mask_token_id, target_layer_ids}, standard Qwen3 fields).
+/// dflash_config {mask_token_id, target_layer_ids[, causal]}, standard Qwen3 fields, rope_scaling when
+/// the RoPE is scaled). Loads with z-lab's `DFlashDraftModel.from_pretrained`, SGLang and vLLM; not
+/// with `AutoModel.from_pretrained(..., trust_remote_code=True)`: no modeling file is shipped.
 nlohmann::json drafter_config_to_json(const DrafterConfig& c);
-/// Reads a DFlash config.json (ours, z-lab's or SpecForge's). Throws naming `where` and the field.
+/// Reads a DFlash config.json (ours, z-lab's or SpecForge's) as SGLang / vLLM read it: block_size in
+/// dflash_config or at the top level; rope_scaling / rope_parameters; sliding_window only with
+/// use_sliding_window (else none, as transformers); layer_types, or derived from max_window_layers
+/// (transformers' Qwen3Config); dflash_config.use_swa (every layer sliding when layer_types has none)
+/// with swa_window_size before sliding_window; is_causal / dflash_config.causal. Throws naming `where`
+/// and the field, and for what no server would serve (DrafterConfig::validate).
 /// Older z-lab configs without dflash_config.target_layer_ids get
 /// default_target_layer_ids(num_target_layers, num_hidden_layers) (one tap per draft layer, as the
 /// z-lab / SGLang loaders); without dflash_config.mask_token_id, mask_token_id is -1 (see

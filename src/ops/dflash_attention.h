@@ -22,12 +22,12 @@ struct KvRanges {
 /// DFlash mask as ranges, one per query row (num_blocks * block_size rows, row = b * B + k).
 /// KV layout: [S context tokens ; num_blocks * B block tokens]; block b occupies kv S + b*B + [0, B).
 /// Valid block b (b < anchors.size(), anchor a = anchors[b], 0 <= a <= S), slot k sees
-///   full layer (window <= 0): context [0, a) and all B slots of its own block;
-///   sliding layer (window W > 0): context [max(0, a + k - (W - 1)), a) and own slots 0..k.
+///   context [0, a), or with a sliding window W > 0 [max(0, a + k - (W - 1)), a);
+///   in its own block all B slots, or with `causal` (always with a window) slots 0..k.
 /// Blocks b >= anchors.size() are padding and see nothing. Throws std::invalid_argument for a bad
 /// anchor, block_size <= 0 or num_blocks < anchors.size().
 std::vector<KvRanges> dflash_kv_ranges(const std::vector<int64_t>& anchors, int64_t num_blocks,
-                                       int64_t block_size, int64_t context_len, int64_t window);
+                                       int64_t block_size, int64_t context_len, int64_t window, bool causal);
 
 /// Forward. q [Nq, H, D], k and v [Nk, Hkv, D], H % Hkv == 0 (query head h uses kv head h / (H / Hkv)),
 /// ranges [Nq] (each inside [0, Nk]). Returns o [Nq, H, D]. Saves for the backward (if lse):

@@ -22,6 +22,7 @@
 #include "train/anchors.h"
 #include "train/distributed.h"
 #include "train/gpu_power.h"
+#include "models/drafter_checkpoint.h"
 #include "train/memory_plan.h"
 #include "train/prepare_data.h"
 #include "train/tensorboard.h"
@@ -512,6 +513,11 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
     tr.save(final_dir.string());
     fmt::print("train: done: {} steps in {}, {} skipped; the drafter is in {}\n", tr.step_count(),
                duration_str(secs_since(t_start)), skipped_total, final_dir.string());
+    // A GGUF target trains here only: the servers take its Hugging Face checkpoint.
+    const bool gguf = fs::path(c.target).extension() == ".gguf";
+    fmt::print("train: serve it beside {}:\n{}", gguf ? "the Hugging Face checkpoint of this GGUF's model" : "the target",
+               serving_commands(gguf ? "HF_TARGET" : fs::absolute(c.target).lexically_normal().string(),
+                                fs::absolute(final_dir).lexically_normal().string(), dc));
   }
   return 0;
 }

@@ -96,6 +96,13 @@ TEST(TrainCli, LossFallsAndOutputsAreComplete) {
   EXPECT_LT(last, 0.5 * first) << log;
   EXPECT_NE(log.find("stages over the last 20 steps"), std::string::npos) << log;
   EXPECT_NE(log.find("bottleneck"), std::string::npos) << log;
+  // The end says how to serve it: SGLang drafts block_size (4) tokens, vLLM num_speculative_tokens 3.
+  const std::string final_dir = fs::absolute(out / "final").lexically_normal().string();
+  EXPECT_NE(log.find("--speculative-algorithm DFLASH --speculative-draft-model-path " + final_dir +
+                     " --speculative-num-draft-tokens 4"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("\"model\":\"" + final_dir + "\",\"num_speculative_tokens\":3"), std::string::npos) << log;
   for (const char* f : {"config.json", "model.safetensors", "training_state.safetensors"})
     EXPECT_TRUE(fs::exists(out / "final" / f)) << f;
   // keep_last 2 of the checkpoints at 20 and 40

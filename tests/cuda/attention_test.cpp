@@ -119,13 +119,13 @@ void run_case(const Case& c, uint64_t seed) {
 }
 
 Case dflash_case(const std::string& name, int64_t S, std::vector<int64_t> anchors, int64_t blocks, int64_t B,
-                 int64_t window, int H, int Hkv, int D) {
+                 int64_t window, int H, int Hkv, int D, bool causal = false) {
   Case c;
   c.name = name;
   c.Nq = blocks * B;
   c.Nk = S + c.Nq;
   c.H = H, c.Hkv = Hkv, c.D = D;
-  c.ranges = cpu::dflash_kv_ranges(anchors, blocks, B, S, window);
+  c.ranges = cpu::dflash_kv_ranges(anchors, blocks, B, S, window, causal);
   return c;
 }
 
@@ -140,6 +140,7 @@ TEST(CudaMaskedAttention, DflashMasksFullSlidingAndPadding) {
     // anchor 35 of S = 37: its block's positions run past the context; block 4 is padding
     run_case(dflash_case("dflash full S37", 37, {2, 9, 15, 35}, 5, 4, 0, 4, 2, D), 10 + D);
     run_case(dflash_case("dflash sliding S37 W6", 37, {2, 9, 15, 35}, 5, 4, 6, 4, 2, D), 20 + D);
+    run_case(dflash_case("dflash causal full S37", 37, {2, 9, 15, 35}, 5, 4, 0, 4, 2, D, true), 25 + D);
   }
   std::mt19937_64 rng(7);
   std::vector<int64_t> anchors;

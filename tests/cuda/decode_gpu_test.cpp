@@ -29,12 +29,17 @@ std::unique_ptr<TargetModel> hd64(const std::string& name = "qwen3_hd64") {
   return TargetModel::load((test::fixtures_dir() / name).string());
 }
 
+/// Two taps where the target has room (never its last layer: no server could capture it), else one.
+std::vector<int64_t> taps_for(int64_t layers) {
+  return layers > 2 ? std::vector<int64_t>{0, layers - 2} : std::vector<int64_t>{0};
+}
+
 DrafterConfig drafter_for(const ModelSpec& t) {
   DrafterOverrides ov;
   ov.num_hidden_layers = 2;
   ov.block_size = 4;
   ov.mask_token_id = t.vocab_size - 1;
-  ov.target_layer_ids = std::vector<int64_t>{0, t.num_hidden_layers - 1};
+  ov.target_layer_ids = taps_for(t.num_hidden_layers);
   return derive_drafter_config(t, nullptr, ov);
 }
 }  // namespace
@@ -162,7 +167,7 @@ INSTANTIATE_TEST_SUITE_P(Targets, CudaDecodeTargets,
 // slot's token equals the reference's argmax wherever the reference's top-two logits are apart by
 // more than the bf16 error could bridge. Contexts arrive in pieces, one sequence is idle, layer 0
 // is a sliding-window layer (window 6, shorter than most contexts), and a context is cleared and
-// regrown.
+// regrown; with the default RoPE and full layers, and with yarn RoPE and causal layers.
 TEST(CudaDecode, GpuDrafterDraftsAsTheReference) {
   if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
   const auto m = hd64();
@@ -170,61 +175,68 @@ TEST(CudaDecode, GpuDrafterDraftsAsTheReference) {
   ov.num_hidden_layers = 2;
   ov.block_size = 4;
   ov.mask_token_id = m->spec().vocab_size - 1;
-  ov.target_layer_ids = std::vector<int64_t>{0, m->spec().num_hidden_layers - 1};
+  ov.target_layer_ids = taps_for(m->spec().num_hidden_layers);
   ov.sliding_window = 6;
   ov.sliding_layers = {0};
-  const DrafterConfig cfg = derive_drafter_config(m->spec(), nullptr, ov);
-  const DrafterWeights<float> w = init_drafter_weights(cfg, 9, 0.2);  // larger weights: well separated logits
-  auto gpu = make_gpu_drafter(cfg, w, m->embed_tokens(), m->lm_head(), 0);
-  const int64_t width = int64_t(cfg.target_layer_ids.size()) * cfg.hidden_size, B = cfg.block_size;
-  std::mt19937_64 rng(3);
-  std::normal_distribution<float> nd(0.f, 1.f);
-  auto random_taps = [&](int64_t rows) {
-    Tensor t({rows, width});
-    for (float& x : t.data) x = bf16_to_f32(f32_to_bf16(nd(rng)));
-    return t;
-  };
-  const int n = 4;
-  std::vector<DrafterContextCache> ref(n);
-  gpu->reset(n);
-  int compared = 0;
-  auto append = [&](int q, int64_t rows) {
-    const Tensor t = random_taps(rows);
-    gpu->append_context(q, t);
-    drafter_extend_context(cfg, w, ref[size_t(q)], t);
-  };
-  auto check = [&](const std::vector<int32_t>& last, const std::string& round) {
-    const auto drafts = gpu->draft(last);
-    ASSERT_EQ(drafts.size(), last.size());
-    for (int q = 0; q < n; ++q) {
-      if (last[size_t(q)] < 0) {
-        EXPECT_TRUE(drafts[size_t(q)].empty()) << round << ": idle sequence " << q << " got a draft";
-        continue;
-      }
-      ASSERT_EQ(int64_t(drafts[size_t(q)].size()), B - 1);
-      const Tensor lg = drafter_draft_logits(cfg, w, ref[size_t(q)], last[size_t(q)], m->embed_tokens(), m->lm_head());
-      const int64_t V = lg.dim(1);
-      for (int64_t k = 1; k < B; ++k) {
-        std::vector<float> row(lg.row(k), lg.row(k) + V), sorted = row;
-        std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
-        float scale = 0;
-        for (float x : row) scale = std::max(scale, std::abs(x));
-        if (sorted[0] - sorted[1] < 0.05f * scale) continue;  // a near tie: bf16 may pick either
-        ++compared;
-        EXPECT_EQ(drafts[size_t(q)][size_t(k - 1)], int32_t(std::max_element(row.begin(), row.end()) - row.begin()))
-            << round << ": sequence " << q << " (context " << ref[size_t(q)].length << ") slot " << k;
-      }
+  for (bool scaled : {false, true}) {
+    SCOPED_TRACE(scaled ? "yarn, causal" : "default RoPE");
+    DrafterConfig cfg = derive_drafter_config(m->spec(), nullptr, ov);
+    if (scaled) {  // yarn RoPE and every layer causal in its block (published configs' keys)
+      cfg.rope.type = "yarn", cfg.rope.factor = 4.0, cfg.rope.original_max_position_embeddings = 32;
+      cfg.causal = true;
     }
-  };
-  append(0, 1), append(1, 10), append(3, 60);  // sequence 2 stays empty: a block at position 0
-  check({5, 7, 11, 13}, "first");
-  append(1, 7), append(3, 30), append(0, 300);  // past the cache's first capacity (256 rows)
-  check({17, -1, 19, 23}, "second");
-  gpu->clear(3);
-  ref[3] = DrafterContextCache{};
-  append(3, 5);
-  check({29, 31, -1, 37}, "after clear");
-  EXPECT_GE(compared, 12) << "too few well-separated slots to compare";
+    const DrafterWeights<float> w = init_drafter_weights(cfg, 9, 0.2);  // larger weights: well separated logits
+    auto gpu = make_gpu_drafter(cfg, w, m->embed_tokens(), m->lm_head(), 0);
+    const int64_t width = int64_t(cfg.target_layer_ids.size()) * cfg.hidden_size, B = cfg.block_size;
+    std::mt19937_64 rng(3);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    auto random_taps = [&](int64_t rows) {
+      Tensor t({rows, width});
+      for (float& x : t.data) x = bf16_to_f32(f32_to_bf16(nd(rng)));
+      return t;
+    };
+    const int n = 4;
+    std::vector<DrafterContextCache> ref(n);
+    gpu->reset(n);
+    int compared = 0;
+    auto append = [&](int q, int64_t rows) {
+      const Tensor t = random_taps(rows);
+      gpu->append_context(q, t);
+      drafter_extend_context(cfg, w, ref[size_t(q)], t);
+    };
+    auto check = [&](const std::vector<int32_t>& last, const std::string& round) {
+      const auto drafts = gpu->draft(last);
+      ASSERT_EQ(drafts.size(), last.size());
+      for (int q = 0; q < n; ++q) {
+        if (last[size_t(q)] < 0) {
+          EXPECT_TRUE(drafts[size_t(q)].empty()) << round << ": idle sequence " << q << " got a draft";
+          continue;
+        }
+        ASSERT_EQ(int64_t(drafts[size_t(q)].size()), B - 1);
+        const Tensor lg = drafter_draft_logits(cfg, w, ref[size_t(q)], last[size_t(q)], m->embed_tokens(), m->lm_head());
+        const int64_t V = lg.dim(1);
+        for (int64_t k = 1; k < B; ++k) {
+          std::vector<float> row(lg.row(k), lg.row(k) + V), sorted = row;
+          std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
+          float scale = 0;
+          for (float x : row) scale = std::max(scale, std::abs(x));
+          if (sorted[0] - sorted[1] < 0.05f * scale) continue;  // a near tie: bf16 may pick either
+          ++compared;
+          EXPECT_EQ(drafts[size_t(q)][size_t(k - 1)], int32_t(std::max_element(row.begin(), row.end()) - row.begin()))
+              << round << ": sequence " << q << " (context " << ref[size_t(q)].length << ") slot " << k;
+        }
+      }
+    };
+    append(0, 1), append(1, 10), append(3, 60);  // sequence 2 stays empty: a block at position 0
+    check({5, 7, 11, 13}, "first");
+    append(1, 7), append(3, 30), append(0, 300);  // past the cache's first capacity (256 rows)
+    check({17, -1, 19, 23}, "second");
+    gpu->clear(3);
+    ref[3] = DrafterContextCache{};
+    append(3, 5);
+    check({29, 31, -1, 37}, "after clear");
+    EXPECT_GE(compared, 12) << "too few well-separated slots to compare";
+  }
 }
 
 #endif  // DFLASH_HAVE_CUDA

@@ -31,10 +31,16 @@ struct Tiny {
   Tensor taps, embed, lm_head;
   DrafterSequence<float> seq;
 
-  Tiny() {
+  /// scaled: yarn RoPE (factor 4 over a pretrained length of 16) and every layer causal in its block
+  /// (dflash_config.causal), the semantics servers read from published configs.
+  explicit Tiny(bool scaled = false) {
+    if (scaled) {
+      cfg.rope.type = "yarn", cfg.rope.factor = 4.0, cfg.rope.original_max_position_embeddings = 16;
+      cfg.causal = true;
+    }
     cfg.hidden_size = 128, cfg.intermediate_size = 192, cfg.num_hidden_layers = 2;
     cfg.num_attention_heads = 4, cfg.num_key_value_heads = 2, cfg.head_dim = 64;
-    cfg.rope_theta = 1e4, cfg.vocab_size = 300, cfg.block_size = 4, cfg.num_target_layers = 8;
+    cfg.rope.theta = 1e4, cfg.vocab_size = 300, cfg.block_size = 4, cfg.num_target_layers = 8;
     cfg.target_layer_ids = {1, 3, 5};
     cfg.mask_token_id = 299;
     cfg.layer_types = {"sliding_attention", "full_attention"};
@@ -81,6 +87,31 @@ TEST(CudaCrossEntropy, RowChunksFitTheLogitsBudgetInWholeTiles) {
   }
   EXPECT_THROW(cuda::cross_entropy_row_chunk(V, 0), std::invalid_argument);
   EXPECT_THROW(cuda::cross_entropy_row_chunk(0, 10), std::invalid_argument);
+}
+
+TEST(CudaDrafter, YarnAndCausalLayersMatchTheCpuReference) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  const Tiny t(true), plain;
+  const DrafterStepResult<float> ref = drafter_step(t.cfg, t.w, t.seq);
+  // (The reference itself changes with both: the yarn frequencies and cos / sin scale, the block mask.)
+  EXPECT_GT(std::abs(double(ref.loss) - double(drafter_step(plain.cfg, plain.w, plain.seq).loss)), 1e-4);
+  cudaStream_t s;
+  DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
+  {
+    DrafterGpu gpu(t.cfg, t.w, t.embed, t.lm_head, s);
+    std::vector<uint16_t> tb(t.taps.data.size());
+    for (size_t i = 0; i < tb.size(); ++i) tb[i] = f32_to_bf16(t.taps.data[i]);
+    cuda::DeviceArray<cuda::bf16> taps(tb.size());
+    DFLASH_CUDA_CHECK(cudaMemcpy(taps.data(), tb.data(), tb.size() * 2, cudaMemcpyHostToDevice));
+    const DrafterGpuStepResult r =
+        gpu.step({taps.data(), t.seq.ids, t.seq.loss_mask, t.seq.anchors, t.seq.num_blocks, t.seq.gamma});
+    EXPECT_LE(std::abs(r.loss - double(ref.loss)) / std::abs(double(ref.loss)), 1e-2);
+    const auto g = gpu.grads();
+    const auto gn = g.named(), rn = ref.grads.named();
+    for (size_t i = 0; i < gn.size(); ++i)
+      EXPECT_LE(test::rel_l2(gn[i].second->data, rn[i].second->data), kTolBf16Step) << gn[i].first;
+  }
+  DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
 }
 
 TEST(CudaDrafter, StepMatchesTheCpuReference) {

@@ -98,8 +98,12 @@ TEST(HfConfig, ErrorsNameFileAndField) {
   c["attention_bias"] = true;
   EXPECT_NE(error_of(c).find("attention_bias"), std::string::npos);
   c = dense("LlamaForCausalLM", "llama");
-  c["rope_scaling"] = {{"rope_type", "yarn"}};
-  EXPECT_NE(error_of(c).find("yarn"), std::string::npos);
+  c["rope_scaling"] = {{"rope_type", "yarn"}};  // yarn needs its factor
+  EXPECT_NE(error_of(c).find("'factor'"), std::string::npos);
+  c["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 64}};
+  EXPECT_NE(error_of(c).find("a target with yarn rope scaling is not supported"), std::string::npos);  // drafters only
+  c["rope_scaling"] = {{"rope_type", "longrope"}};
+  EXPECT_NE(error_of(c).find("rope type 'longrope' is not supported"), std::string::npos);
   c = dense("LlamaForCausalLM", "llama");
   c["hidden_size"] = "64";
   EXPECT_NE(error_of(c).find("hidden_size"), std::string::npos);

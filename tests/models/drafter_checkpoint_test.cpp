@@ -193,3 +193,27 @@ TEST(DrafterCheckpoint, PyTorchReferenceLoadsItWithTheSameLogits) {
   const auto before = drafter_step(cfg, w0, seq, opt);
   EXPECT_GT(test::rel_l2(before.logits.data, theirs), 1e-3);
 }
+
+TEST(DrafterCheckpoint, ServingCommandsGiveEachServerItsTokenCount) {
+  DrafterConfig c;
+  c.block_size = 16;
+  c.num_hidden_layers = 5;
+  c.layer_types.assign(5, "full_attention");
+  const std::string cmd = serving_commands("/models/Qwen3-8B", "/runs/a b/final", c);
+  // SGLang: the block; vLLM: block_size - 1 drafted tokens (it never reads block_size).
+  EXPECT_NE(cmd.find("python -m sglang.launch_server --model-path /models/Qwen3-8B --speculative-algorithm DFLASH "
+                     "--speculative-draft-model-path '/runs/a b/final' --speculative-num-draft-tokens 16\n"),
+            std::string::npos)
+      << cmd;
+  EXPECT_NE(cmd.find("vllm serve /models/Qwen3-8B --speculative-config "
+                     "'{\"method\":\"dflash\",\"model\":\"/runs/a b/final\",\"num_speculative_tokens\":15}'\n"),
+            std::string::npos)
+      << cmd;
+  EXPECT_EQ(cmd.find("VLLM_USE_V2_MODEL_RUNNER"), std::string::npos) << cmd;
+  // Sliding and full layers mixed (the Qwen3.6 layout): vLLM needs its second runner.
+  c.layer_types = {"sliding_attention", "sliding_attention", "sliding_attention", "sliding_attention", "full_attention"};
+  EXPECT_NE(serving_commands("t", "d", c).find("VLLM_USE_V2_MODEL_RUNNER=1 vllm serve t"), std::string::npos);
+  c.block_size = 10;
+  EXPECT_NE(serving_commands("t", "d", c).find("\"num_speculative_tokens\":9"), std::string::npos);
+  EXPECT_NE(serving_commands("it's", "d", c).find("--model-path 'it'\\''s'"), std::string::npos);
+}

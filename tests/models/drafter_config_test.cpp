@@ -33,7 +33,7 @@ TEST(DrafterConfig, DerivedFromTargetsWithOverrides) {
   EXPECT_EQ(c.head_dim, qwen3.head_dim);
   EXPECT_EQ(c.num_hidden_layers, 5);
   EXPECT_EQ(c.block_size, 16);
-  EXPECT_DOUBLE_EQ(c.rope_theta, qwen3.rope.theta);
+  EXPECT_DOUBLE_EQ(c.rope.theta, qwen3.rope.theta);
   const ModelSpec hybrid = load_hf_config((test::fixtures_dir() / "qwen3_5" / "config.json").string());
   c = derive_drafter_config(hybrid, nullptr, o);
   EXPECT_EQ(c.num_attention_heads, 32);  // published Qwen3.5/3.6 drafters
@@ -115,7 +115,7 @@ TEST(DrafterConfig, ReadsThePublishedLayout) {
   EXPECT_EQ(c.num_target_layers, 36);
   EXPECT_EQ(c.target_layer_ids, (std::vector<int64_t>{1, 9, 17, 25, 33}));
   EXPECT_EQ(c.mask_token_id, 151669);
-  EXPECT_DOUBLE_EQ(c.rope_theta, 1e6);
+  EXPECT_DOUBLE_EQ(c.rope.theta, 1e6);
   EXPECT_EQ(c.layer_types, std::vector<std::string>(5, "full_attention"));
   // Written back, every DFlash and shape field keeps its published value.
   const nlohmann::json back = drafter_config_to_json(c), pub = published_qwen3_8b_config();

@@ -205,7 +205,7 @@ TEST(Drafter, MaskMatchesGoldenElementByElement) {
     const auto* bits = static_cast<const uint8_t*>(g.f.data(name));
     const bool sliding = p.cfg.layer_types[size_t(layer)] == "sliding_attention";
     EXPECT_EQ(sliding, layer == 0);
-    const auto ranges = cpu::dflash_kv_ranges(p.seq.anchors, N, B, S, sliding ? p.cfg.sliding_window : 0);
+    const auto ranges = cpu::dflash_kv_ranges(p.seq.anchors, N, B, S, p.cfg.layer_window(layer), p.cfg.layer_causal(layer));
     int64_t mismatches = 0, allowed = 0;
     for (int64_t r = 0; r < N * B; ++r)
       for (int64_t c = 0; c < S + N * B; ++c) {

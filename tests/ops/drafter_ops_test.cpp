@@ -197,13 +197,16 @@ namespace {
 /// The DFlash mask straight from the words of dflash.md: query slot k of block b (anchor a) sees
 /// context j < a (sliding: also j >= a + k - (W - 1)) and, in its own block, all slots (full) or
 /// slots <= k (sliding); other blocks and padding blocks (b >= anchors.size()) see nothing.
-bool naive_allowed(const std::vector<int64_t>& anchors, int64_t B, int64_t S, int64_t W, int64_t row, int64_t j) {
+/// dflash.md's mask, one entry at a time: a window W > 0 limits the context and, looking back only,
+/// makes the block causal; `causal` does that without a window.
+bool naive_allowed(const std::vector<int64_t>& anchors, int64_t B, int64_t S, int64_t W, int64_t row, int64_t j,
+                   bool causal = false) {
   const int64_t b = row / B, k = row % B;
   if (b >= int64_t(anchors.size())) return false;
   const int64_t a = anchors[size_t(b)];
   if (j < S) return j < a && (W <= 0 || j >= a + k - (W - 1));
   const int64_t jb = (j - S) / B, jk = (j - S) % B;
-  return jb == b && (W <= 0 || jk <= k);
+  return jb == b && ((W <= 0 && !causal) || jk <= k);
 }
 
 bool range_allowed(const cpu::KvRanges& r, int64_t j) {
@@ -243,29 +246,36 @@ Tensor64 naive_attention(const Tensor64& q, const Tensor64& k, const Tensor64& v
 TEST(DrafterOps, DflashMaskRangesMatchNaiveMask) {
   std::mt19937 rng(13);
   int checked = 0;
-  for (int64_t B : {1, 3, 4, 16})
-    for (int64_t W : {0, 1, 2, 3, 5, 64})
-      for (int64_t S : {1, 6, 20}) {
-        std::vector<int64_t> anchors;
-        for (int i = 0; i < 3; ++i) anchors.push_back(int64_t(rng() % uint32_t(S + 1)));  // 0..S inclusive
-        anchors.push_back(0);
-        anchors.push_back(S);
-        const int64_t nblocks = int64_t(anchors.size()) + 2;  // 2 padding blocks
-        const auto r = cpu::dflash_kv_ranges(anchors, nblocks, B, S, W);
-        ASSERT_EQ(int64_t(r.size()), nblocks * B);
-        const int64_t Nk = S + nblocks * B;
-        for (int64_t i = 0; i < nblocks * B; ++i)
-          for (int64_t j = 0; j < Nk; ++j) {
-            ASSERT_EQ(range_allowed(r[size_t(i)], j), naive_allowed(anchors, B, S, W, i, j))
-                << "B " << B << " W " << W << " S " << S << " row " << i << " kv " << j;
-            ++checked;
-          }
-      }
-  EXPECT_GT(checked, 10000);
-  EXPECT_THROW(cpu::dflash_kv_ranges({7}, 1, 4, 6, 0), std::invalid_argument);   // anchor > S
-  EXPECT_THROW(cpu::dflash_kv_ranges({-1}, 1, 4, 6, 0), std::invalid_argument);  // negative anchor
-  EXPECT_THROW(cpu::dflash_kv_ranges({1, 2}, 1, 4, 6, 0), std::invalid_argument); // more anchors than blocks
-  EXPECT_THROW(cpu::dflash_kv_ranges({1}, 1, 0, 6, 0), std::invalid_argument);   // block_size 0
+  for (bool causal : {false, true})
+    for (int64_t B : {1, 3, 4, 16})
+      for (int64_t W : {0, 1, 2, 3, 5, 64})
+        for (int64_t S : {1, 6, 20}) {
+          std::vector<int64_t> anchors;
+          for (int i = 0; i < 3; ++i) anchors.push_back(int64_t(rng() % uint32_t(S + 1)));  // 0..S inclusive
+          anchors.push_back(0);
+          anchors.push_back(S);
+          const int64_t nblocks = int64_t(anchors.size()) + 2;  // 2 padding blocks
+          const auto r = cpu::dflash_kv_ranges(anchors, nblocks, B, S, W, causal);
+          ASSERT_EQ(int64_t(r.size()), nblocks * B);
+          const int64_t Nk = S + nblocks * B;
+          for (int64_t i = 0; i < nblocks * B; ++i)
+            for (int64_t j = 0; j < Nk; ++j) {
+              ASSERT_EQ(range_allowed(r[size_t(i)], j), naive_allowed(anchors, B, S, W, i, j, causal))
+                  << "B " << B << " W " << W << " S " << S << " causal " << causal << " row " << i << " kv " << j;
+              ++checked;
+            }
+        }
+  EXPECT_GT(checked, 20000);
+  // A causal full layer: slot k of a block sees its context and slots 0..k only.
+  const auto causal_full = cpu::dflash_kv_ranges({2}, 1, 4, 6, 0, true);
+  EXPECT_EQ(causal_full[1].ctx_begin, 0);
+  EXPECT_EQ(causal_full[1].ctx_end, 2);
+  EXPECT_EQ(causal_full[1].blk_end - causal_full[1].blk_begin, 2);
+  EXPECT_EQ(cpu::dflash_kv_ranges({2}, 1, 4, 6, 0, false)[1].blk_end - causal_full[1].blk_begin, 4);
+  EXPECT_THROW(cpu::dflash_kv_ranges({7}, 1, 4, 6, 0, false), std::invalid_argument);   // anchor > S
+  EXPECT_THROW(cpu::dflash_kv_ranges({-1}, 1, 4, 6, 0, false), std::invalid_argument);  // negative anchor
+  EXPECT_THROW(cpu::dflash_kv_ranges({1, 2}, 1, 4, 6, 0, false), std::invalid_argument); // more anchors than blocks
+  EXPECT_THROW(cpu::dflash_kv_ranges({1}, 1, 0, 6, 0, false), std::invalid_argument);   // block_size 0
 }
 
 TEST(DrafterOps, MaskedAttentionForwardBackward) {
@@ -275,7 +285,7 @@ TEST(DrafterOps, MaskedAttentionForwardBackward) {
   const double scale = 1.0 / std::sqrt(double(D));
   double worst_fd = 0, worst_fwd = 0, worst_32 = 0;
   for (int64_t W : {0, 2, 3}) {
-    const auto ranges = cpu::dflash_kv_ranges(anchors, nb, B, S, W);
+    const auto ranges = cpu::dflash_kv_ranges(anchors, nb, B, S, W, false);
     const int64_t Nq = nb * B, Nk = S + nb * B;
     Tensor64 q = randn64({Nq, H, D}, 20), k = randn64({Nk, Hkv, D}, 21), v = randn64({Nk, Hkv, D}, 22),
              R = randn64({Nq, H, D}, 23);

@@ -9,6 +9,8 @@
 #include "ops/gated_delta_rule.h"
 #include "ops/linear.h"
 #include "ops/norm.h"
+#include "io/hf_config.h"
+#include "io/json_file.h"
 #include "ops/rope.h"
 #include "test_util.h"
 
@@ -86,8 +88,36 @@ TEST(Ops, RopeRotatesPairsAndKeepsPassThroughDims) {
   EXPECT_NEAR(x.data[9], 4 * std::cos(.1f) + 2 * std::sin(.1f), 1e-6);
   EXPECT_FLOAT_EQ(x.data[10], 5.0f);
   EXPECT_FLOAT_EQ(x.data[11], 6.0f);
-  r.type = "yarn";
+  r.type = "longrope";
   EXPECT_THROW(cpu::rope_inv_freq(r, 4), std::invalid_argument);
+}
+
+// Frequencies and the cos / sin scale of scaled RoPE (yarn, llama3) against transformers' own
+// ROPE_INIT_FUNCTIONS (tests/fixtures/rope/golden.json, made by scripts/make_rope_golden.py), read
+// through the config reader as a config.json gives them.
+TEST(Ops, RopeFrequenciesMatchTransformers) {
+  const auto golden = read_json_file((test::fixtures_dir() / "rope" / "golden.json").string());
+  ASSERT_GE(golden["cases"].size(), 5u);
+  int yarn = 0;
+  for (const auto& c : golden["cases"]) {
+    const nlohmann::json cfg = {{"rope_theta", c["rope_theta"]}, {"rope_scaling", c["rope_scaling"]},
+                                {"max_position_embeddings", c["max_position_embeddings"]}};
+    RopeSpec r;
+    hf::read_rope(cfg, r, hf::DenseDefaults{}, "golden");
+    const int64_t hd = c["head_dim"];
+    const std::vector<double> want = c["inv_freq"].get<std::vector<double>>();
+    const std::vector<float> f32 = cpu::rope_inv_freq(r, hd);
+    const std::vector<double> f64 = cpu::rope_frequencies<double>(r, hd);
+    ASSERT_EQ(f32.size(), want.size()) << c["rope_scaling"].dump();
+    for (size_t i = 0; i < want.size(); ++i) {
+      // transformers computes in float32: the float path within a few ulp, the exact one within fp32 rounding
+      EXPECT_NEAR(f32[i], want[i], 4e-7 * want[i]) << c["rope_scaling"].dump() << " i " << i;
+      EXPECT_NEAR(f64[i], want[i], 4e-7 * want[i]) << c["rope_scaling"].dump() << " i " << i;
+    }
+    EXPECT_NEAR(cpu::rope_attention_factor(r), c["attention_factor"].get<double>(), 1e-12) << c["rope_scaling"].dump();
+    yarn += r.type == "yarn";
+  }
+  EXPECT_EQ(yarn, 4);
 }
 
 TEST(Ops, AttentionFirstTokenReturnsItsValueAndGqaSharesKv) {

@@ -24,7 +24,7 @@ DrafterConfig tiny_drafter(const ModelSpec& t) {
   ov.num_hidden_layers = 1;
   ov.block_size = kB;
   ov.mask_token_id = t.vocab_size - 1;
-  ov.target_layer_ids = std::vector<int64_t>{0, t.num_hidden_layers - 1};
+  ov.target_layer_ids = std::vector<int64_t>{0, t.num_hidden_layers - 2};
   return derive_drafter_config(t, nullptr, ov);
 }
 

@@ -48,7 +48,7 @@ int run_drafter_step_bench(const DrafterStepBenchOptions& o) {
 
   const DrafterGpuSequence seq = bench_sequence(c, S, o.anchors, taps.data());
   double visible = 0;
-  for (const auto& r : cpu::dflash_kv_ranges(seq.anchors, seq.num_blocks, B, S, 0))
+  for (const auto& r : cpu::dflash_kv_ranges(seq.anchors, seq.num_blocks, B, S, 0, false))
     visible += double(r.ctx_end - r.ctx_begin + r.blk_end - r.blk_begin);
   const int64_t Q = seq.num_blocks * B;
 

@@ -17,6 +17,7 @@
 #include "ops/cuda/rope.h"
 #include "ops/cuda/stage_timer.h"
 #include "ops/dflash_attention.h"
+#include "ops/rope.h"
 #include "tensor/dtype.h"
 
 namespace dflash {
@@ -103,9 +104,8 @@ void DrafterGpu::allocate(int64_t V) {
   I.norm = DeviceArray<double>(1);
   I.sumsq_ws = DeviceArray<double>(size_t(cuda::grad_sumsq_workspace_doubles()));
   I.coef = DeviceArray<float>(1);
-  const int64_t hd = cfg_.head_dim;
-  std::vector<double> inv_freq(static_cast<size_t>(hd / 2));
-  for (int64_t i = 0; i < hd / 2; ++i) inv_freq[size_t(i)] = 1.0 / std::pow(cfg_.rope_theta, double(2 * i) / double(hd));
+  const std::vector<double> inv_freq = cpu::rope_frequencies<double>(cfg_.rope, cfg_.head_dim);
+  I.rope_scale = cpu::rope_attention_factor(cfg_.rope);
   I.inv_freq = DeviceArray<double>(inv_freq.size());
   DFLASH_CUDA_CHECK(cudaMemcpy(I.inv_freq.data(), inv_freq.data(), inv_freq.size() * 8, cudaMemcpyHostToDevice));
 }
@@ -258,21 +258,22 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   const bool compact = Qc > 0;          // the last layer's post-attention rows are the Qc used ones
   const int64_t Qf = compact ? Qc : Q;  // rows of the last layer's output and of the final norm
   auto d_used = upload(used, s);
-  const auto full = cuda::to_kv_range32(cpu::dflash_kv_ranges(seq.anchors, N, B, S, 0));
-  const auto slide = cuda::to_kv_range32(cpu::dflash_kv_ranges(seq.anchors, N, B, S, c.sliding_window));
 
   auto d_ids = upload(lay.block_ids, s);
   auto d_pq = upload(lay.pos_q, s), d_pkv = upload(lay.pos_kv, s);
-  auto d_full = upload(full, s), d_slide = upload(slide, s);
+  // One mask per distinct (window, causal) of the layers, uploaded once.
+  std::map<std::pair<int64_t, bool>, StreamBuffer<cuda::KvRange32>> masks;
+  for (int64_t i = 0; i < L; ++i) {
+    const std::pair key{c.layer_window(i), c.layer_causal(i)};
+    if (!masks.count(key))
+      masks.emplace(key, upload(cuda::to_kv_range32(cpu::dflash_kv_ranges(seq.anchors, N, B, S, key.first, key.second)), s));
+  }
   StreamBuffer<float> cq(size_t(Q * hd / 2), s), sq(size_t(Q * hd / 2), s), ckv(size_t(SQ * hd / 2), s),
       skv(size_t(SQ * hd / 2), s);
-  cuda::rope_table(d_pq.data(), I.inv_freq.data(), Q, hd, cq.data(), sq.data(), s);
-  cuda::rope_table(d_pkv.data(), I.inv_freq.data(), SQ, hd, ckv.data(), skv.data(), s);
+  cuda::rope_table(d_pq.data(), I.inv_freq.data(), Q, hd, cq.data(), sq.data(), s, I.rope_scale);
+  cuda::rope_table(d_pkv.data(), I.inv_freq.data(), SQ, hd, ckv.data(), skv.data(), s, I.rope_scale);
   const float scale = float(1.0 / std::sqrt(double(hd)));
-  auto layer_ranges = [&](int64_t i) {
-    const bool sliding = size_t(i) < c.layer_types.size() && c.layer_types[size_t(i)] == "sliding_attention";
-    return sliding ? d_slide.data() : d_full.data();
-  };
+  auto layer_ranges = [&](int64_t i) { return masks.at({c.layer_window(i), c.layer_causal(i)}).data(); };
   auto linear = [&](const bf16* x, int64_t rows, int64_t in, int64_t out, const std::string& w, bf16* y, float beta) {
     I.gemm.gemm({rows, out, in, false, true}, x, I.W(w), y, 1.f, beta);
   };

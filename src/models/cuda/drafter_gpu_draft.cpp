@@ -2,6 +2,7 @@
 // (src/models/drafter.cpp) for a batch of sequences, built from the kernels of the training step.
 // Shapes in PyTorch order; n sequences, T new context rows, Q = (drafting sequences) x B block rows.
 #include <algorithm>
+#include <map>
 #include <cmath>
 #include <stdexcept>
 
@@ -75,7 +76,7 @@ void DrafterGpu::extend_context(const bf16* taps, const std::vector<int64_t>& cu
   auto d_pos = cuda::upload(pos, I.s);
   auto d_dest = cuda::upload(dest, I.s);
   StreamBuffer<float> cs(size_t(T * hd / 2), I.s), sn(size_t(T * hd / 2), I.s);
-  cuda::rope_table(d_pos.data(), I.inv_freq.data(), T, hd, cs.data(), sn.data(), I.s);
+  cuda::rope_table(d_pos.data(), I.inv_freq.data(), T, hd, cs.data(), sn.data(), I.s, I.rope_scale);
   // ctx = hidden_norm(fc(taps)) [T, d]
   StreamBuffer<bf16> fc_out(size_t(T * d), I.s), ctx(size_t(T * d), I.s);
   I.gemm.gemm({T, d, K * d, false, true}, taps, I.W("fc.weight"), fc_out.data(), 1.f, 0.f);
@@ -112,7 +113,9 @@ std::vector<std::vector<int32_t>> DrafterGpu::draft(const std::vector<int32_t>& 
   const int64_t na = int64_t(act.size()), Q = na * B, tile = (B + 63) / 64 * 64, Tq = na * tile;
   std::vector<int32_t> ids(static_cast<size_t>(Q)), dest(static_cast<size_t>(Q)), qrow(static_cast<size_t>(Q));
   std::vector<int64_t> pos(static_cast<size_t>(Q));
-  std::vector<cuda::KvRange32> full(static_cast<size_t>(Tq)), slide(static_cast<size_t>(Tq));
+  // One mask per distinct (window, causal) of the layers.
+  std::map<std::pair<int64_t, bool>, std::vector<cuda::KvRange32>> masks;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) masks[{c.layer_window(i), c.layer_causal(i)}].resize(size_t(Tq));
   for (int64_t a = 0; a < na; ++a) {
     const int q = act[size_t(a)];
     const int64_t p = C.len[size_t(q)], base = int64_t(q) * C.cap;
@@ -124,20 +127,21 @@ std::vector<std::vector<int32_t>> DrafterGpu::draft(const std::vector<int32_t>& 
       qrow[row] = int32_t(a * tile + k);
     }
     // The layout [context (p rows) ; block (B rows)] of dflash_kv_ranges is the cache's from `base`.
-    for (auto [out, window] : {std::pair{&full, int64_t(0)}, std::pair{&slide, c.sliding_window}}) {
-      const auto rg = cuda::to_kv_range32(cpu::dflash_kv_ranges({p}, 1, B, p, window));
+    for (auto& [kind, out] : masks) {
+      const auto rg = cuda::to_kv_range32(cpu::dflash_kv_ranges({p}, 1, B, p, kind.first, kind.second));
       for (int64_t k = 0; k < B; ++k) {
         cuda::KvRange32 x = rg[size_t(k)];
         x.ctx_begin += int32_t(base), x.ctx_end += int32_t(base), x.blk_begin += int32_t(base), x.blk_end += int32_t(base);
-        (*out)[size_t(a * tile + k)] = x;
+        out[size_t(a * tile + k)] = x;
       }
     }
   }
   auto d_ids = cuda::upload(ids, s), d_dest = cuda::upload(dest, s), d_qrow = cuda::upload(qrow, s);
   auto d_pos = cuda::upload(pos, s);
-  auto d_full = cuda::upload(full, s), d_slide = cuda::upload(slide, s);
+  std::map<std::pair<int64_t, bool>, StreamBuffer<cuda::KvRange32>> d_masks;
+  for (const auto& [kind, m] : masks) d_masks.emplace(kind, cuda::upload(m, s));
   StreamBuffer<float> cs(size_t(Q * hd / 2), s), sn(size_t(Q * hd / 2), s);
-  cuda::rope_table(d_pos.data(), I.inv_freq.data(), Q, hd, cs.data(), sn.data(), s);
+  cuda::rope_table(d_pos.data(), I.inv_freq.data(), Q, hd, cs.data(), sn.data(), s, I.rope_scale);
   const float scale = float(1.0 / std::sqrt(double(hd)));
   auto linear = [&](const bf16* x, int64_t in, int64_t out, const std::string& w, bf16* y, float beta) {
     I.gemm.gemm({Q, out, in, false, true}, x, I.W(w), y, 1.f, beta);
@@ -148,7 +152,6 @@ std::vector<std::vector<int32_t>> DrafterGpu::draft(const std::vector<int32_t>& 
   DFLASH_CUDA_CHECK(cudaMemsetAsync(qpad.data(), 0, qpad.size() * 2, s));  // padding rows: defined
   cuda::embedding_gather(I.embed.data(), I.V, d, d_ids.data(), Q, x.data(), nullptr, s);
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    const bool sliding = size_t(i) < c.layer_types.size() && c.layer_types[size_t(i)] == "sliding_attention";
     cuda::rms_norm_forward(x.data(), I.F(layer_param(i, "input_layernorm.weight")), hn.data(), nullptr, Q, d,
                            c.rms_norm_eps, false, s);
     linear(hn.data(), d, H * hd, layer_param(i, "self_attn.q_proj.weight"), q.data(), 0.f);
@@ -158,7 +161,7 @@ std::vector<std::vector<int32_t>> DrafterGpu::draft(const std::vector<int32_t>& 
     cache_keys_values(I, c, i, hn.data(), Q, cs.data(), sn.data(), d_dest.data());
     cuda::scatter_rows(q.data(), Q, H * hd, d_qrow.data(), qpad.data(), s);
     cuda::masked_attention_forward(qpad.data(), C.k[size_t(i)].data(), C.v[size_t(i)].data(),
-                                   sliding ? d_slide.data() : d_full.data(), Tq, C.n * C.cap, int(H), int(Hkv),
+                                   d_masks.at({c.layer_window(i), c.layer_causal(i)}).data(), Tq, C.n * C.cap, int(H), int(Hkv),
                                    int(hd), scale, opad.data(), nullptr, s);
     cuda::embedding_gather(opad.data(), Tq, H * hd, d_qrow.data(), Q, o.data(), nullptr, s);
     linear(o.data(), H * hd, d, layer_param(i, "self_attn.o_proj.weight"), x.data(), 1.f);  // x_mid = x + o_proj(o)

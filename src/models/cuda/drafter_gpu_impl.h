@@ -29,6 +29,7 @@ struct DrafterGpu::Impl {
   cuda::DeviceArray<double> sumsq, norm, sumsq_ws;
   cuda::DeviceArray<float> coef;
   cuda::DeviceArray<double> inv_freq;             // RoPE [head_dim / 2], computed in double as the reference
+  double rope_scale = 1.0;                        // cos / sin factor (yarn's attention factor)
   KvCache ctx;                                    // drafting: each layer's context keys / values per sequence
 
   explicit Impl(cudaStream_t st) : s(st), gemm(st) {}

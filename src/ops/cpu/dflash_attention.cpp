@@ -9,7 +9,7 @@
 namespace dflash::cpu {
 
 std::vector<KvRanges> dflash_kv_ranges(const std::vector<int64_t>& anchors, int64_t num_blocks,
-                                       int64_t block_size, int64_t context_len, int64_t window) {
+                                       int64_t block_size, int64_t context_len, int64_t window, bool causal) {
   if (block_size <= 0 || context_len < 0 || num_blocks < int64_t(anchors.size()))
     throw std::invalid_argument("dflash_kv_ranges: block_size " + std::to_string(block_size) + ", context " +
                                 std::to_string(context_len) + ", " + std::to_string(anchors.size()) +
@@ -24,15 +24,10 @@ std::vector<KvRanges> dflash_kv_ranges(const std::vector<int64_t>& anchors, int6
     const int64_t blk0 = S + int64_t(b) * B;
     for (int64_t k = 0; k < B; ++k) {
       KvRanges& x = r[size_t(int64_t(b) * B + k)];
+      x.ctx_begin = window > 0 ? std::clamp<int64_t>(a + k - (window - 1), 0, a) : 0;
       x.ctx_end = a;
       x.blk_begin = blk0;
-      if (window > 0) {
-        x.ctx_begin = std::clamp<int64_t>(a + k - (window - 1), 0, a);
-        x.blk_end = blk0 + k + 1;
-      } else {
-        x.ctx_begin = 0;
-        x.blk_end = blk0 + B;
-      }
+      x.blk_end = causal || window > 0 ? blk0 + k + 1 : blk0 + B;
     }
   }
   return r;

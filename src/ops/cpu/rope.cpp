@@ -1,38 +1,75 @@
 #include "ops/rope.h"
 
+#include <algorithm>
 #include <cmath>
 #include <numbers>
 #include <stdexcept>
 
 namespace dflash::cpu {
 
-std::vector<float> rope_inv_freq(const RopeSpec& rope, int64_t rotary_dim) {
+template <typename T>
+std::vector<T> rope_frequencies(const RopeSpec& rope, int64_t rotary_dim) {
   if (rotary_dim <= 0 || rotary_dim % 2 != 0)
     throw std::invalid_argument("rope: rotary_dim " + std::to_string(rotary_dim) + " must be even and positive");
-  std::vector<float> inv(static_cast<size_t>(rotary_dim / 2));
-  for (int64_t i = 0; i < rotary_dim / 2; ++i) {
+  const int64_t half = rotary_dim / 2;
+  std::vector<T> inv(static_cast<size_t>(half));
+  for (int64_t i = 0; i < half; ++i) {
     // torch: 1.0 / (base ** (arange(0, dim, 2, dtype=int64).float() / dim)), in float32.
-    const float expo = float(2 * i) / float(rotary_dim);
-    inv[size_t(i)] = 1.0f / std::pow(float(rope.theta), expo);
+    const T expo = T(2 * i) / T(rotary_dim);
+    inv[size_t(i)] = T(1) / std::pow(T(rope.theta), expo);
   }
   if (rope.type == "default") return inv;
   if (rope.type == "llama3") {
     // transformers _compute_llama3_parameters
-    const double low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor;
-    const double high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor;
+    const double low_wavelen = double(rope.original_max_position_embeddings) / rope.low_freq_factor;
+    const double high_wavelen = double(rope.original_max_position_embeddings) / rope.high_freq_factor;
     for (auto& f : inv) {
-      const double wavelen = 2 * std::numbers::pi / f;
+      const double wavelen = 2 * std::numbers::pi / double(f);
       if (wavelen > low_wavelen) {
-        f = float(f / rope.factor);
+        f = T(double(f) / rope.factor);
       } else if (wavelen >= high_wavelen) {
-        const double smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) /
+        const double smooth = (double(rope.original_max_position_embeddings) / wavelen - rope.low_freq_factor) /
                               (rope.high_freq_factor - rope.low_freq_factor);
-        f = float((1 - smooth) * f / rope.factor + smooth * f);
+        f = T((1 - smooth) * double(f) / rope.factor + smooth * double(f));
       }
     }
     return inv;
   }
-  throw std::invalid_argument("rope: unsupported rope_type '" + rope.type + "' (supported: default, llama3)");
+  if (rope.type == "yarn") {
+    // transformers _compute_yarn_parameters: dims whose wavelength rotates fewer than beta_slow times
+    // over the pretrained context are interpolated (divided by factor), more than beta_fast times kept,
+    // a linear ramp between.
+    const double dim = double(rotary_dim), base = rope.theta, ctx = double(rope.original_max_position_embeddings);
+    auto correction_dim = [&](double rotations) {
+      return dim * std::log(ctx / (rotations * 2 * std::numbers::pi)) / (2 * std::log(base));
+    };
+    double low = correction_dim(rope.beta_fast), high = correction_dim(rope.beta_slow);
+    if (rope.truncate) low = std::floor(low), high = std::ceil(high);
+    low = std::max(low, 0.0), high = std::min(high, dim - 1);
+    if (low == high) high += 0.001;  // no zero-width ramp
+    for (int64_t i = 0; i < half; ++i) {
+      const double ramp = std::clamp((double(i) - low) / (high - low), 0.0, 1.0), extrapolate = 1 - ramp;
+      const double f = double(inv[size_t(i)]);
+      inv[size_t(i)] = T(f / rope.factor * (1 - extrapolate) + f * extrapolate);
+    }
+    return inv;
+  }
+  throw std::invalid_argument("rope: unsupported rope_type '" + rope.type + "' (supported: default, llama3, yarn)");
+}
+template std::vector<float> rope_frequencies<float>(const RopeSpec&, int64_t);
+template std::vector<double> rope_frequencies<double>(const RopeSpec&, int64_t);
+
+std::vector<float> rope_inv_freq(const RopeSpec& rope, int64_t rotary_dim) {
+  return rope_frequencies<float>(rope, rotary_dim);
+}
+
+double rope_attention_factor(const RopeSpec& rope) {
+  if (rope.type != "yarn") return 1.0;
+  if (rope.attention_factor > 0) return rope.attention_factor;
+  auto mscale = [](double scale, double m) { return scale <= 1 ? 1.0 : 0.1 * m * std::log(scale) + 1.0; };
+  if (rope.mscale != 0 && rope.mscale_all_dim != 0)
+    return mscale(rope.factor, rope.mscale) / mscale(rope.factor, rope.mscale_all_dim);
+  return mscale(rope.factor, 1.0);
 }
 
 namespace {

@@ -9,13 +9,13 @@ namespace dflash::cuda {
 namespace {
 
 __global__ void rope_table_kernel(const int64_t* pos, const double* inv_freq, int64_t n, int64_t half, float* c,
-                                  float* s) {
+                                  float* s, double scale) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n * half; i += int64_t(gridDim.x) * blockDim.x) {
     const double ang = double(pos[i / half]) * inv_freq[i % half];
     double sv, cv;
     sincos(ang, &sv, &cv);
-    c[i] = float(cv);
-    s[i] = float(sv);
+    c[i] = float(scale * cv);
+    s[i] = float(scale * sv);
   }
 }
 
@@ -59,10 +59,10 @@ __global__ void rope_apply4_kernel(bf16* x, int64_t n, int64_t H, int64_t D, int
 }  // namespace
 
 void rope_table(const int64_t* pos, const double* inv_freq, int64_t n, int64_t rot, float* cos, float* sin,
-                cudaStream_t stream) {
+                cudaStream_t stream, double scale) {
   if (n < 0 || rot <= 0 || rot % 2) throw std::invalid_argument("rope_table: bad sizes");
   if (n == 0) return;
-  rope_table_kernel<<<grid_for(n * rot / 2), 256, 0, stream>>>(pos, inv_freq, n, rot / 2, cos, sin);
+  rope_table_kernel<<<grid_for(n * rot / 2), 256, 0, stream>>>(pos, inv_freq, n, rot / 2, cos, sin, scale);
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
