@@ -19,11 +19,10 @@
 #include "models/target.h"
 #include "text/packed.h"
 #include "text/tokenizer.h"
+#include "models/drafter_checkpoint.h"
 #include "train/anchors.h"
 #include "train/distributed.h"
 #include "train/gpu_power.h"
-#include "models/drafter_checkpoint.h"
-#include "train/memory_plan.h"
 #include "train/prepare_data.h"
 #include "train/tensorboard.h"
 #include "train/trainer.h"
@@ -31,6 +30,7 @@
 #include "ops/cuda/device_info.h"
 #include "ops/cuda/runtime.h"
 #include "train/cuda/gpu_backend.h"
+#include "train/cuda/memory_plan.h"
 #endif
 
 namespace dflash {
@@ -282,10 +282,17 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
   const int64_t total = c.max_steps > 0 ? c.max_steps : c.epochs * per_epoch;
   to.schedule = {c.lr, total, c.warmup_ratio};
 
+#ifdef DFLASH_HAVE_CUDA
   if (c.device == "cuda") {
-    int64_t longest = 0;
-    for (int64_t i = 0; i < n; ++i) longest = std::max<int64_t>(longest, int64_t(ds.ids(i).size()));
-    const MemoryPlan mp = plan_memory(dc, target->spec(), longest, c.num_anchors, c.recompute, c.target_batch_tokens);
+    int64_t longest = 0, shortest = INT64_MAX;
+    for (int64_t i = 0; i < n; ++i) {
+      longest = std::max<int64_t>(longest, int64_t(ds.ids(i).size()));
+      shortest = std::min<int64_t>(shortest, int64_t(ds.ids(i).size()));
+    }
+    // One GPU for both, one process: the target's forward and the drafter's steps take turns there.
+    const bool one_gpu = c.target_devices() == c.drafter_devices() && c.drafter_devices().size() == 1 && pg.world == 1;
+    const MemoryPlan mp = plan_memory(dc, target->spec(), longest, c.num_anchors, c.recompute, c.target_batch_tokens,
+                                      c.target_batch_tokens / std::max<int64_t>(1, shortest) + 1, one_gpu);
     // Each GPU holds a target replica, a drafter replica, or both (colocated).
     std::vector<int> all = c.target_devices();
     for (int g : c.drafter_devices())
@@ -294,26 +301,21 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
       const auto has = [g](const std::vector<int>& l) { return std::find(l.begin(), l.end(), g) != l.end(); };
       const bool tg = has(c.target_devices()), dg = has(c.drafter_devices());
       const double need_b = mp.on_gpu(tg, dg);
-      std::string have = "?";
-      double free_b = 0;
-#ifdef DFLASH_HAVE_CUDA
       size_t fb = 0, tb = 0;
       DFLASH_CUDA_CHECK(cudaSetDevice(g));
       DFLASH_CUDA_CHECK(cudaMemGetInfo(&fb, &tb));
-      free_b = double(fb);
-      have = fmt::format("{:.1f} GB free of {:.1f} GB", double(fb) / 1e9, double(tb) / 1e9);
-#endif
-      if (dg)
-        fmt::print("train: memory plan (cuda:{}, {}): drafter state {:.1f} GB | target {:.1f} GB | activations {:.1f} GB "
-                   "(longest sample {}, {} anchors x {}) | cross entropy {:.1f} GB | total ~{:.1f} GB\n",
-                   g, have, mp.drafter_state / 1e9, tg ? mp.target / 1e9 : 0.0, mp.activations / 1e9, longest,
-                   c.num_anchors, dc.block_size, mp.cross_entropy / 1e9, need_b / 1e9);
-      else
-        fmt::print("train: memory plan (cuda:{}, {}): target {:.1f} GB\n", g, have, need_b / 1e9);
-      const std::string refusal = memory_refusal(mp, tg, dg, g, free_b, "lower --num-anchors or --max-length");
+      const std::string have = fmt::format("{:.1f} GB free of {:.1f} GB", double(fb) / 1e9, double(tb) / 1e9);
+      std::string parts;
+      if (tg) parts += fmt::format("target {:.1f} GB + its forward {:.1f} GB | ", mp.target_weights / 1e9,
+                                   mp.target_forward / 1e9);
+      if (dg) parts += fmt::format("drafter state {:.1f} GB + its step {:.1f} GB (longest sample {}, {} anchors x {}) | ",
+                                   mp.drafter_state / 1e9, mp.drafter_step / 1e9, longest, c.num_anchors, dc.block_size);
+      fmt::print("train: memory plan (cuda:{}, {}): {}total ~{:.1f} GB\n", g, have, parts, need_b / 1e9);
+      const std::string refusal = memory_refusal(mp, tg, dg, g, double(fb), "lower --num-anchors or --max-length");
       if (!refusal.empty()) throw std::runtime_error(refusal);
     }
   }
+#endif
 
   std::unique_ptr<DrafterBackend> backend;
   if (c.device == "cpu") {

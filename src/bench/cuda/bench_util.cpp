@@ -103,10 +103,15 @@ void PeakMemory::static_done(cudaStream_t s) {
   DFLASH_CUDA_CHECK(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReservedMemHigh, &zero));
 }
 
-double PeakMemory::peak_gb() const {
+nlohmann::json PeakMemory::parts() const {
   uint64_t pool_high = 0;
   DFLASH_CUDA_CHECK(cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrReservedMemHigh, &pool_high));
-  return (double(free0_ - free1_) + double(pool_high)) / 1e9;
+  return {{"static_gb", double(free0_ - free1_) / 1e9}, {"pool_high_gb", double(pool_high) / 1e9}};
+}
+
+double PeakMemory::peak_gb() const {
+  const nlohmann::json p = parts();
+  return p["static_gb"].get<double>() + p["pool_high_gb"].get<double>();
 }
 
 std::vector<double> time_runs(cudaStream_t s, int warmup, int runs, const std::function<void()>& f) {

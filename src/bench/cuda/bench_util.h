@@ -86,6 +86,8 @@ class PeakMemory {
   void static_done(cudaStream_t s);
   /// Static bytes + the pool's high-water mark since static_done, in GB (1e9 bytes).
   double peak_gb() const;
+  /// The two parts of peak_gb, in GB: {"static_gb", "pool_high_gb"}.
+  nlohmann::json parts() const;
 
  private:
   cudaMemPool_t pool_{};

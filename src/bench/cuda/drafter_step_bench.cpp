@@ -88,7 +88,10 @@ int run_drafter_step_bench(const DrafterStepBenchOptions& o) {
                                 {"gemm_sustained_ms", sg.ms}, {"gemm_sustained_tflop", sg.tflop},
                                 {"gemm_sustained_shapes", sg.shapes},
                                 {"gemm_sustained_plus_optimizer_ms", sg.ms + stages["optimizer"].get<double>()},
-                                {"power", power_json(power)},
+                                {"power", power_json(power)}, {"peak_parts", mem.parts()},
+                                {"planned_gb", double(DrafterGpu::state_bytes(c, p.V) +
+                                                      DrafterGpu::step_bytes(c, p.V, S, seq.num_blocks, o.recompute) +
+                                                      2 * int64_t(taps.size())) / 1e9},
                                 {"what", "zero_grads + forward + backward + clip + AdamW"}};
   fmt::print("bench drafter-step: the GPU during the timed steps: {}\n", power.words());
   emit_bench_records("drafter-step", o.recompute ? o.preset + "+recompute" : o.preset,

@@ -10,7 +10,7 @@
 #include "models/cuda/drafter_gpu.h"
 #include "models/cuda/target_gpu.h"
 #include "train/cuda/gpu_backend.h"
-#include "train/memory_plan.h"
+#include "train/cuda/memory_plan.h"
 #include "train/trainer.h"
 #include "common/clock.h"
 
@@ -94,12 +94,13 @@ int run_pipeline_bench(const PipelineBenchOptions& o) {
   const DrafterConfig& c = p.drafter.cfg;
   const int64_t S = o.seq > 0 ? o.seq : p.drafter.S, K = int64_t(c.target_layer_ids.size());
   cuda::require_device("bench pipeline");
+  DrafterGpuSequence seq = bench_sequence(c, S, o.anchors, nullptr);  // (host only: the taps come below)
+  const MemoryPlan plan = plan_memory(c, p.target, S, seq.num_blocks, false, S, 1, true);
   {  // what cannot fit is refused up front, as dflash train does, not found out of memory half-way
     int dev = 0;
     size_t free_b = 0, total_b = 0;
     DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
     DFLASH_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-    const MemoryPlan plan = plan_memory(c, p.target, S, o.anchors, false, S);
     const std::string refusal = memory_refusal(plan, true, true, dev, double(free_b), "lower --anchors or --seq");
     if (!refusal.empty()) throw std::runtime_error("bench pipeline: " + refusal);
   }
@@ -116,7 +117,7 @@ int run_pipeline_bench(const PipelineBenchOptions& o) {
   cuda::DeviceArray<cuda::bf16> taps(size_t(S * K * c.hidden_size));
   mem.static_done(s);
 
-  const DrafterGpuSequence seq = bench_sequence(c, S, o.anchors, taps.data());
+  seq.taps = taps.data();
   const std::vector<int32_t> ids(seq.ids.begin(), seq.ids.end());
   auto run_target = [&] { target.forward_taps(ids, {0, S}, c.target_layer_ids, taps.data()); };
 
@@ -155,7 +156,8 @@ int run_pipeline_bench(const PipelineBenchOptions& o) {
       {"warmup", o.warmup}, {"sample_ms", per_sample_ms},
       {"min_sample_ms", *std::min_element(sample_ms.begin(), sample_ms.end())},
       {"max_sample_ms", *std::max_element(sample_ms.begin(), sample_ms.end())}, {"target_ms", median(target_ms)},
-      {"drafter_ms", median(drafter_ms)}, {"loss", loss}, {"stage_ms", stages},
+      {"drafter_ms", median(drafter_ms)}, {"loss", loss}, {"stage_ms", stages}, {"peak_parts", mem.parts()},
+      {"planned_gb", plan.on_gpu(true, true) / 1e9},
       {"what", "one sample: target forward_taps + drafter zero_grads + forward + backward + clip + AdamW, "
                "colocated on one GPU (wall time; stage_ms: GPU time of one more sample)"}};
   record_pipeline(o, o.preset, samples_per_s, S, peak_gb, extra);

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <set>
 #include <stdexcept>
 
 #include "models/cuda/drafter_gpu_impl.h"
@@ -49,6 +50,82 @@ struct Saved {
   StreamBuffer<float> inv_in, q_inv, k_inv, lse, inv_post;
 };
 
+/// Elements of one draft layer's saved activations (Saved) and of its output: bf16 but the f32 norms'
+/// inverse RMS and the attention's lse.
+struct SavedSizes {
+  int64_t x_in, kv_in, q_pre, q_rot, k_pre, k_rot, v, o, o_rows, x_mid, hp, gu, act, out;  // bf16
+  int64_t inv_in, q_inv, k_inv, lse, inv_post;                                               // f32
+  int64_t bytes() const {
+    return 2 * (x_in + kv_in + q_pre + q_rot + k_pre + k_rot + v + o + o_rows + x_mid + hp + gu + act + out) +
+           4 * (inv_in + q_inv + k_inv + lse + inv_post);
+  }
+};
+
+/// Elements of the backward's buffers (beside the saved activations): bf16 dx .. dhn, fp32 dctx and
+/// the norms' workspace, the attention backward's workspace in bytes.
+struct BackwardSizes {
+  int64_t dx, tmp, dact, dhp, dof, dq, dk, dv, dhn;  // bf16
+  int64_t dctx, nws;                                 // f32
+  int64_t attention_ws_bytes;
+  int64_t bytes() const { return 2 * (dx + tmp + dact + dhp + dof + dq + dk + dv + dhn) + 4 * (dctx + nws) + attention_ws_bytes; }
+};
+
+/// The buffer sizes of one step() for S context rows, N blocks of B (Q = N B query rows, SQ = S + Q
+/// key rows) and Qc rows with a loss weight: step() allocates from these, and step_bytes() adds them
+/// up along the step's timeline (DrafterGpu::step_bytes).
+struct StepSizes {
+  int64_t S, Q, SQ, Qc, Qf, d, hd, H, Hkv, Im, K, L;
+  bool compact;
+  int64_t masks;                  // distinct (window, causal) masks of the layers, Q ranges each
+  int64_t ce_row_chunk, ce_ws_bytes;
+  StepSizes(const DrafterConfig& c, int64_t V, int64_t S_, int64_t N, int64_t Qc_, int64_t ce_chunk_bytes)
+      : S(S_), Q(N * c.block_size), SQ(S_ + N * c.block_size), Qc(Qc_), Qf(Qc_ > 0 ? Qc_ : N * c.block_size),
+        d(c.hidden_size), hd(c.head_dim), H(c.num_attention_heads), Hkv(c.num_key_value_heads),
+        Im(c.intermediate_size), K(int64_t(c.target_layer_ids.size())), L(c.num_hidden_layers), compact(Qc_ > 0),
+        masks(0), ce_row_chunk(Qc_ > 0 ? cuda::cross_entropy_row_chunk(V, Qc_, ce_chunk_bytes) : 0),
+        ce_ws_bytes(Qc_ > 0 ? cuda::cross_entropy_workspace_bytes(ce_row_chunk, V, true) : 0) {
+    std::set<std::pair<int64_t, bool>> kinds;
+    for (int64_t i = 0; i < L; ++i) kinds.insert({c.layer_window(i), c.layer_causal(i)});
+    masks = int64_t(kinds.size());
+  }
+  /// Layer i: on from its attention's output the Qc rows with a loss weight in the last layer.
+  SavedSizes saved(int64_t i) const {
+    const bool rows = compact && i == L - 1;
+    const int64_t Qp = rows ? Qc : Q;
+    return {Q * d, SQ * d, Q * H * hd, Q * H * hd, SQ * Hkv * hd, SQ * Hkv * hd, SQ * Hkv * hd, Q * H * hd,
+            rows ? Qc * H * hd : 0, Qp * d, Qp * d, Qp * 2 * Im, Qp * Im, Qp * d,
+            Q, Q * H, SQ * Hkv, Q * H, Qp};
+  }
+  BackwardSizes backward() const {
+    return {Q * d, Q * d, Q * Im, Q * d, Q * H * hd, Q * H * hd, SQ * Hkv * hd, SQ * Hkv * hd, Q * d, S * d,
+            cuda::rms_norm_workspace_floats(SQ * std::max(H, Hkv), std::max(d, hd)),
+            cuda::masked_attention_backward_workspace_bytes(Q, SQ, int(H), int(Hkv), int(hd))};
+  }
+  /// Bytes alive through the whole step: the block layout's uploads (ids, positions, the loss rows),
+  /// the masks, the RoPE tables, fc's output, the context and its inverse RMS.
+  int64_t resident_bytes() const {
+    return 4 * Q + 8 * (Q + SQ) + 4 * Qc + int64_t(sizeof(cuda::KvRange32)) * Q * masks + 4 * (Q + SQ) * hd +
+           2 * (2 * S * d) + 4 * S + 8;
+  }
+  /// The final norm's output and inverse RMS, beside the last layer's output.
+  int64_t final_norm_bytes() const { return 2 * Qf * d + 4 * Qf; }
+  /// The cross entropy: the gradient of the final norm's output, its labels, weights, statistics, workspace.
+  int64_t cross_entropy_bytes() const { return 2 * Qf * d + 4 * 5 * Qc + ce_ws_bytes; }
+  /// The most one step holds at once: the saved activations (with recomputation the layer inputs and
+  /// one layer's activations) with the cross entropy, or with the backward's buffers.
+  int64_t peak_bytes(bool recompute) const {
+    int64_t held = 0, largest = 0;
+    for (int64_t i = 0; i < L; ++i) {
+      const SavedSizes z = saved(i);
+      held += recompute ? 2 * z.x_in : z.bytes() - 2 * z.out;  // (a layer's output is the next one's x_in)
+      largest = std::max(largest, z.bytes());
+    }
+    const int64_t forward = resident_bytes() + held + 2 * saved(L - 1).out + final_norm_bytes() +
+                            (recompute ? largest : 0);
+    return forward + std::max(cross_entropy_bytes(), backward().bytes());
+  }
+};
+
 }  // namespace
 
 DrafterGpu::DrafterGpu(const DrafterConfig& cfg, const DrafterWeights<float>& w, const Tensor& embed,
@@ -77,6 +154,23 @@ DrafterGpu::DrafterGpu(const DrafterConfig& cfg, const DrafterWeights<float>& w,
   I.embed = upload_bf16(embed.data, stream);
   I.lm_head = upload_bf16(lm_head.data, stream);
   DFLASH_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+namespace {
+/// Bytes per parameter on the device (allocate()): fp32 master, gradient, AdamW m and v, the bf16 copy.
+constexpr int64_t kStateBytesPerParam = 4 + 4 + 4 + 4 + 2;
+}  // namespace
+
+int64_t DrafterGpu::state_bytes(const DrafterConfig& cfg, int64_t V) {
+  int64_t n = 0;
+  for (const auto& [name, shape] : drafter_param_shapes(cfg)) n += BasicTensor<float>::numel_of(shape);
+  return n * kStateBytesPerParam + 2 * (2 * V * cfg.hidden_size) +
+         8 * (2 + cuda::grad_sumsq_workspace_doubles() + cfg.head_dim / 2) + 4 + int64_t(kDrafterGemmWorkspaceBytes);
+}
+
+int64_t DrafterGpu::step_bytes(const DrafterConfig& cfg, int64_t V, int64_t S, int64_t num_blocks, bool recompute,
+                               int64_t ce_chunk_bytes) {
+  return StepSizes(cfg, V, S, num_blocks, num_blocks * (cfg.block_size - 1), ce_chunk_bytes).peak_bytes(recompute);
 }
 
 void DrafterGpu::allocate(int64_t V) {
@@ -253,6 +347,7 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
       coef.push_back(wsum > 0 ? float(wts[size_t(r)] / wsum) : 0.f);
     }
   const int64_t Qc = int64_t(used.size());
+  const StepSizes z(c, I.V, S, N, Qc, opt.ce_chunk_bytes);
   // (Block position 0 has no weight, so Qc < Q; with Qc == 0 there is no loss and no backward, and
   // the last layer runs whole.)
   const bool compact = Qc > 0;          // the last layer's post-attention rows are the Qc used ones
@@ -293,30 +388,31 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   cuda::embedding_gather(I.embed.data(), I.V, d, d_ids.data(), Q, x.data(), bad.data(), s);
   // One draft layer's forward from a.x_in: fills every saved activation of `a`, returns the output.
   auto forward_layer = [&](int64_t i, Saved& a) {
-    a.kv_in = StreamBuffer<bf16>(size_t(SQ * d), s);  // [ctx ; input_layernorm(x)]
+    const SavedSizes sz = z.saved(i);
+    a.kv_in = StreamBuffer<bf16>(size_t(sz.kv_in), s);  // [ctx ; input_layernorm(x)]
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(a.kv_in.data(), ctx.data(), size_t(S * d) * 2, cudaMemcpyDeviceToDevice, s));
     bf16* hn = a.kv_in.data() + S * d;
-    a.inv_in = StreamBuffer<float>(size_t(Q), s);
+    a.inv_in = StreamBuffer<float>(size_t(sz.inv_in), s);
     cuda::rms_norm_forward(a.x_in.data(), I.F(layer_param(i, "input_layernorm.weight")), hn, a.inv_in.data(), Q, d,
                            c.rms_norm_eps, false, s);
-    a.q_pre = StreamBuffer<bf16>(size_t(Q * H * hd), s);
-    a.q_rot = StreamBuffer<bf16>(size_t(Q * H * hd), s);
-    a.q_inv = StreamBuffer<float>(size_t(Q * H), s);
+    a.q_pre = StreamBuffer<bf16>(size_t(sz.q_pre), s);
+    a.q_rot = StreamBuffer<bf16>(size_t(sz.q_rot), s);
+    a.q_inv = StreamBuffer<float>(size_t(sz.q_inv), s);
     linear(hn, Q, d, H * hd, layer_param(i, "self_attn.q_proj.weight"), a.q_pre.data(), 0.f);
     cuda::rms_norm_forward(a.q_pre.data(), I.F(layer_param(i, "self_attn.q_norm.weight")), a.q_rot.data(), a.q_inv.data(),
                            Q * H, hd, c.rms_norm_eps, false, s);
     cuda::rope_apply(a.q_rot.data(), Q, H, hd, hd, cq.data(), sq.data(), false, s);
-    a.k_pre = StreamBuffer<bf16>(size_t(SQ * Hkv * hd), s);
-    a.k_rot = StreamBuffer<bf16>(size_t(SQ * Hkv * hd), s);
-    a.k_inv = StreamBuffer<float>(size_t(SQ * Hkv), s);
-    a.v = StreamBuffer<bf16>(size_t(SQ * Hkv * hd), s);
+    a.k_pre = StreamBuffer<bf16>(size_t(sz.k_pre), s);
+    a.k_rot = StreamBuffer<bf16>(size_t(sz.k_rot), s);
+    a.k_inv = StreamBuffer<float>(size_t(sz.k_inv), s);
+    a.v = StreamBuffer<bf16>(size_t(sz.v), s);
     linear(a.kv_in.data(), SQ, d, Hkv * hd, layer_param(i, "self_attn.k_proj.weight"), a.k_pre.data(), 0.f);
     cuda::rms_norm_forward(a.k_pre.data(), I.F(layer_param(i, "self_attn.k_norm.weight")), a.k_rot.data(), a.k_inv.data(),
                            SQ * Hkv, hd, c.rms_norm_eps, false, s);
     cuda::rope_apply(a.k_rot.data(), SQ, Hkv, hd, hd, ckv.data(), skv.data(), false, s);
     linear(a.kv_in.data(), SQ, d, Hkv * hd, layer_param(i, "self_attn.v_proj.weight"), a.v.data(), 0.f);
-    a.o = StreamBuffer<bf16>(size_t(Q * H * hd), s);
-    a.lse = StreamBuffer<float>(size_t(Q * H), s);
+    a.o = StreamBuffer<bf16>(size_t(sz.o), s);
+    a.lse = StreamBuffer<float>(size_t(sz.lse), s);
     timer.begin("attention_fwd");
     cuda::masked_attention_forward(a.q_rot.data(), a.k_rot.data(), a.v.data(), layer_ranges(i), Q, SQ, int(H),
                                    int(Hkv), int(hd), scale, a.o.data(), a.lse.data(), s);
@@ -324,24 +420,24 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
     // Rows on from here: all Q, or in the last layer the Qp = Qc rows with a loss weight.
     const bool rows = compact && i == L - 1;
     const int64_t Qp = rows ? Qc : Q;
-    a.x_mid = StreamBuffer<bf16>(size_t(Qp * d), s);  // x_in + o_proj(o)
+    a.x_mid = StreamBuffer<bf16>(size_t(sz.x_mid), s);  // x_in + o_proj(o)
     if (rows) {
-      a.o_rows = StreamBuffer<bf16>(size_t(Qc * H * hd), s);
+      a.o_rows = StreamBuffer<bf16>(size_t(sz.o_rows), s);
       cuda::embedding_gather(a.o.data(), Q, H * hd, d_used.data(), Qc, a.o_rows.data(), nullptr, s);
       cuda::embedding_gather(a.x_in.data(), Q, d, d_used.data(), Qc, a.x_mid.data(), nullptr, s);
     } else {
       DFLASH_CUDA_CHECK(cudaMemcpyAsync(a.x_mid.data(), a.x_in.data(), size_t(Q * d) * 2, cudaMemcpyDeviceToDevice, s));
     }
     linear(rows ? a.o_rows.data() : a.o.data(), Qp, H * hd, d, layer_param(i, "self_attn.o_proj.weight"), a.x_mid.data(), 1.f);
-    a.hp = StreamBuffer<bf16>(size_t(Qp * d), s);
-    a.inv_post = StreamBuffer<float>(size_t(Qp), s);
+    a.hp = StreamBuffer<bf16>(size_t(sz.hp), s);
+    a.inv_post = StreamBuffer<float>(size_t(sz.inv_post), s);
     cuda::rms_norm_forward(a.x_mid.data(), I.F(layer_param(i, "post_attention_layernorm.weight")), a.hp.data(),
                            a.inv_post.data(), Qp, d, c.rms_norm_eps, false, s);
-    a.gu = StreamBuffer<bf16>(size_t(Qp * 2 * Im), s);
-    a.act = StreamBuffer<bf16>(size_t(Qp * Im), s);
+    a.gu = StreamBuffer<bf16>(size_t(sz.gu), s);
+    a.act = StreamBuffer<bf16>(size_t(sz.act), s);
     linear(a.hp.data(), Qp, d, 2 * Im, gate_up_param(i), a.gu.data(), 0.f);
     cuda::swiglu_forward(a.gu.data(), Qp, Im, a.act.data(), s);
-    StreamBuffer<bf16> out(size_t(Qp * d), s);  // x_mid + down_proj(act)
+    StreamBuffer<bf16> out(size_t(sz.out), s);  // x_mid + down_proj(act)
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(out.data(), a.x_mid.data(), size_t(Qp * d) * 2, cudaMemcpyDeviceToDevice, s));
     linear(a.act.data(), Qp, Im, d, layer_param(i, "mlp.down_proj.weight"), out.data(), 1.f);
     return out;
@@ -372,8 +468,8 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   if (Qc > 0) {
     auto d_ul = upload(used_labels, s);
     auto d_coef = upload(coef, s);
-    const int64_t rc = cuda::cross_entropy_row_chunk(I.V, Qc, opt.ce_chunk_bytes);
-    StreamBuffer<char> ce_ws(size_t(cuda::cross_entropy_workspace_bytes(rc, I.V, true)), s);
+    const int64_t rc = z.ce_row_chunk;
+    StreamBuffer<char> ce_ws(size_t(z.ce_ws_bytes), s);
     StreamBuffer<float> lse(size_t(Qc), s), tl(size_t(Qc), s);
     StreamBuffer<int32_t> amax(size_t(Qc), s);
     cuda::cross_entropy(I.gemm, hf.data(), I.lm_head.data(), Qc, d, I.V, d_ul.data(), d_coef.data(), rc,
@@ -416,11 +512,12 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
       if (shape.size() == 1) DFLASH_CUDA_CHECK(cudaMemsetAsync(I.G(name), 0, size_t(shape[0]) * sizeof(float), s));
   // (The flag is cleared once every gradient is written: a backward that throws half-way leaves the
   // buffer counted as zero.)
-  StreamBuffer<bf16> dx(size_t(Q * d), s), tmp(size_t(Q * d), s);
-  StreamBuffer<float> nws(size_t(cuda::rms_norm_workspace_floats(SQ * std::max(H, Hkv), std::max(d, hd))), s);
+  const BackwardSizes bz = z.backward();
+  StreamBuffer<bf16> dx(size_t(bz.dx), s), tmp(size_t(bz.tmp), s);
+  StreamBuffer<float> nws(size_t(bz.nws), s);
   cuda::rms_norm_backward(x.data(), I.F("norm.weight"), inv_final.data(), dhf.data(), dx.data(), I.G("norm.weight"),
                           nws.data(), Qf, d, false, s);  // dx's first Qc rows
-  StreamBuffer<float> dctx(size_t(S * d), s);
+  StreamBuffer<float> dctx(size_t(bz.dctx), s);
   DFLASH_CUDA_CHECK(cudaMemsetAsync(dctx.data(), 0, size_t(S * d) * 4, s));
   // dW += dy^T x (= after zero_grads) over `rows` rows: dy [rows, out], x [rows, in] -> [out, in]
   std::map<std::string, int> wgrads;  // calls per weight: each must be written exactly once
@@ -436,9 +533,9 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   auto dgrad = [&](const bf16* dy, int64_t rows, int64_t out, int64_t in, const std::string& w, auto* dxp, float beta) {
     I.gemm.gemm({rows, in, out, false, false}, dy, I.W(w), dxp, 1.f, beta);
   };
-  StreamBuffer<bf16> dact(size_t(Q * Im), s), dhp(size_t(Q * d), s), dof(size_t(Q * H * hd), s), dq(size_t(Q * H * hd), s),
-      dk(size_t(SQ * Hkv * hd), s), dv(size_t(SQ * Hkv * hd), s), dhn(size_t(Q * d), s);
-  StreamBuffer<char> aws(size_t(cuda::masked_attention_backward_workspace_bytes(Q, SQ, int(H), int(Hkv), int(hd))), s);
+  StreamBuffer<bf16> dact(size_t(bz.dact), s), dhp(size_t(bz.dhp), s), dof(size_t(bz.dof), s), dq(size_t(bz.dq), s),
+      dk(size_t(bz.dk), s), dv(size_t(bz.dv), s), dhn(size_t(bz.dhn), s);
+  StreamBuffer<char> aws(size_t(bz.attention_ws_bytes), s);
   for (int64_t i = L - 1; i >= 0; --i) {
     Saved& a = sv[size_t(i)];
     if (opt.recompute) forward_layer(i, a);  // the same kernels on the same input: bitwise the same activations

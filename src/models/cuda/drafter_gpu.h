@@ -100,6 +100,16 @@ class DrafterGpu {
   /// std::invalid_argument for a token outside the vocabulary or a wrong number of sequences.
   std::vector<std::vector<int32_t>> draft(const std::vector<int32_t>& last);
 
+  /// Device bytes the constructors allocate for `cfg` and a vocabulary of V: fp32 masters, gradients
+  /// and AdamW moments, the bf16 copy, embed / lm_head [V, d] bf16, the RoPE table, the clip's
+  /// scratch and the cuBLASLt workspace. The memory plan of a GPU run (src/train/cuda/memory_plan.h).
+  static int64_t state_bytes(const DrafterConfig& cfg, int64_t V);
+  /// The most one step() of S context rows and num_blocks blocks allocates on the stream beyond the
+  /// state, with every row of a block but its first carrying a loss weight (the most a step can
+  /// have): from the buffer sizes step() allocates with. ce_chunk_bytes as DrafterGpuStepOptions.
+  static int64_t step_bytes(const DrafterConfig& cfg, int64_t V, int64_t S, int64_t num_blocks, bool recompute,
+                            int64_t ce_chunk_bytes = int64_t(1) << 30);
+
   int64_t num_params() const;
   /// The flat fp32 gradient [num_params()] on the device (for a data-parallel all-reduce) and the
   /// stream every method of this object runs on. After zero_grads() with no backward since,

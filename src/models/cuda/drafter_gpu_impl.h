@@ -12,6 +12,9 @@
 
 namespace dflash {
 
+/// The cuBLASLt workspace of a DrafterGpu's GemmContext.
+inline constexpr size_t kDrafterGemmWorkspaceBytes = size_t(32) << 20;
+
 struct DrafterGpu::Impl {
   cudaStream_t s;
   cuda::GemmContext gemm;
@@ -32,7 +35,7 @@ struct DrafterGpu::Impl {
   double rope_scale = 1.0;                        // cos / sin factor (yarn's attention factor)
   KvCache ctx;                                    // drafting: each layer's context keys / values per sequence
 
-  explicit Impl(cudaStream_t st) : s(st), gemm(st) {}
+  explicit Impl(cudaStream_t st) : s(st), gemm(st, kDrafterGemmWorkspaceBytes) {}
   const cuda::bf16* W(const std::string& name) const { return wb.data() + offset.at(name); }
   const float* F(const std::string& name) const { return master.data() + offset.at(name); }
   float* G(const std::string& name) { return grad.data() + offset.at(name); }

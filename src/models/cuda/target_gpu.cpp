@@ -81,6 +81,63 @@ struct LayerGpu {
   }
 };
 
+/// Elements of one layer's device arrays (LayerGpu) as both constructors allocate them: bf16
+/// matrices, fp32 vectors. Zero for what the layer has not.
+struct LayerSizes {
+  int64_t q = 0, q_gate = 0, k = 0, v = 0, o = 0, gate_up = 0, down = 0, in_proj = 0, out = 0;  // bf16
+  int64_t router = 0, experts_gate_up = 0, experts_down = 0, shared_gate_up = 0, shared_down = 0;  // bf16
+  int64_t q_norm = 0, k_norm = 0, in_ln = 0, post_ln = 0, conv = 0, A_log = 0, dt_bias = 0, gnorm = 0;  // f32
+  int64_t bytes() const {
+    return 2 * (q + q_gate + k + v + o + gate_up + down + in_proj + out + router + experts_gate_up + experts_down +
+                shared_gate_up + shared_down) +
+           4 * (q_norm + k_norm + in_ln + post_ln + conv + A_log + dt_bias + gnorm);
+  }
+};
+
+LayerSizes layer_sizes(const ModelSpec& sp, int64_t i) {
+  const int64_t D = sp.hidden_size, H = sp.num_attention_heads, Hkv = sp.num_key_value_heads, Dh = sp.head_dim;
+  const int64_t Hk = sp.linear_num_key_heads, Hv = sp.linear_num_value_heads, dk = sp.linear_key_head_dim;
+  const int64_t dv = sp.linear_value_head_dim, C = 2 * Hk * dk + Hv * dv;
+  LayerSizes z;
+  if (sp.layer_types[size_t(i)] == LayerKind::GatedDeltaNet) {
+    z.in_proj = (C + Hv * dv + 2 * Hv) * D, z.out = D * Hv * dv;
+    z.conv = C * sp.linear_conv_kernel_dim, z.A_log = Hv, z.dt_bias = Hv, z.gnorm = dv;
+  } else {
+    z.q = H * Dh * D, z.k = Hkv * Dh * D, z.v = Hkv * Dh * D, z.o = D * H * Dh;
+    if (sp.attn_output_gate()) z.q_gate = H * Dh * D;
+    if (sp.has_qk_norm()) z.q_norm = Dh, z.k_norm = Dh;
+  }
+  if (sp.is_moe_layer(i)) {
+    const int64_t E = sp.num_experts, Em = sp.moe_intermediate_size, Es = sp.shared_expert_intermediate_size;
+    z.router = (E + (Es > 0 ? 1 : 0)) * D, z.experts_gate_up = E * 2 * Em * D, z.experts_down = E * D * Em;
+    if (Es > 0) z.shared_gate_up = 2 * Es * D, z.shared_down = D * Es;
+  } else {
+    z.gate_up = 2 * sp.intermediate_size * D, z.down = D * sp.intermediate_size;
+  }
+  z.in_ln = D, z.post_ln = D;
+  return z;
+}
+
+/// Throws std::logic_error when an uploaded layer's arrays differ from layer_sizes (the memory plan's).
+void check_layer_sizes(const LayerGpu& g, const LayerSizes& z, int64_t i) {
+  const std::pair<size_t, int64_t> arrays[] = {
+      {g.q.size(), z.q}, {g.q_gate.size(), z.q_gate}, {g.k.size(), z.k}, {g.v.size(), z.v}, {g.o.size(), z.o},
+      {g.gate_up.size(), z.gate_up}, {g.down.size(), z.down}, {g.in_proj.size(), z.in_proj}, {g.out.size(), z.out},
+      {g.router.size(), z.router}, {g.experts_gate_up.size(), z.experts_gate_up},
+      {g.experts_down.size(), z.experts_down}, {g.shared_gate_up.size(), z.shared_gate_up},
+      {g.shared_down.size(), z.shared_down}, {g.q_norm.size(), z.q_norm}, {g.k_norm.size(), z.k_norm},
+      {g.in_ln.size(), z.in_ln}, {g.post_ln.size(), z.post_ln}, {g.conv.size(), z.conv}, {g.A_log.size(), z.A_log},
+      {g.dt_bias.size(), z.dt_bias}, {g.gnorm.size(), z.gnorm}};
+  for (size_t a = 0; a < std::size(arrays); ++a)
+    if (int64_t(arrays[a].first) != arrays[a].second)
+      throw std::logic_error("TargetGpu: layer " + std::to_string(i) + " array " + std::to_string(a) + " holds " +
+                             std::to_string(arrays[a].first) + " elements, its size is " +
+                             std::to_string(arrays[a].second));
+}
+
+/// The cuBLASLt workspace of the target's GemmContext.
+constexpr size_t kTargetGemmWorkspaceBytes = size_t(32) << 20;
+
 std::vector<float> host_f32(const StreamBuffer<bf16>& b, int64_t n, cudaStream_t s) {
   std::vector<uint16_t> h(static_cast<size_t>(n));
   DFLASH_CUDA_CHECK(cudaMemcpyAsync(h.data(), b.data(), size_t(n) * 2, cudaMemcpyDeviceToHost, s));
@@ -112,7 +169,7 @@ struct TargetGpu::Impl {
   std::vector<int64_t> rollback_cu;    // that forward's cu_seqlens (rows of hist and inputs)
   std::vector<int64_t> replay;         // per sequence: accepted tokens of that forward still to replay
   std::unique_ptr<cuda::StageTimer> timer;  // while time_stages(true)
-  explicit Impl(cudaStream_t st) : s(st), gemm(st, size_t(32) << 20, true) {}  // tuned GEMMs (GemmTune::kAuto)
+  explicit Impl(cudaStream_t st) : s(st), gemm(st, kTargetGemmWorkspaceBytes, true) {}  // tuned GEMMs (GemmTune::kAuto)
   void stage(const char* name) {
     if (timer) timer->next(name);
   }
@@ -171,6 +228,7 @@ TargetGpu::TargetGpu(const TargetModel& m, cudaStream_t stream) : impl_(new Impl
     }
     g.in_ln = DeviceArray<float>(l.input_layernorm.data, stream);
     g.post_ln = DeviceArray<float>(l.post_attention_layernorm.data, stream);
+    check_layer_sizes(g, layer_sizes(spec_, int64_t(I.layers.size())), int64_t(I.layers.size()));
     I.layers.push_back(std::move(g));
   }
   I.embed = to_bf16(m.embed_tokens(), stream);
@@ -183,17 +241,11 @@ TargetGpu::TargetGpu(const ModelSpec& spec, uint64_t seed, cudaStream_t stream) 
   spec_.validate("TargetGpu");
   require_gpu_support(spec_);
   Impl& I = *impl_;
-  const int64_t D = spec_.hidden_size, H = spec_.num_attention_heads, Hkv = spec_.num_key_value_heads;
-  const int64_t Dh = spec_.head_dim, Im = spec_.intermediate_size, V = spec_.vocab_size;
+  const int64_t D = spec_.hidden_size, V = spec_.vocab_size;
   uint64_t k = 0;
-  auto matrix = [&](int64_t rows, int64_t cols) {
-    DeviceArray<bf16> w(size_t(rows * cols));
-    cuda::fill_normal(w.data(), rows * cols, seed * 1000003 + ++k, 0.f, 0.02f, stream);
-    return w;
-  };
-  auto ones = [&](int64_t n) {
-    DeviceArray<float> w(static_cast<size_t>(n));
-    cuda::fill_normal(w.data(), n, 0, 1.f, 0.f, stream);
+  auto matrix = [&](int64_t n) {  // bf16 ~ N(0, 0.02^2)
+    DeviceArray<bf16> w(static_cast<size_t>(n));
+    cuda::fill_normal(w.data(), n, seed * 1000003 + ++k, 0.f, 0.02f, stream);
     return w;
   };
   auto normal = [&](int64_t n, float mean, float std) {
@@ -201,40 +253,42 @@ TargetGpu::TargetGpu(const ModelSpec& spec, uint64_t seed, cudaStream_t stream) 
     cuda::fill_normal(w.data(), n, seed * 1000003 + ++k, mean, std, stream);
     return w;
   };
-  const int64_t Hk = spec_.linear_num_key_heads, Hv = spec_.linear_num_value_heads;
-  const int64_t dk = spec_.linear_key_head_dim, dv = spec_.linear_value_head_dim, C = 2 * Hk * dk + Hv * dv;
+  auto ones = [&](int64_t n) {
+    DeviceArray<float> w(static_cast<size_t>(n));
+    cuda::fill_normal(w.data(), n, 0, 1.f, 0.f, stream);
+    return w;
+  };
   for (int64_t i = 0; i < spec_.num_hidden_layers; ++i) {
+    const LayerSizes z = layer_sizes(spec_, i);
     LayerGpu g;
     g.kind = spec_.layer_types[size_t(i)];
     if (g.kind == LayerKind::GatedDeltaNet) {
       // A_log ~ N(0, 0.5), dt_bias 0: decays exp(-exp(A_log) softplus(a)) spread around exp(-0.7).
-      g.in_proj = matrix(C + Hv * dv + 2 * Hv, D), g.out = matrix(D, Hv * dv);
-      g.conv = normal(C * spec_.linear_conv_kernel_dim, 0.f, 0.3f), g.A_log = normal(Hv, 0.f, 0.5f);
-      g.dt_bias = normal(Hv, 0.f, 0.f), g.gnorm = ones(dv);
+      g.in_proj = matrix(z.in_proj), g.out = matrix(z.out);
+      g.conv = normal(z.conv, 0.f, 0.3f), g.A_log = normal(z.A_log, 0.f, 0.5f);
+      g.dt_bias = normal(z.dt_bias, 0.f, 0.f), g.gnorm = ones(z.gnorm);
     } else {
-      g.q = matrix(H * Dh, D), g.k = matrix(Hkv * Dh, D), g.v = matrix(Hkv * Dh, D);
-      if (spec_.attn_output_gate()) g.q_gate = matrix(H * Dh, D);
-      g.o = matrix(D, H * Dh);
-      if (spec_.has_qk_norm()) g.q_norm = ones(Dh), g.k_norm = ones(Dh);
+      g.q = matrix(z.q), g.k = matrix(z.k), g.v = matrix(z.v);
+      if (z.q_gate) g.q_gate = matrix(z.q_gate);
+      g.o = matrix(z.o);
+      if (z.q_norm) g.q_norm = ones(z.q_norm), g.k_norm = ones(z.k_norm);
     }
     g.moe = spec_.is_moe_layer(i);
     if (g.moe) {
-      const int64_t E = spec_.num_experts, Em = spec_.moe_intermediate_size, Es = spec_.shared_expert_intermediate_size;
-      g.router = matrix(E + (Es > 0 ? 1 : 0), D), g.experts_gate_up = matrix(E * 2 * Em, D);
-      g.experts_down = matrix(E * D, Em);
-      if (Es > 0) g.shared_gate_up = matrix(2 * Es, D), g.shared_down = matrix(D, Es);
+      g.router = matrix(z.router), g.experts_gate_up = matrix(z.experts_gate_up), g.experts_down = matrix(z.experts_down);
+      if (z.shared_gate_up) g.shared_gate_up = matrix(z.shared_gate_up), g.shared_down = matrix(z.shared_down);
     } else {
-      g.gate_up = matrix(2 * Im, D), g.down = matrix(D, Im);
+      g.gate_up = matrix(z.gate_up), g.down = matrix(z.down);
     }
-    g.in_ln = ones(D), g.post_ln = ones(D);
+    g.in_ln = ones(z.in_ln), g.post_ln = ones(z.post_ln);
     I.layers.push_back(std::move(g));
   }
-  I.embed = matrix(V, D);
+  I.embed = matrix(V * D);
   if (spec_.tie_word_embeddings) {
     I.lm_head = DeviceArray<bf16>(I.embed.size());
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(I.lm_head.data(), I.embed.data(), I.embed.size() * 2, cudaMemcpyDeviceToDevice, stream));
   } else {
-    I.lm_head = matrix(V, D);
+    I.lm_head = matrix(V * D);
   }
   I.norm = ones(D);
   const std::vector<float> inv_freq = cpu::rope_inv_freq(spec_.rope, spec_.rotary_dim());
@@ -242,6 +296,13 @@ TargetGpu::TargetGpu(const ModelSpec& spec, uint64_t seed, cudaStream_t stream) 
 }
 
 TargetGpu::~TargetGpu() = default;
+
+int64_t TargetGpu::weight_bytes(const ModelSpec& spec) {
+  int64_t b = 0;
+  for (int64_t i = 0; i < spec.num_hidden_layers; ++i) b += layer_sizes(spec, i).bytes();
+  return b + 2 * (2 * spec.vocab_size * spec.hidden_size) + 4 * spec.hidden_size + 8 * (spec.rotary_dim() / 2) +
+         int64_t(kTargetGemmWorkspaceBytes);
+}
 
 namespace {
 /// Offsets (floats) of one forward's GatedDeltaNet recurrence inputs in GdnCache::inputs, for T tokens:
@@ -257,6 +318,38 @@ bool has_gated_deltanet(const ModelSpec& sp) {
   return std::count(sp.layer_types.begin(), sp.layer_types.end(), LayerKind::GatedDeltaNet) > 0;
 }
 
+/// Elements of run_layers' buffers for a forward of T tokens (Tq padded query rows with a cache), as
+/// run_layers allocates them. v_copy / token_by_token: run_layers' choices for a cached forward.
+struct ForwardSizes {
+  int64_t cs = 0, sn = 0, x = 0;                                                        // f32
+  int64_t h = 0, q = 0, k = 0, v = 0, o = 0, gu = 0, act = 0, qpad = 0, opad = 0, og = 0;  // bf16
+  int64_t gin = 0, gnormed = 0;                                                         // bf16 (GatedDeltaNet)
+  int64_t gconv = 0, gq = 0, gk = 0, gv = 0, go = 0, gg = 0, gbeta = 0;                  // f32 (GatedDeltaNet)
+  int64_t bytes() const {
+    return 4 * (cs + sn + x + gconv + gq + gk + gv + go + gg + gbeta) +
+           2 * (h + q + k + v + o + gu + act + qpad + opad + og + gin + gnormed);
+  }
+};
+
+ForwardSizes forward_sizes(const ModelSpec& sp, int64_t T, int64_t Tq, bool cached, bool v_copy, bool token_by_token) {
+  const int64_t D = sp.hidden_size, H = sp.num_attention_heads, Hkv = sp.num_key_value_heads, Dh = sp.head_dim;
+  const int64_t Im = sp.intermediate_size, rot = sp.rotary_dim();
+  ForwardSizes z;
+  z.cs = z.sn = T * rot / 2, z.x = T * D;
+  z.h = T * D, z.q = T * H * Dh, z.k = z.v = T * Hkv * Dh, z.o = T * H * Dh, z.gu = T * 2 * Im, z.act = T * Im;
+  if (cached) z.qpad = z.opad = Tq * H * Dh;
+  if (sp.attn_output_gate()) z.og = T * H * Dh;
+  if (has_gated_deltanet(sp)) {
+    const int64_t Hk = sp.linear_num_key_heads, Hv = sp.linear_num_value_heads, dk = sp.linear_key_head_dim;
+    const int64_t dv = sp.linear_value_head_dim, Cg = 2 * Hk * dk + Hv * dv;
+    z.gin = T * (Cg + Hv * dv + 2 * Hv), z.gnormed = T * Hv * dv;
+    const int64_t Tc = cached ? T : 0;
+    z.gconv = Tc * Cg, z.gq = z.gk = Tc * Hk * dk, z.gg = z.gbeta = Tc * Hv;
+    z.gv = v_copy ? T * Hv * dv : 0, z.go = token_by_token ? T * Hv * dv : 0;
+  }
+  return z;
+}
+
 void check_batch(const ModelSpec& sp, const std::vector<int32_t>& ids, const std::vector<int64_t>& cu) {
   if (cu.size() < 2 || cu.front() != 0 || cu.back() != int64_t(ids.size()))
     throw std::invalid_argument("cu_seqlens must run from 0 to the number of tokens");
@@ -266,6 +359,28 @@ void check_batch(const ModelSpec& sp, const std::vector<int32_t>& ids, const std
     if (t < 0 || t >= sp.vocab_size) throw std::invalid_argument("token id " + std::to_string(t) + " outside the vocabulary");
 }
 }  // namespace
+
+int64_t TargetGpu::forward_taps_bytes(const ModelSpec& sp, int64_t T, int64_t nseq, int64_t last) {
+  const ForwardSizes z = forward_sizes(sp, T, 0, false, false, false);
+  const bool hybrid = has_gated_deltanet(sp);
+  // uploads: positions, ids, the causal ranges, each token's sequence start and the chunk list (hybrids)
+  int64_t b = z.bytes() + 8 * T + 4 * T + int64_t(sizeof(cuda::KvRange32)) * T;
+  if (hybrid) b += 4 * T + int64_t(sizeof(cuda::GdnChunk)) * (T / 64 + nseq + 1) + 4 * (nseq + 1);
+  // a layer's kernels' temporaries, one layer at a time; the first product of each shape that adds
+  // into the residual stream is tuned on a scratch copy of it (GemmContext, GemmTune::kAuto)
+  int64_t temp = 4 * T * sp.hidden_size;
+  for (int64_t i = 0; i <= last; ++i) {
+    if (sp.layer_types[size_t(i)] == LayerKind::GatedDeltaNet)
+      temp = std::max(temp, cuda::gated_delta_rule_chunked_workspace_bytes(
+                                T, nseq, int(sp.linear_num_key_heads), int(sp.linear_num_value_heads),
+                                int(sp.linear_key_head_dim), int(sp.linear_value_head_dim)));
+    if (sp.is_moe_layer(i))
+      temp = std::max(temp, cuda::moe_ffn_workspace_bytes({T, sp.hidden_size, int(sp.num_experts),
+                                                           int(sp.num_experts_per_tok), sp.moe_intermediate_size,
+                                                           sp.shared_expert_intermediate_size, sp.norm_topk_prob}));
+  }
+  return b + temp + 2 * T * sp.hidden_size;  // + forward_taps' bf16 staging (xb)
+}
 
 StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu, int64_t last,
                                           const std::function<void(int64_t, const float*)>& on_hidden, bool cached,
@@ -319,15 +434,25 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
   auto d_ids = cuda::upload(ids, s);
   auto d_dest = cuda::upload(dest, s), d_qrow = cuda::upload(qrow, s);
   auto ranges = cuda::upload(rg, s);
-  StreamBuffer<bf16> qpad(cached ? size_t(Tq * H * Dh) : 0, s), opad(cached ? size_t(Tq * H * Dh) : 0, s);
+  // A decoding step (at most kDecodeTokens new tokens in every sequence) runs GatedDeltaNet token by
+  // token, as verification does: plain and speculative decoding then make the same states. The
+  // longest sequence of the forward decides for all of it.
+  int64_t max_new = 0;
+  for (size_t q = 0; q + 1 < cu.size(); ++q) max_new = std::max(max_new, cu[q + 1] - cu[q]);
+  const bool token_by_token = cached && (keep_rollback || max_new <= kDecodeTokens);
+  // The chunked rule reads the values in place from the conv output (row stride Cg); the
+  // token-by-token path and the rollback copy take them copied into gv.
+  const bool v_copy = token_by_token || (cached && keep_rollback);
+  const ForwardSizes z = forward_sizes(sp, T, Tq, cached, v_copy, token_by_token);
+  StreamBuffer<bf16> qpad(size_t(z.qpad), s), opad(size_t(z.opad), s);
   if (cached) DFLASH_CUDA_CHECK(cudaMemsetAsync(qpad.data(), 0, qpad.size() * 2, s));  // padding rows: defined
-  StreamBuffer<float> cs(size_t(T * rot / 2), s), sn(size_t(T * rot / 2), s);
+  StreamBuffer<float> cs(size_t(z.cs), s), sn(size_t(z.sn), s);
   cuda::rope_table(d_pos.data(), I.inv_freq.data(), T, rot, cs.data(), sn.data(), s);
   if (I.timer) I.timer->clear();
   I.stage("other");
-  StreamBuffer<float> x(size_t(T * D), s);  // the residual stream, fp32 (GEMM inputs are bf16)
-  StreamBuffer<bf16> h(size_t(T * D), s), q(size_t(T * H * Dh), s), k(size_t(T * Hkv * Dh), s),
-      v(size_t(T * Hkv * Dh), s), o(size_t(T * H * Dh), s), gu(size_t(T * 2 * Im), s), act(size_t(T * Im), s);
+  StreamBuffer<float> x(size_t(z.x), s);  // the residual stream, fp32 (GEMM inputs are bf16)
+  StreamBuffer<bf16> h(size_t(z.h), s), q(size_t(z.q), s), k(size_t(z.k), s), v(size_t(z.v), s), o(size_t(z.o), s),
+      gu(size_t(z.gu), s), act(size_t(z.act), s);
   cuda::embedding_gather(I.embed.data(), sp.vocab_size, D, d_ids.data(), T, h.data(), nullptr, s);
   cuda::bf16_to_f32(h.data(), x.data(), T * D, s);
   on_hidden(0, x.data());
@@ -341,12 +466,6 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
   const int64_t dv = sp.linear_value_head_dim, Cg = 2 * Hk * dk + Hv * dv, Nin = Cg + Hv * dv + 2 * Hv;
   const bool hybrid = has_gated_deltanet(sp);
   StreamBuffer<int32_t> d_start = cuda::upload(hybrid ? cuda::sequence_starts(cu) : std::vector<int32_t>{}, s);
-  // A decoding step (at most kDecodeTokens new tokens in every sequence) runs GatedDeltaNet token by
-  // token, as verification does: plain and speculative decoding then make the same states. The
-  // longest sequence of the forward decides for all of it.
-  int64_t max_new = 0;
-  for (size_t q = 0; q + 1 < cu.size(); ++q) max_new = std::max(max_new, cu[q + 1] - cu[q]);
-  const bool token_by_token = cached && (keep_rollback || max_new <= kDecodeTokens);
   std::optional<cuda::GdnChunkPlan> gdn_chunks;  // the chunk list, once for every GatedDeltaNet layer
   if (hybrid && !token_by_token) gdn_chunks.emplace(cu, s);
   // With a cache: each token's sequence and the cu_seqlens as int32 for the windowed conv.
@@ -362,21 +481,15 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
   const int Kc = int(sp.linear_conv_kernel_dim);
   const float q_scale = float(1.0 / std::sqrt(double(dk)));
   const int64_t state_elems = Hv * dk * dv;
-  auto gbuf = [&](int64_t n) { return StreamBuffer<float>(hybrid ? size_t(n) : 0, s); };  // fp32 activations
-  // The chunked rule reads the values in place from the conv output (row stride Cg); the
-  // token-by-token path and the rollback copy take them copied into gv.
-  const bool v_copy = token_by_token || (cached && keep_rollback);
-  // (Without a cache, the chunked rule reads in_proj's output itself: no fp32 inputs.)
-  const int64_t Tc = cached ? T : 0;
-  StreamBuffer<float> gconv = gbuf(Tc * Cg), gq = gbuf(Tc * Hk * dk), gk = gbuf(Tc * Hk * dk),
-                      gv = gbuf(v_copy ? T * Hv * dv : 0), go = gbuf(token_by_token ? T * Hv * dv : 0),
-                      gg = gbuf(Tc * Hv), gbeta = gbuf(Tc * Hv);
-  StreamBuffer<bf16> gin(hybrid ? size_t(T * Nin) : 0, s);          // in_proj's output (bf16, as in transformers)
-  StreamBuffer<bf16> gnormed(hybrid ? size_t(T * Hv * dv) : 0, s);  // out_proj's input
+  // GatedDeltaNet fp32 activations (without a cache, the chunked rule reads in_proj's output itself)
+  StreamBuffer<float> gconv(size_t(z.gconv), s), gq(size_t(z.gq), s), gk(size_t(z.gk), s), gv(size_t(z.gv), s),
+      go(size_t(z.go), s), gg(size_t(z.gg), s), gbeta(size_t(z.gbeta), s);
+  StreamBuffer<bf16> gin(size_t(z.gin), s);          // in_proj's output (bf16, as in transformers)
+  StreamBuffer<bf16> gnormed(size_t(z.gnormed), s);  // out_proj's input
   const bf16* gz = hybrid ? gin.data() + Cg : nullptr;  // z, b, a read in place from gin (row stride Nin)
   const bf16 *gb = hybrid ? gz + Hv * dv : nullptr, *ga = hybrid ? gb + Hv : nullptr;
   const bool gated = sp.attn_output_gate();
-  StreamBuffer<bf16> og(gated ? size_t(T * H * Dh) : 0, s);  // the output gate's logits
+  StreamBuffer<bf16> og(size_t(z.og), s);  // the output gate's logits
   const cuda::MoeShape moe_shape{T, D, int(sp.num_experts), int(sp.num_experts_per_tok), sp.moe_intermediate_size,
                                  sp.shared_expert_intermediate_size, sp.norm_topk_prob};
   for (int64_t i = 0; i <= last; ++i) {

@@ -49,6 +49,17 @@ class TargetGpu {
 
   const ModelSpec& spec() const { return spec_; }
 
+  /// Device bytes the constructors allocate for `spec`: every layer's arrays as stored here (bf16
+  /// matrices, fp32 vectors; layer_sizes), embed_tokens and lm_head, the final norm, the RoPE table
+  /// and the cuBLASLt workspace. The memory plan of a GPU run (src/train/cuda/memory_plan.h).
+  static int64_t weight_bytes(const ModelSpec& spec);
+  /// The most one forward_taps of `tokens` tokens in `sequences` packed sequences, through layer
+  /// `last`, allocates on the stream beyond the weights: run_layers' buffers (forward_sizes), its
+  /// uploads, the largest temporary of a layer's kernels (the chunked GatedDeltaNet's, the experts',
+  /// the GEMM tuning's scratch copy of the residual stream) and the bf16 staging of the taps. The
+  /// taps themselves are the caller's.
+  static int64_t forward_taps_bytes(const ModelSpec& spec, int64_t tokens, int64_t sequences, int64_t last);
+
   /// With `on`, every later forward / forward_taps / forward_cached records CUDA events around its
   /// stages (gemm, gated_deltanet, attention, moe, other: norms, SwiGLU, embedding, taps; lm_head:
   /// the final norm, the head and the argmax), which costs some speed; last_stage_ms gives the GPU

@@ -47,10 +47,11 @@ std::vector<T> rope_frequencies(const RopeSpec& rope, int64_t rotary_dim) {
     if (rope.truncate) low = std::floor(low), high = std::ceil(high);
     low = std::max(low, 0.0), high = std::min(high, dim - 1);
     if (low == high) high += 0.001;  // no zero-width ramp
-    for (int64_t i = 0; i < half; ++i) {
-      const double ramp = std::clamp((double(i) - low) / (high - low), 0.0, 1.0), extrapolate = 1 - ramp;
-      const double f = double(inv[size_t(i)]);
-      inv[size_t(i)] = T(f / rope.factor * (1 - extrapolate) + f * extrapolate);
+    for (int64_t i = 0; i < half; ++i) {  // in T: float as torch's float32 blend
+      const T pos = std::pow(T(base), T(2 * i) / T(rotary_dim)), extrapolated = T(1) / pos;
+      const T interpolated = T(1) / (T(rope.factor) * pos);
+      const T ramp = std::clamp((T(i) - T(low)) / (T(high) - T(low)), T(0), T(1)), keep = T(1) - ramp;
+      inv[size_t(i)] = interpolated * (T(1) - keep) + extrapolated * keep;
     }
     return inv;
   }

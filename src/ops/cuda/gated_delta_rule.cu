@@ -1725,6 +1725,40 @@ GdnChunkState gdn_chunk_state_kernel(int nseq, int Hv, int dk, int dv, size_t sh
   return narrow ? GdnChunkState::kMma32 : GdnChunkState::kMma64;
 }
 
+namespace {
+/// Elements of the temporaries of one gated_delta_rule_chunked call: what the call allocates on its
+/// stream, and what gated_delta_rule_chunked_workspace_bytes adds up. tc: a tensor-core chunk_state
+/// (else SIMT); apart: the projections' conv1d, l2norm and gates run by their own kernels first.
+struct ChunkedTemps {
+  int64_t conv = 0, cq = 0, ck = 0, cg = 0, cbeta = 0, w = 0, u = 0, G = 0;  // f32
+  int64_t w_s = 0, k_s = 0, q_s = 0, P_s = 0, H_s = 0, U_s = 0;              // bf16 pairs (Split: hi and lo)
+  int64_t prepared = 0, progress = 0;                                         // int
+  ChunkedTemps(int64_t T, int64_t nch, int64_t nseq, int64_t Hk, int64_t Hv, int dk, int dv, bool tc, bool apart,
+               bool overlap, bool overlap_prep, int col_blocks) {
+    const int64_t C = 2 * Hk * dk + Hv * dv, dkp = state_rows(dk), dv8 = value_cols(dv);
+    if (apart) conv = T * C, cq = T * Hk * dk, ck = T * Hk * dk, cg = T * Hv, cbeta = T * Hv;
+    w = tc ? 0 : T * Hv * dk, u = T * Hv * dv, G = T * Hv;
+    w_s = tc ? T * Hv * dkp : 0, k_s = tc ? T * Hk * dkp : 0, q_s = T * Hk * dkp, P_s = nch * Hv * kChunk * kChunk;
+    H_s = nch * Hv * dkp * dv8, U_s = T * Hv * dv8;
+    prepared = overlap_prep ? nch * Hk + 1 : 0, progress = overlap ? nseq * Hv * col_blocks : 0;
+  }
+  int64_t bytes() const {
+    return 4 * (conv + cq + ck + cg + cbeta + w + u + G) + 2 * 2 * (w_s + k_s + q_s + P_s + H_s + U_s) +
+           4 * (prepared + progress);
+  }
+};
+}  // namespace
+
+int64_t gated_delta_rule_chunked_workspace_bytes(int64_t T, int64_t nseq, int Hk, int Hv, int dk, int dv) {
+  const int64_t nch = (T + kChunk - 1) / kChunk + nseq;  // each sequence's last chunk may be partial
+  int64_t most = 0;
+  for (bool tc : {false, true}) {
+    const int kc = tc ? kMaxCols : kSimtCols;
+    most = std::max(most, ChunkedTemps(T, nch, nseq, Hk, Hv, dk, dv, tc, true, true, tc, (dv + kc - 1) / kc).bytes());
+  }
+  return most;
+}
+
 void gated_delta_rule_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta,
                               const GdnChunkPlan& plan, int Hk, int Hv, int dk, int dv, const float* init,
                               float* final_state, float* o, cudaStream_t stream, size_t shared_limit,
@@ -1775,9 +1809,11 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   // q, k, v (the conv output's v columns, read in place), g, beta.
   const bool fuse = from && tc && gdn_projections_fuse(*from, dk);
   const bool apart = from && !fuse && T > 0;
-  StreamBuffer<float> conv(apart ? size_t(T * C) : 0, stream), cq(apart ? size_t(T * Hk * dk) : 0, stream),
-      ck(apart ? size_t(T * Hk * dk) : 0, stream), cg(apart ? size_t(T * Hv) : 0, stream),
-      cbeta(apart ? size_t(T * Hv) : 0, stream);
+  const int kc = tc ? cols : kSimtCols, col_blocks = (dv + kc - 1) / kc;
+  const bool overlap = major >= 9 && nch > 0, overlap_prep = overlap && tc;
+  const ChunkedTemps z(T, nch, nseq, Hk, Hv, dk, dv, tc, apart, overlap, overlap_prep, col_blocks);
+  StreamBuffer<float> conv(size_t(z.conv), stream), cq(size_t(z.cq), stream), ck(size_t(z.ck), stream),
+      cg(size_t(z.cg), stream), cbeta(size_t(z.cbeta), stream);
   if (apart) {
     const ConvQkNorm qk{Hk, dk, from->q_scale, cq.data(), ck.data()};
     causal_conv1d_silu(from->x, from->x_stride, from->conv_w, from->row_start, T, C, from->K, conv.data(), stream, &qk);
@@ -1793,20 +1829,18 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
   // dv .. dv8 - 1.
   const int dv8 = value_cols(dv);
   const bool pad_k = dkp != dk, pad_simt = !tc && (pad_k || dv8 != dv);
-  StreamBuffer<float> w(tc ? 0 : size_t(T * Hv * dk), stream), u(size_t(T * Hv * dv), stream), G(size_t(T * Hv), stream);
-  SplitBuffer w_s(tc ? size_t(T * Hv * dkp) : 0, pad_k, stream), k_s(tc ? size_t(T * Hk * dkp) : 0, false, stream),
-      q_s(size_t(T * Hk * dkp), false, stream), P_s(size_t(nch * Hv * kChunk * kChunk), false, stream);
+  StreamBuffer<float> w(size_t(z.w), stream), u(size_t(z.u), stream), G(size_t(z.G), stream);
+  SplitBuffer w_s(size_t(z.w_s), pad_k, stream), k_s(size_t(z.k_s), false, stream), q_s(size_t(z.q_s), false, stream),
+      P_s(size_t(z.P_s), false, stream);
   // On sm_90+ the kernels overlap (see publish_prepared): prepared [nch Hk + 1] flags chunk_prepare's
   // blocks done and counts them, for the tensor-core chunk_state; progress [nseq, Hv, col_blocks]
   // counts each chunk_state block's chunks in memory, for chunk_out. (These and chunk_state's outputs
   // H_s, U_s are allocated and zeroed before chunk_prepare: nothing may come between the kernels of a
   // programmatic launch.)
-  SplitBuffer H_s(size_t(nch * Hv * dkp * dv8), pad_simt, stream), U_s(size_t(T * Hv * dv8), pad_simt, stream);
-  const int kc = tc ? cols : kSimtCols, col_blocks = (dv + kc - 1) / kc;
-  const bool overlap = major >= 9 && nch > 0, overlap_prep = overlap && tc;
+  SplitBuffer H_s(size_t(z.H_s), pad_simt, stream), U_s(size_t(z.U_s), pad_simt, stream);
   const int prep_blocks = int(nch * Hk);
-  StreamBuffer<int> prepared(overlap_prep ? size_t(prep_blocks) + 1 : 0, stream);
-  StreamBuffer<int> progress(overlap ? size_t(nseq) * size_t(Hv) * size_t(col_blocks) : 0, stream);
+  StreamBuffer<int> prepared(size_t(z.prepared), stream);
+  StreamBuffer<int> progress(size_t(z.progress), stream);
   if (overlap_prep) DFLASH_CUDA_CHECK(cudaMemsetAsync(prepared.data(), 0, prepared.size() * sizeof(int), stream));
   if (overlap) DFLASH_CUDA_CHECK(cudaMemsetAsync(progress.data(), 0, progress.size() * sizeof(int), stream));
   if (nch) {

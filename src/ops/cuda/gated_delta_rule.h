@@ -147,6 +147,10 @@ void gated_delta_rule_chunked(const float* q, const float* k, const float* v, co
                               int64_t v_row_stride = 0, const GatedNormOut* norm = nullptr,
                               const GdnProjections* from = nullptr);
 
+/// The most one gated_delta_rule_chunked call over T tokens in nseq sequences holds in temporaries
+/// (bytes), whichever kernels it picks (the projections apart or inside, tensor-core or SIMT chunk_state).
+int64_t gated_delta_rule_chunked_workspace_bytes(int64_t T, int64_t nseq, int Hk, int Hv, int dk, int dv);
+
 /// The chunk_state kernel of gated_delta_rule_chunked: warpgroup MMAs (Hopper, sm_90a code; 64 state
 /// columns per block at padded key dim 128), mma.sync with 64 or 32 state columns per block, or fp32
 /// SIMT (GPUs with too little shared memory per block for the others, e.g. A100 at dk 128).

@@ -2,6 +2,7 @@
 
 #include <cub/block/block_scan.cuh>
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -264,6 +265,30 @@ void grouped_gemm(const bf16* A, const int32_t* a_rows, const bf16* B, const int
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
+namespace {
+/// Elements of moe_ffn_forward's temporaries (n = T k routed rows): what it allocates, and what
+/// moe_ffn_workspace_bytes adds up.
+struct MoeTemps {
+  int64_t logits, wts, y, experts_gu, sh;  // f32
+  int64_t ids, counts, offsets, tiles, rows, slot_of;  // int32
+  int64_t experts_act, shared_gu, shared_act;  // bf16
+  explicit MoeTemps(const MoeShape& s) {
+    const int64_t n = s.T * s.k, ld = s.E + (s.Is > 0 ? 1 : 0);
+    logits = s.T * ld, wts = n, y = n * s.D, experts_gu = n * 2 * s.Im, sh = s.Is > 0 ? s.T * s.D : 0;
+    ids = n, counts = s.E, offsets = s.E + 1, tiles = s.E + 1, rows = n, slot_of = n;
+    experts_act = n * s.Im, shared_gu = s.Is > 0 ? s.T * 2 * s.Is : 0, shared_act = s.Is > 0 ? s.T * s.Is : 0;
+  }
+  /// The routing and the experts' outputs live throughout; then the experts' gate | up and act, then
+  /// the shared expert's output with its gate | up and act.
+  int64_t peak_bytes() const {
+    const int64_t base = 4 * (logits + wts + y) + 4 * (ids + counts + offsets + tiles + rows + slot_of);
+    return base + std::max(4 * experts_gu + 2 * experts_act, 4 * sh + 2 * (shared_gu + shared_act));
+  }
+};
+}  // namespace
+
+int64_t moe_ffn_workspace_bytes(const MoeShape& s) { return s.T <= 0 ? 0 : MoeTemps(s).peak_bytes(); }
+
 void moe_ffn_forward(GemmContext& gemm, const MoeShape& s, const MoeWeightsGpu& w, const bf16* h, float* x) {
   check_experts(s.E, s.k, "moe_ffn_forward");
   if (s.T <= 0) return;
@@ -273,25 +298,26 @@ void moe_ffn_forward(GemmContext& gemm, const MoeShape& s, const MoeWeightsGpu& 
                                 " expert rows: run fewer tokens per forward");
   cudaStream_t st = gemm.stream();
   const int64_t T = s.T, D = s.D, Im = s.Im, Is = s.Is, n = T * s.k, ld = s.E + (Is > 0 ? 1 : 0);
-  StreamBuffer<float> logits(size_t(T * ld), st), wts(size_t(n), st);
+  const MoeTemps z(s);
+  StreamBuffer<float> logits(size_t(z.logits), st), wts(size_t(z.wts), st);
   gemm.gemm({T, ld, D, false, true}, h, w.router, logits.data());  // router and shared gate logits
-  StreamBuffer<int32_t> ids(size_t(n), st), counts(size_t(s.E), st), offsets(size_t(s.E) + 1, st),
-      tiles(size_t(s.E) + 1, st), rows(size_t(n), st), slot_of(size_t(n), st);
+  StreamBuffer<int32_t> ids(size_t(z.ids), st), counts(size_t(z.counts), st), offsets(size_t(z.offsets), st),
+      tiles(size_t(z.tiles), st), rows(size_t(z.rows), st), slot_of(size_t(z.slot_of), st);
   DFLASH_CUDA_CHECK(cudaMemsetAsync(counts.data(), 0, size_t(s.E) * 4, st));
   moe_route(logits.data(), ld, T, s.E, s.k, s.norm_topk_prob, ids.data(), wts.data(), counts.data(), st);
   moe_permute(ids.data(), counts.data(), T, s.E, s.k, offsets.data(), tiles.data(), rows.data(), slot_of.data(), st);
-  StreamBuffer<float> y(size_t(n * D), st);
+  StreamBuffer<float> y(size_t(z.y), st);
   {
-    StreamBuffer<float> gu(size_t(n * 2 * Im), st);
+    StreamBuffer<float> gu(size_t(z.experts_gu), st);
     grouped_gemm(h, rows.data(), w.gate_up, offsets.data(), tiles.data(), s.E, n, 2 * Im, D, gu.data(), st);
-    StreamBuffer<bf16> act(size_t(n * Im), st);
+    StreamBuffer<bf16> act(size_t(z.experts_act), st);
     expert_swiglu_kernel<<<grid_for(n * Im), 256, 0, st>>>(gu.data(), n, Im, act.data());
     DFLASH_CUDA_CHECK_LAUNCH();
     grouped_gemm(act.data(), nullptr, w.down, offsets.data(), tiles.data(), s.E, n, D, Im, y.data(), st);
   }
-  StreamBuffer<float> sh(Is > 0 ? size_t(T * D) : 0, st);
+  StreamBuffer<float> sh(size_t(z.sh), st);
   if (Is > 0) {
-    StreamBuffer<bf16> gu(size_t(T * 2 * Is), st), act(size_t(T * Is), st);
+    StreamBuffer<bf16> gu(size_t(z.shared_gu), st), act(size_t(z.shared_act), st);
     gemm.gemm({T, 2 * Is, D, false, true}, h, w.shared_gate_up, gu.data());
     swiglu_forward(gu.data(), T, Is, act.data(), st);
     gemm.gemm({T, D, Is, false, true}, act.data(), w.shared_down_proj, sh.data());

@@ -67,4 +67,8 @@ struct MoeWeightsGpu {
 /// Throws as the functions above, std::runtime_error on CUDA / cuBLASLt errors.
 void moe_ffn_forward(GemmContext& gemm, const MoeShape& s, const MoeWeightsGpu& w, const bf16* h, float* x);
 
+/// The most moe_ffn_forward holds in temporaries at once for shapes `s` (bytes): the routing, the
+/// experts' outputs and the larger of the experts' gate | up products and the shared expert's.
+int64_t moe_ffn_workspace_bytes(const MoeShape& s);
+
 }  // namespace dflash::cuda

@@ -1,0 +1,55 @@
+#include "train/cuda/memory_plan.h"
+
+#include <fmt/core.h>
+
+#include <algorithm>
+
+#include "models/cuda/drafter_gpu.h"
+#include "models/cuda/target_gpu.h"
+
+namespace dflash {
+
+MemoryPlan plan_memory(const DrafterConfig& dc, const ModelSpec& ts, int64_t S, int64_t anchors, bool recompute,
+                       int64_t pack_tokens, int64_t pack_sequences, bool take_turns) {
+  MemoryPlan p;
+  const int64_t T = std::max(S, pack_tokens), K = int64_t(dc.target_layer_ids.size());
+  const int64_t last = *std::max_element(dc.target_layer_ids.begin(), dc.target_layer_ids.end());
+  p.target_weights = double(TargetGpu::weight_bytes(ts));
+  p.target_forward = double(TargetGpu::forward_taps_bytes(ts, T, std::max<int64_t>(1, pack_sequences), last));
+  p.drafter_state = double(DrafterGpu::state_bytes(dc, ts.vocab_size));
+  p.drafter_step = double(DrafterGpu::step_bytes(dc, ts.vocab_size, S, anchors, recompute));
+  p.taps = 2.0 * double(T * K * dc.hidden_size);
+  p.sample_taps = 2.0 * double(S * K * dc.hidden_size);
+  p.taps_in_flight = take_turns ? 1 : 3;
+  p.take_turns = take_turns;
+  return p;
+}
+
+double MemoryPlan::on_gpu(bool target_here, bool drafter_here) const {
+  const double packs = taps * double(taps_in_flight);
+  if (target_here && drafter_here)
+    return target_weights + drafter_state + packs +
+           (take_turns ? std::max(target_forward, drafter_step) : target_forward + drafter_step);
+  if (target_here) return target_weights + target_forward + packs;
+  return drafter_here ? drafter_state + drafter_step + sample_taps : 0;
+}
+
+std::string memory_refusal(const MemoryPlan& p, bool target_here, bool drafter_here, int gpu, double free_b,
+                           const std::string& shrink) {
+  const double need_b = p.on_gpu(target_here, drafter_here);
+  if (!(free_b > 0) || need_b <= 0.95 * free_b) return "";
+  std::string knob;
+  if (target_here && drafter_here && p.target_weights + p.drafter_state > 0.95 * free_b)
+    knob = "the target and the drafter's state alone do not fit one GPU together: put them on separate GPUs "
+           "(--target-gpus / --drafter-gpus, e.g. --target-gpus 0 --drafter-gpus 1) or use a GPU with more memory";
+  else if (drafter_here)
+    knob = shrink + " (the activations scale with them)" +
+           (target_here ? ", put the target and the drafter on separate GPUs (--target-gpus / --drafter-gpus)" : "") +
+           ", or use a GPU with more memory";
+  else
+    knob = "the target does not fit: use a GPU with more memory";
+  return fmt::format("this run needs about {:.1f} GB on cuda:{} but {:.1f} GB are free: {}", need_b / 1e9, gpu,
+                     free_b / 1e9, knob);
+}
+
+}  // namespace dflash
