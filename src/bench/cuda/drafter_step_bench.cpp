@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "bench/cuda/bench_util.h"
+#include "train/cuda/memory_plan.h"
 #include "bench/presets.h"
 #include "models/cuda/drafter_gpu.h"
 #include "ops/cuda/elementwise.h"
@@ -89,9 +90,9 @@ int run_drafter_step_bench(const DrafterStepBenchOptions& o) {
                                 {"gemm_sustained_shapes", sg.shapes},
                                 {"gemm_sustained_plus_optimizer_ms", sg.ms + stages["optimizer"].get<double>()},
                                 {"power", power_json(power)}, {"peak_parts", mem.parts()},
-                                {"planned_gb", double(DrafterGpu::state_bytes(c, p.V) +
-                                                      DrafterGpu::step_bytes(c, p.V, S, seq.num_blocks, o.recompute) +
-                                                      2 * int64_t(taps.size())) / 1e9},
+                                {"planned_gb", (double(DrafterGpu::state_bytes(c, p.V) + 2 * int64_t(taps.size())) +
+                                                pool_reserved(double(DrafterGpu::step_bytes(c, p.V, S, seq.num_blocks,
+                                                                                            o.recompute)))) / 1e9},
                                 {"what", "zero_grads + forward + backward + clip + AdamW"}};
   fmt::print("bench drafter-step: the GPU during the timed steps: {}\n", power.words());
   emit_bench_records("drafter-step", o.recompute ? o.preset + "+recompute" : o.preset,

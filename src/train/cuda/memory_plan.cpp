@@ -3,6 +3,7 @@
 #include <fmt/core.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "models/cuda/drafter_gpu.h"
 #include "models/cuda/target_gpu.h"
@@ -25,13 +26,19 @@ MemoryPlan plan_memory(const DrafterConfig& dc, const ModelSpec& ts, int64_t S, 
   return p;
 }
 
+double pool_reserved(double bytes) {
+  constexpr double kGranule = double(int64_t(32) << 20);
+  return std::ceil(bytes / kGranule) * kGranule;
+}
+
 double MemoryPlan::on_gpu(bool target_here, bool drafter_here) const {
+  // (The taps come from the pool too; a run's own buffers are what it adds up.)
   const double packs = taps * double(taps_in_flight);
   if (target_here && drafter_here)
-    return target_weights + drafter_state + packs +
-           (take_turns ? std::max(target_forward, drafter_step) : target_forward + drafter_step);
-  if (target_here) return target_weights + target_forward + packs;
-  return drafter_here ? drafter_state + drafter_step + sample_taps : 0;
+    return target_weights + drafter_state +
+           pool_reserved(packs + (take_turns ? std::max(target_forward, drafter_step) : target_forward + drafter_step));
+  if (target_here) return target_weights + pool_reserved(target_forward + packs);
+  return drafter_here ? drafter_state + pool_reserved(drafter_step + sample_taps) : 0;
 }
 
 std::string memory_refusal(const MemoryPlan& p, bool target_here, bool drafter_here, int gpu, double free_b,

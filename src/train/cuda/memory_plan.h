@@ -23,9 +23,14 @@ struct MemoryPlan {
   /// Target and drafter on one GPU take turns (a single GPU: forward, then the steps); with several
   /// GPUs each replica runs on its own thread, so a colocated GPU holds both at once.
   bool take_turns = true;
-  /// What one GPU holds: the target's part, the drafter's, or both (colocated).
+  /// What one GPU holds: the target's part, the drafter's, or both (colocated): the constructors'
+  /// allocations and the taps, then what the pool reserves for the forwards' and steps' buffers.
   double on_gpu(bool target_here, bool drafter_here) const;
 };
+
+/// The device memory the stream-ordered pool reserves to serve `bytes` of live allocations: it grows
+/// in 32 MiB granules (every high-water mark the benchmarks measured is a multiple of 32 MiB).
+double pool_reserved(double bytes);
 
 /// The plan for samples of up to S tokens, `anchors` blocks of dc.block_size, the target packed up to
 /// pack_tokens tokens per forward in at most pack_sequences sequences; recompute: only each draft
