@@ -33,6 +33,8 @@ void add_train(CLI::App& app, Runner& run) {
   static std::string config_file;
   static bool dump = false;
   static int64_t mask_id = -1;
+  static std::string layer_types, rope_scaling;
+  static int64_t heads = 0, kv_heads = 0, head_dim = 0, intermediate = 0;
   cmd->add_option("--config", config_file, "JSON file with any of the settings below (flags win)");
   cmd->add_flag("--dump-config", dump, "Print the resolved configuration as JSON and exit");
   cmd->add_option("--target", c.target, "Target model: checkpoint directory or .gguf");
@@ -62,6 +64,21 @@ void add_train(CLI::App& app, Runner& run) {
   cmd->add_option("--block-size", c.block_size, "Tokens drafted per block")->capture_default_str();
   cmd->add_option("--mask-token-id", mask_id, "Mask token id (default: <|MASK|>, a spare row or an unused special token)")
       ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--layer-types", layer_types,
+                  "Draft layer types, e.g. \"sliding_attention x4,full_attention\" (sets the layer count; default: "
+                  "full_attention for every layer)");
+  cmd->add_option("--sliding-window", c.sliding_window, "Window of the sliding layers (tokens, self included)");
+  cmd->add_option("--num-attention-heads", heads, "Draft attention heads (default: the target's; Qwen3.5 / 3.6: 32)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--num-key-value-heads", kv_heads, "Draft key / value heads (default: the target's; Qwen3.5 / 3.6: 8)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--head-dim", head_dim, "Draft head dim (default: the target's; Qwen3.5 / 3.6: 128)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--intermediate-size", intermediate, "Draft MLP width (default: the target's)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--rope-scaling", rope_scaling,
+                  "The drafter's rope_scaling as transformers reads it, JSON, e.g. "
+                  "'{\"rope_type\":\"yarn\",\"factor\":4.0,\"original_max_position_embeddings\":65536}'");
   cmd->add_option("--epochs", c.epochs, "Epochs over the data")->capture_default_str();
   cmd->add_option("--max-steps", c.max_steps, "Optimizer steps (0: by --epochs; more overrides --epochs)")->capture_default_str();
   cmd->add_option("--grad-accum", c.grad_accum, "Sequences per optimizer step")->capture_default_str();
@@ -97,6 +114,20 @@ void add_train(CLI::App& app, Runner& run) {
         if (flags.contains(key)) merged[key] = flags[key];
       }
       if (mask_id >= 0) merged["mask_token_id"] = mask_id;
+      if (!layer_types.empty()) {
+        merged["layer_types"] = parse_layer_types(layer_types);
+        if (cmd->get_option("--num-draft-layers")->count() == 0) merged["num_draft_layers"] = merged["layer_types"].size();
+      }
+      for (const auto& [v, key] : {std::pair{heads, "num_attention_heads"}, {kv_heads, "num_key_value_heads"},
+                                   {head_dim, "head_dim"}, {intermediate, "intermediate_size"}})
+        if (v > 0) merged[key] = v;
+      if (!rope_scaling.empty()) {
+        try {
+          merged["rope_scaling"] = nlohmann::json::parse(rope_scaling);
+        } catch (const nlohmann::json::exception& e) {
+          throw std::invalid_argument("--rope-scaling: not JSON (" + std::string(e.what()) + ")");
+        }
+      }
       cfg = train_config_from_json(merged, "command line");
       if (dump) {
         cfg.validate_values();

@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "io/hf_config.h"
+#include "ops/rope.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
 
@@ -19,6 +20,10 @@ std::vector<int64_t> default_target_layer_ids(int64_t L, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const double x = 1.0 + double(i) * double(L - 4) / double(n - 1);
     ids.push_back(int64_t(std::nearbyint(x)));  // FE_TONEAREST: half to even, as Python's round()
+    if (i > 0 && ids[size_t(i)] == ids[size_t(i) - 1])
+      throw std::invalid_argument("default_target_layer_ids: " + std::to_string(n) + " taps of a " + std::to_string(L) +
+                                  "-layer target would tap layer " + std::to_string(ids.back()) +
+                                  " twice: use at most " + std::to_string(L - 3) + " taps (--num-taps)");
   }
   return ids;
 }
@@ -47,6 +52,22 @@ bool is_stop(int64_t id, const std::vector<int64_t>& stops) {
 /// special token no text chat writes.
 constexpr int64_t kQwen35MaskTokenId = 248070;
 }  // namespace
+
+void check_drafter_fits(const DrafterConfig& d, const ModelSpec& t, const std::string& path) {
+  auto fail = [&](const std::string& why) {
+    throw std::invalid_argument(path + ": this drafter does not fit the target " + t.architecture + ": " + why);
+  };
+  if (d.hidden_size != t.hidden_size)
+    fail("hidden_size " + std::to_string(d.hidden_size) + " vs the target's " + std::to_string(t.hidden_size));
+  if (d.vocab_size != t.vocab_size)
+    fail("vocab_size " + std::to_string(d.vocab_size) + " vs the target's " + std::to_string(t.vocab_size));
+  if (d.mask_token_id < 0 || d.mask_token_id >= t.vocab_size)
+    fail("mask_token_id " + std::to_string(d.mask_token_id) + " is outside the vocabulary");
+  for (int64_t id : d.target_layer_ids)
+    if (id < 0 || id >= t.num_hidden_layers)
+      fail("target layer id " + std::to_string(id) + " is outside the target's " +
+           std::to_string(t.num_hidden_layers) + " layers");
+}
 
 void check_mask_token(int64_t id, const ModelSpec& target, const Tokenizer& tok, const std::string& where) {
   if (is_stop(id, stop_ids(target, &tok)))
@@ -124,6 +145,20 @@ void DrafterConfig::validate(const std::string& where) const {
     fail("partial_rotary_factor " + std::to_string(rope.partial_rotary_factor) + ": a DFlash drafter rotates its whole head_dim");
   if (rope.type != "default" && rope.type != "llama3" && rope.type != "yarn")
     fail("rope type '" + rope.type + "' is not supported (default, llama3, yarn)");
+  if (rope.type == "yarn") {
+    // SGLang and vLLM scale cos / sin by 0.1 ln(factor) + 1 and ignore attention_factor / mscale;
+    // transformers before 5 takes the factor from max_position_embeddings / original_max_position_embeddings.
+    RopeSpec plain = rope;
+    plain.attention_factor = 0, plain.mscale = 0, plain.mscale_all_dim = 0;
+    if (std::abs(cpu::rope_attention_factor(rope) - cpu::rope_attention_factor(plain)) > 1e-12)
+      fail("rope_scaling: a yarn attention_factor / mscale other than 0.1 ln(factor) + 1 (" +
+           std::to_string(cpu::rope_attention_factor(rope)) + "): SGLang and vLLM ignore it and would serve the "
+           "drafter with another scale");
+    if (std::abs(double(max_position_embeddings) - rope.factor * double(rope.original_max_position_embeddings)) >= 1)
+      fail("rope_scaling: yarn factor " + std::to_string(rope.factor) + " x original_max_position_embeddings " +
+           std::to_string(rope.original_max_position_embeddings) + " is not max_position_embeddings " +
+           std::to_string(max_position_embeddings) + ": transformers versions read the factor differently");
+  }
 }
 
 bool DrafterConfig::is_sliding(int64_t layer) const {
@@ -144,6 +179,12 @@ DrafterConfig derive_drafter_config(const ModelSpec& t, const Tokenizer* tok, co
   c.rms_norm_eps = t.rms_norm_eps;
   c.vocab_size = t.vocab_size;
   if (t.max_position_embeddings > 0) c.max_position_embeddings = t.max_position_embeddings;
+  if (!o.rope_scaling.is_null()) {  // read as config.json's rope_scaling is
+    hf::DenseDefaults rd;
+    rd.rope_theta = c.rope.theta;
+    hf::read_rope({{"rope_scaling", o.rope_scaling}, {"max_position_embeddings", c.max_position_embeddings}}, c.rope,
+                  rd, "rope scaling");
+  }
   c.block_size = o.block_size.value_or(16);
   c.num_target_layers = t.num_hidden_layers;
   if (o.target_layer_ids) {
@@ -163,7 +204,14 @@ DrafterConfig derive_drafter_config(const ModelSpec& t, const Tokenizer* tok, co
     throw std::invalid_argument("drafter config: mask_token_id " + std::to_string(c.mask_token_id) +
                                 " is an EOS id of the target; choose another id");
   c.sliding_window = o.sliding_window.value_or(0);
-  c.layer_types.assign(size_t(c.num_hidden_layers), "full_attention");
+  if (!o.layer_types.empty()) {
+    if (o.num_hidden_layers && *o.num_hidden_layers != int64_t(o.layer_types.size()))
+      throw std::invalid_argument("layer types list " + std::to_string(o.layer_types.size()) + " layers, but " +
+                                  std::to_string(*o.num_hidden_layers) + " draft layers are asked for");
+    c.num_hidden_layers = int64_t(o.layer_types.size());
+  }
+  c.layer_types = o.layer_types.empty() ? std::vector<std::string>(size_t(c.num_hidden_layers), "full_attention")
+                                        : o.layer_types;
   for (int64_t i : o.sliding_layers) {
     if (i < 0 || i >= c.num_hidden_layers) throw std::invalid_argument("sliding layer " + std::to_string(i) + " does not exist");
     c.layer_types[size_t(i)] = "sliding_attention";
@@ -268,7 +316,15 @@ DrafterConfig drafter_config_from_json(const nlohmann::json& j, const std::strin
   }
   hf::DenseDefaults rd;
   rd.rope_theta = 1e6;  // vLLM's default for a drafter without rope_theta
-  hf::read_rope(j, c.rope, rd, where);
+  nlohmann::json rj = j;  // (yarn's pretrained length falls back to max_position_embeddings, default 32768)
+  if (!has(rj, "max_position_embeddings")) rj["max_position_embeddings"] = c.max_position_embeddings;
+  hf::read_rope(rj, c.rope, rd, where);
+  for (const char* key : {"rope_scaling", "rope_parameters"})  // the servers' own yarn knobs, which transformers lacks
+    if (j.contains(key) && j[key].is_object())
+      for (const char* knob : {"attn_factor", "extrapolation_factor"})
+        if (j[key].contains(knob) && !(j[key][knob].is_number() && j[key][knob].get<double>() == 1.0))
+          fail(std::string(key) + "." + knob + " " + j[key][knob].dump() +
+               ": the servers read it and transformers does not; only 1 is served alike");
   c.rms_norm_eps = j.value("rms_norm_eps", 1e-6);
   if (j.contains("max_position_embeddings") && !j["max_position_embeddings"].is_null())
     c.max_position_embeddings = req(j, "max_position_embeddings");

@@ -59,7 +59,16 @@ struct DrafterOverrides {
   std::optional<std::vector<int64_t>> target_layer_ids;
   /// Indices of drafter layers that use sliding-window attention (needs sliding_window).
   std::vector<int64_t> sliding_layers;
+  /// Every layer's type ("full_attention" / "sliding_attention"); sets the layer count (a
+  /// num_hidden_layers that disagrees throws).
+  std::vector<std::string> layer_types;
+  /// rope_scaling as transformers reads it (null: none), over the rope theta.
+  nlohmann::json rope_scaling;
 };
+
+/// Checks that a drafter fits a target before any work: hidden size, vocabulary (mask_token_id inside
+/// it), target_layer_ids within the target's layers. Throws std::invalid_argument naming both.
+void check_drafter_fits(const DrafterConfig& d, const ModelSpec& target, const std::string& drafter_path);
 
 /// dflash.md's default taps for a target of `num_target_layers` layers and `n` taps:
 /// n == 1 -> [L / 2] (for L = 2: [0], never the last layer); else round(1 + i * (L - 4) / (n - 1)), i = 0..n-1 (Python's round: half to even).

@@ -115,20 +115,4 @@ std::unique_ptr<BlockDrafter> make_cpu_drafter(const DrafterConfig& cfg, Drafter
   return std::make_unique<CpuDrafter>(cfg, std::move(weights), embed, lm_head);
 }
 
-void check_drafter_fits(const DrafterConfig& d, const ModelSpec& t, const std::string& path) {
-  auto fail = [&](const std::string& why) {
-    throw std::invalid_argument(path + ": this drafter does not fit the target " + t.architecture + ": " + why);
-  };
-  if (d.hidden_size != t.hidden_size)
-    fail("hidden_size " + std::to_string(d.hidden_size) + " vs the target's " + std::to_string(t.hidden_size));
-  if (d.vocab_size != t.vocab_size)
-    fail("vocab_size " + std::to_string(d.vocab_size) + " vs the target's " + std::to_string(t.vocab_size));
-  if (d.mask_token_id < 0 || d.mask_token_id >= t.vocab_size)
-    fail("mask_token_id " + std::to_string(d.mask_token_id) + " is outside the vocabulary");
-  for (int64_t id : d.target_layer_ids)
-    if (id < 0 || id >= t.num_hidden_layers)
-      fail("target layer id " + std::to_string(id) + " is outside the target's " +
-           std::to_string(t.num_hidden_layers) + " layers");
-}
-
 }  // namespace dflash

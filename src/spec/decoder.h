@@ -98,8 +98,5 @@ std::vector<DecodeOutput> split_feed_output(const ForwardOutput& f, const std::v
                                             const std::vector<int64_t>& tap_layer_ids,
                                             const std::vector<int32_t>* argmax, bool logits);
 
-/// Checks that a drafter fits a target before any work: hidden size, vocabulary (mask_token_id inside
-/// it) and target_layer_ids within the target's layers. Throws std::invalid_argument naming both.
-void check_drafter_fits(const DrafterConfig& d, const ModelSpec& target, const std::string& drafter_path);
 
 }  // namespace dflash

@@ -250,23 +250,45 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
   ov.num_taps = c.num_taps;
   if (c.mask_token_id) ov.mask_token_id = *c.mask_token_id;
   if (!c.target_layer_ids.empty()) ov.target_layer_ids = c.target_layer_ids;
-  if (!tok && !c.mask_token_id)
-    throw std::runtime_error(c.target + ": no tokenizer to choose the mask token from; pass --tokenizer or --mask-token-id");
-  const DrafterConfig dc = derive_drafter_config(target->spec(), tok.get(), ov);
+  ov.layer_types = c.layer_types;
+  if (c.sliding_window > 0) ov.sliding_window = c.sliding_window;
+  ov.num_attention_heads = c.num_attention_heads, ov.num_key_value_heads = c.num_key_value_heads;
+  ov.head_dim = c.head_dim, ov.intermediate_size = c.intermediate_size;
+  ov.rope_scaling = c.rope_scaling;
+  DrafterConfig dc;
   DrafterWeights<float> w0;
   if (!c.init_from.empty()) {
-    DrafterConfig ic;
-    w0 = load_drafter_weights<float>(c.init_from, &ic);
-    const nlohmann::json a = drafter_config_to_json(ic), b = drafter_config_to_json(dc);
+    // The checkpoint's drafter, whatever its layout, if it fits this target; the layout flags this
+    // run sets must agree with it.
+    w0 = load_drafter_weights<float>(c.init_from, &dc);
+    if (dc.mask_token_id < 0 && tok) resolve_mask_token_id(dc, *tok, c.init_from);
+    check_drafter_fits(dc, target->spec(), "--init-from " + c.init_from);
     std::string diff;
-    for (auto it = b.begin(); it != b.end(); ++it)
-      if (!a.contains(it.key()) || a[it.key()] != it.value())
-        diff += (diff.empty() ? "" : ", ") + it.key() + " " + (a.contains(it.key()) ? a[it.key()].dump() : "?") +
-                " (this run: " + it.value().dump() + ")";
+    auto differs = [&](bool set, const std::string& what, const nlohmann::json& theirs, const nlohmann::json& ours) {
+      if (set && theirs != ours) diff += (diff.empty() ? "" : ", ") + what + " " + theirs.dump() + " (this run: " + ours.dump() + ")";
+    };
+    differs(!c.layer_types.empty(), "layer_types", dc.layer_types, c.layer_types);
+    differs(c.sliding_window > 0, "sliding_window", dc.sliding_window, c.sliding_window);
+    differs(bool(c.num_attention_heads), "num_attention_heads", dc.num_attention_heads, c.num_attention_heads.value_or(0));
+    differs(bool(c.num_key_value_heads), "num_key_value_heads", dc.num_key_value_heads, c.num_key_value_heads.value_or(0));
+    differs(bool(c.head_dim), "head_dim", dc.head_dim, c.head_dim.value_or(0));
+    differs(bool(c.intermediate_size), "intermediate_size", dc.intermediate_size, c.intermediate_size.value_or(0));
+    differs(!c.target_layer_ids.empty(), "target_layer_ids", dc.target_layer_ids, c.target_layer_ids);
+    differs(bool(c.mask_token_id), "mask_token_id", dc.mask_token_id, c.mask_token_id.value_or(-1));
+    differs(c.block_size != TrainConfig{}.block_size, "block_size", dc.block_size, c.block_size);
+    differs(c.num_draft_layers != TrainConfig{}.num_draft_layers && c.layer_types.empty(), "num_hidden_layers",
+            dc.num_hidden_layers, c.num_draft_layers);
     if (!diff.empty())
-      throw std::runtime_error("--init-from " + c.init_from + ": its drafter differs from the one this run derives: " +
-                               diff + "; set the run's flags to match");
+      throw std::runtime_error("--init-from " + c.init_from + ": its drafter differs from what this run's flags ask: " +
+                               diff + "; leave those flags out to train the checkpoint's drafter as it is");
+    fmt::print("train: --init-from {}: its drafter as it is: {} layers ({}), heads {} / {} x {}, taps {}, block {}, "
+               "mask token {}\n", c.init_from, dc.num_hidden_layers, nlohmann::json(dc.layer_types).dump(),
+               dc.num_attention_heads, dc.num_key_value_heads, dc.head_dim, nlohmann::json(dc.target_layer_ids).dump(),
+               dc.block_size, dc.mask_token_id);
   } else {
+    if (!tok && !c.mask_token_id)
+      throw std::runtime_error(c.target + ": no tokenizer to choose the mask token from; pass --tokenizer or --mask-token-id");
+    dc = derive_drafter_config(target->spec(), tok.get(), ov);
     w0 = init_drafter_weights(dc, c.seed);
   }
 

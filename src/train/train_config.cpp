@@ -1,5 +1,6 @@
 #include "train/train_config.h"
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <stdexcept>
@@ -39,6 +40,18 @@ void TrainConfig::validate_values() const {
     }
   }
   need(!mask_token_id || *mask_token_id >= 0, "mask_token_id must be >= 0");
+  need(layer_types.empty() || int64_t(layer_types.size()) == num_draft_layers,
+       "layer_types lists " + std::to_string(layer_types.size()) + " layers but num_draft_layers is " +
+           std::to_string(num_draft_layers));
+  for (const std::string& t : layer_types)
+    need(t == "full_attention" || t == "sliding_attention",
+         "layer_types: unknown type '" + t + "' (full_attention, sliding_attention)");
+  need(sliding_window >= 0, "sliding_window must be >= 0");
+  for (const auto& [v, name] : {std::pair{&num_attention_heads, "num_attention_heads"},
+                                {&num_key_value_heads, "num_key_value_heads"}, {&head_dim, "head_dim"},
+                                {&intermediate_size, "intermediate_size"}})
+    need(!*v || **v >= 1, std::string(name) + " must be >= 1");
+  need(rope_scaling.is_null() || rope_scaling.is_object(), "rope_scaling must be null or an object");
   need(max_length >= 2, "max_length must be >= 2");
   need(num_draft_layers >= 1, "num_draft_layers must be >= 1");
   need(num_taps >= 1, "num_taps must be >= 1");
@@ -61,6 +74,39 @@ void TrainConfig::validate_values() const {
   need(steps_this_run >= 0, "steps_this_run must be >= 0");
 }
 
+std::vector<std::string> parse_layer_types(const std::string& s) {
+  std::vector<std::string> r;
+  size_t at = 0;
+  while (at <= s.size()) {
+    const size_t end = std::min(s.find(',', at), s.size());
+    std::string item = s.substr(at, end - at);
+    item.erase(0, item.find_first_not_of(' '));
+    item.erase(item.find_last_not_of(' ') + 1);
+    int64_t n = 1;
+    if (const size_t x = item.find(" x"); x != std::string::npos) {
+      const std::string count = item.substr(x + 2);
+      if (count.empty() || count.find_first_not_of("0123456789") != std::string::npos || count.size() > 3 ||
+          std::stoll(count) < 1)
+        throw std::invalid_argument("layer types: '" + item + "': the count after x must be a number from 1 to 999");
+      n = std::stoll(count);
+      item.erase(x);
+    }
+    if (item != "full_attention" && item != "sliding_attention")
+      throw std::invalid_argument("layer types: unknown type '" + item + "' (full_attention, sliding_attention; "
+                                  "e.g. \"sliding_attention x4,full_attention\")");
+    r.insert(r.end(), size_t(n), item);
+    at = end + 1;
+  }
+  return r;
+}
+
+namespace {
+nlohmann::json optional_json(const std::optional<int64_t>& v) { return v ? nlohmann::json(*v) : nlohmann::json(nullptr); }
+std::optional<int64_t> optional_int(const nlohmann::json& v) {
+  return v.is_null() ? std::nullopt : std::optional<int64_t>(v.get<int64_t>());
+}
+}  // namespace
+
 nlohmann::json to_json(const TrainConfig& c) {
   return {{"target", c.target},
           {"data", c.data},
@@ -80,7 +126,14 @@ nlohmann::json to_json(const TrainConfig& c) {
           {"num_taps", c.num_taps},
           {"block_size", c.block_size},
           {"target_layer_ids", c.target_layer_ids},
-          {"mask_token_id", c.mask_token_id ? nlohmann::json(*c.mask_token_id) : nlohmann::json(nullptr)},
+          {"mask_token_id", optional_json(c.mask_token_id)},
+          {"layer_types", c.layer_types},
+          {"sliding_window", c.sliding_window},
+          {"num_attention_heads", optional_json(c.num_attention_heads)},
+          {"num_key_value_heads", optional_json(c.num_key_value_heads)},
+          {"head_dim", optional_json(c.head_dim)},
+          {"intermediate_size", optional_json(c.intermediate_size)},
+          {"rope_scaling", c.rope_scaling},
           {"epochs", c.epochs},
           {"max_steps", c.max_steps},
           {"grad_accum", c.grad_accum},
@@ -125,7 +178,11 @@ TrainConfig train_config_from_json(const nlohmann::json& j, const std::string& w
         if (!x.is_string()) return false;
       return true;
     };
-    const bool ok = k == "mask_token_id" ? (v.is_null() || v.is_number_integer())
+    const bool optional = k == "mask_token_id" || k == "num_attention_heads" || k == "num_key_value_heads" ||
+                          k == "head_dim" || k == "intermediate_size";
+    const bool ok = optional ? (v.is_null() || v.is_number_integer())
+                    : k == "layer_types"  ? (v.is_array() && all_strings(v))
+                    : k == "rope_scaling" ? (v.is_null() || v.is_object())
                     : k == "seed"        ? v.is_number_unsigned()
                     : k == "target_layer_ids" ? (v.is_array() && all_ints(v))
                     : k == "gpus" || k == "target_gpus" || k == "drafter_gpus" ? (v.is_array() && all_device_ids(v))
@@ -146,7 +203,16 @@ TrainConfig train_config_from_json(const nlohmann::json& j, const std::string& w
     c.shuffle = all["shuffle"], c.seed = all["seed"], c.num_draft_layers = all["num_draft_layers"];
     c.num_taps = all["num_taps"], c.block_size = all["block_size"];
     c.target_layer_ids = all["target_layer_ids"].get<std::vector<int64_t>>();
-    c.mask_token_id = all["mask_token_id"].is_null() ? std::nullopt : std::optional<int64_t>(all["mask_token_id"].get<int64_t>());
+    c.mask_token_id = optional_int(all["mask_token_id"]);
+    c.layer_types = all["layer_types"].get<std::vector<std::string>>();
+    // the layer count follows layer_types when only they are given
+    if (j.contains("layer_types") && !c.layer_types.empty() && !j.contains("num_draft_layers"))
+      c.num_draft_layers = int64_t(c.layer_types.size());
+    c.sliding_window = all["sliding_window"];
+    c.num_attention_heads = optional_int(all["num_attention_heads"]);
+    c.num_key_value_heads = optional_int(all["num_key_value_heads"]);
+    c.head_dim = optional_int(all["head_dim"]), c.intermediate_size = optional_int(all["intermediate_size"]);
+    c.rope_scaling = all["rope_scaling"];
     c.epochs = all["epochs"], c.max_steps = all["max_steps"], c.grad_accum = all["grad_accum"];
     c.num_anchors = all["num_anchors"], c.lr = all["lr"], c.warmup_ratio = all["warmup_ratio"];
     c.recompute = all["recompute"];

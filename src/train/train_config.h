@@ -29,6 +29,11 @@ struct TrainConfig {
   int64_t num_draft_layers = 5, num_taps = 5, block_size = 16;
   std::vector<int64_t> target_layer_ids;  // empty: the doc's default for num_taps
   std::optional<int64_t> mask_token_id;   // default: <|MASK|>, a spare row or an unused special token
+  // drafter layout (unset: from the target as dflash.md says)
+  std::vector<std::string> layer_types;   // one per draft layer, "full_attention" / "sliding_attention"
+  int64_t sliding_window = 0;             // the sliding layers' window (tokens, self included)
+  std::optional<int64_t> num_attention_heads, num_key_value_heads, head_dim, intermediate_size;
+  nlohmann::json rope_scaling;            // null, or rope_scaling as transformers reads it (yarn, llama3)
   // optimization
   int64_t epochs = 6, max_steps = 0;      // max_steps > 0 overrides epochs
   int64_t grad_accum = 1, num_anchors = 512;
@@ -53,6 +58,10 @@ struct TrainConfig {
 
 /// gamma of the loss decay for block size B: 7 for 16, 5 for 10, 4 for 8 (dflash.md), else 7 * B / 16.
 double default_gamma(int64_t block_size);
+
+/// Draft layer types from the compact form "sliding_attention x4,full_attention" (comma-separated,
+/// "TYPE xN" repeats a type N times). Throws std::invalid_argument naming an unknown type or count.
+std::vector<std::string> parse_layer_types(const std::string& s);
 
 /// The configuration as JSON (every field).
 nlohmann::json to_json(const TrainConfig& c);

@@ -17,6 +17,7 @@
 
 #include "io/json_file.h"
 #include "text/packed.h"
+#include "train/train_config.h"
 #include "test_util.h"
 
 using namespace dflash;
@@ -384,4 +385,58 @@ TEST(TrainCli, ResourceLimitsAreClearErrorsBeforeAnyStep) {
             0);
   EXPECT_NE(log.find("target layer id 9 is outside the target's 3 layers"), std::string::npos) << log;
   for (const char* o : {"o1", "o2", "o3"}) EXPECT_FALSE(fs::exists(r.tmp / o / "checkpoints")) << o;
+}
+
+TEST(TrainCli, DrafterLayoutFlagsAndInitFromAnyLayout) {
+  EXPECT_EQ(parse_layer_types("sliding_attention x2, full_attention"),
+            (std::vector<std::string>{"sliding_attention", "sliding_attention", "full_attention"}));
+  EXPECT_THROW(parse_layer_types("sliding x2"), std::invalid_argument);
+  EXPECT_THROW(parse_layer_types("full_attention x0"), std::invalid_argument);
+  // layer_types alone sets the layer count; both given must agree.
+  EXPECT_EQ(train_config_from_json({{"layer_types", {"full_attention", "full_attention"}}}, "cfg").num_draft_layers, 2);
+  TrainConfig bad = train_config_from_json({{"layer_types", {"full_attention"}}, {"num_draft_layers", 3}}, "cfg");
+  EXPECT_THROW(bad.validate_values(), std::invalid_argument);
+
+  TinyTrain r;
+  const fs::path out = r.tmp / "sliding";
+  std::string log;
+  // A published-style layout: sliding layers and a full one, its own head shape, yarn RoPE.
+  const std::string layout = "--layer-types \"sliding_attention x2,full_attention\" --sliding-window 8 "
+                             "--num-attention-heads 4 --num-key-value-heads 2 --head-dim 16 --intermediate-size 48 "
+                             "--rope-scaling '{\"rope_type\":\"yarn\",\"factor\":4.0,\"original_max_position_embeddings\":64}'";
+  const std::string base = test::dflash_binary().string() + " train --target " +
+                           (test::fixtures_dir() / "qwen3").string() + " --data " + r.data.string() +
+                           " --mask-token-id 300 --num-taps 1 --num-anchors 8 --lr 3e-3 --block-size 4";
+  // --num-draft-layers 1 beside three layer types is refused, naming both.
+  EXPECT_NE(r.train(out, "--max-steps 10 " + layout, &log), 0);
+  EXPECT_NE(log.find("layer_types lists 3 layers but num_draft_layers is 1"), std::string::npos) << log;
+  ASSERT_EQ(test::run_command(base + " --out " + out.string() + " --max-steps 10 " + layout, &log), 0) << log;
+  const nlohmann::json cfg = read_json_file((out / "final" / "config.json").string());
+  EXPECT_EQ(cfg["num_hidden_layers"], 3);
+  EXPECT_EQ(cfg["layer_types"], (nlohmann::json{"sliding_attention", "sliding_attention", "full_attention"}));
+  EXPECT_EQ(cfg["sliding_window"], 8);
+  EXPECT_EQ(cfg["use_sliding_window"], true);
+  EXPECT_EQ(cfg["num_key_value_heads"], 2);
+  EXPECT_EQ(cfg["head_dim"], 16);
+  EXPECT_EQ(cfg["intermediate_size"], 48);
+  EXPECT_EQ(cfg["rope_scaling"]["rope_type"], "yarn");
+  // vLLM needs its second runner for the mixed layers: the printed command says so.
+  EXPECT_NE(log.find("VLLM_USE_V2_MODEL_RUNNER=1 vllm serve"), std::string::npos) << log;
+  // --init-from takes that drafter as it is when no flag asks for another layout...
+  const fs::path again = r.tmp / "again";
+  const std::string init = " --init-from " + (out / "final").string();
+  ASSERT_EQ(test::run_command(test::dflash_binary().string() + " train --target " +
+                                  (test::fixtures_dir() / "qwen3").string() + " --data " + r.data.string() +
+                                  " --out " + again.string() + " --num-anchors 8 --max-steps 5 --lr 3e-3" + init,
+                              &log),
+            0)
+      << log;  // (no --mask-token-id either: the checkpoint's)
+  EXPECT_NE(log.find("its drafter as it is: 3 layers"), std::string::npos) << log;
+  EXPECT_EQ(read_json_file((again / "final" / "config.json").string())["layer_types"], cfg["layer_types"]);
+  // ... and refuses a flag that asks for another layout, naming it.
+  EXPECT_NE(test::run_command(base + " --out " + (r.tmp / "conflict").string() +
+                                  " --max-steps 5 --num-key-value-heads 4" + init,
+                              &log),
+            0);
+  EXPECT_NE(log.find("num_key_value_heads 2 (this run: 4)"), std::string::npos) << log;
 }

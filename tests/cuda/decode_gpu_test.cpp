@@ -182,7 +182,8 @@ TEST(CudaDecode, GpuDrafterDraftsAsTheReference) {
     SCOPED_TRACE(scaled ? "yarn, causal" : "default RoPE");
     DrafterConfig cfg = derive_drafter_config(m->spec(), nullptr, ov);
     if (scaled) {  // yarn RoPE and every layer causal in its block (published configs' keys)
-      cfg.rope.type = "yarn", cfg.rope.factor = 4.0, cfg.rope.original_max_position_embeddings = 32;
+      cfg.rope.type = "yarn", cfg.rope.factor = 4.0;
+      cfg.rope.original_max_position_embeddings = cfg.max_position_embeddings / 4;
       cfg.causal = true;
     }
     const DrafterWeights<float> w = init_drafter_weights(cfg, 9, 0.2);  // larger weights: well separated logits

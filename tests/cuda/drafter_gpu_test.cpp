@@ -31,11 +31,11 @@ struct Tiny {
   Tensor taps, embed, lm_head;
   DrafterSequence<float> seq;
 
-  /// scaled: yarn RoPE (factor 4 over a pretrained length of 16) and every layer causal in its block
+  /// scaled: yarn RoPE (factor 4 over a pretrained length of 8192) and every layer causal in its block
   /// (dflash_config.causal), the semantics servers read from published configs.
   explicit Tiny(bool scaled = false) {
     if (scaled) {
-      cfg.rope.type = "yarn", cfg.rope.factor = 4.0, cfg.rope.original_max_position_embeddings = 16;
+      cfg.rope.type = "yarn", cfg.rope.factor = 4.0, cfg.rope.original_max_position_embeddings = 8192;
       cfg.causal = true;
     }
     cfg.hidden_size = 128, cfg.intermediate_size = 192, cfg.num_hidden_layers = 2;

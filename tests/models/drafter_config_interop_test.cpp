@@ -3,7 +3,10 @@
 // use_sliding_window; what no server would serve is refused; the Qwen3.5 / 3.6 mask token.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
+#include <tuple>
 
 #include "io/json_file.h"
 #include "models/drafter_config.h"
@@ -67,6 +70,26 @@ TEST(DrafterConfigInterop, RopeScalingIsReadAndWrittenBack) {
   j = base_config();
   j["partial_rotary_factor"] = 0.5;
   EXPECT_NE(error_of(j).find("partial_rotary_factor"), std::string::npos) << error_of(j);
+  // What the servers would serve otherwise than transformers: their own knobs, a scale of another
+  // form, a factor that transformers versions read differently.
+  const nlohmann::json yarn = {{"rope_type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 1024}};
+  for (const auto& [key, value, says] :
+       {std::tuple{"attn_factor", nlohmann::json(1.2), "rope_scaling.attn_factor 1.2"},
+        std::tuple{"extrapolation_factor", nlohmann::json(0.5), "rope_scaling.extrapolation_factor 0.5"},
+        std::tuple{"attention_factor", nlohmann::json(1.25), "SGLang and vLLM ignore it"},
+        std::tuple{"original_max_position_embeddings", nlohmann::json(2048), "transformers versions read the factor"}}) {
+    j = base_config();
+    j["rope_scaling"] = yarn;
+    j["rope_scaling"][key] = value;
+    EXPECT_NE(error_of(j).find(says), std::string::npos) << key << ": " << error_of(j);
+  }
+  j["rope_scaling"] = yarn;  // mscale and mscale_all_dim together change transformers' scale
+  j["rope_scaling"]["mscale"] = 1.0, j["rope_scaling"]["mscale_all_dim"] = 0.5;
+  EXPECT_NE(error_of(j).find("SGLang and vLLM ignore it"), std::string::npos) << error_of(j);
+  j["rope_scaling"] = yarn;
+  j["rope_scaling"]["attn_factor"] = 1.0;  // the servers' default: served alike
+  j["rope_scaling"]["attention_factor"] = 0.1 * std::log(4.0) + 1.0;  // transformers' derived value, given
+  EXPECT_EQ(error_of(j), "");
 }
 
 TEST(DrafterConfigInterop, BlockSizeInsideDflashConfig) {
@@ -163,11 +186,18 @@ TEST(DrafterConfigInterop, WhatNoServerWouldServeIsRefused) {
 }
 
 TEST(DrafterConfigInterop, DefaultTapsNeverTheLastLayer) {
+  // Taps that would repeat a layer say how many fit.
+  try {
+    default_target_layer_ids(6, 5);
+    FAIL() << "repeated taps accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("use at most 3 taps (--num-taps)"), std::string::npos) << e.what();
+  }
   EXPECT_EQ(default_target_layer_ids(2, 1), (std::vector<int64_t>{0}));
   EXPECT_EQ(default_target_layer_ids(3, 1), (std::vector<int64_t>{1}));
   EXPECT_THROW(default_target_layer_ids(1, 1), std::invalid_argument);
   for (int64_t L = 4; L <= 80; ++L)
-    for (int64_t n = 1; n <= 5; ++n) EXPECT_LT(default_target_layer_ids(L, n).back(), L - 1) << L << " " << n;
+    for (int64_t n = 1; n <= std::min<int64_t>(5, L - 3); ++n) EXPECT_LT(default_target_layer_ids(L, n).back(), L - 1) << L << " " << n;
 }
 
 namespace {

@@ -122,7 +122,7 @@ struct StepSizes {
     }
     const int64_t forward = resident_bytes() + held + 2 * saved(L - 1).out + final_norm_bytes() +
                             (recompute ? largest : 0);
-    return forward + std::max(cross_entropy_bytes(), backward().bytes());
+    return forward + std::max(cross_entropy_bytes(), 2 * Qf * d + backward().bytes());  // (dhf lives on)
   }
 };
 

@@ -120,19 +120,21 @@ LayerSizes layer_sizes(const ModelSpec& sp, int64_t i) {
 
 /// Throws std::logic_error when an uploaded layer's arrays differ from layer_sizes (the memory plan's).
 void check_layer_sizes(const LayerGpu& g, const LayerSizes& z, int64_t i) {
-  const std::pair<size_t, int64_t> arrays[] = {
-      {g.q.size(), z.q}, {g.q_gate.size(), z.q_gate}, {g.k.size(), z.k}, {g.v.size(), z.v}, {g.o.size(), z.o},
-      {g.gate_up.size(), z.gate_up}, {g.down.size(), z.down}, {g.in_proj.size(), z.in_proj}, {g.out.size(), z.out},
-      {g.router.size(), z.router}, {g.experts_gate_up.size(), z.experts_gate_up},
-      {g.experts_down.size(), z.experts_down}, {g.shared_gate_up.size(), z.shared_gate_up},
-      {g.shared_down.size(), z.shared_down}, {g.q_norm.size(), z.q_norm}, {g.k_norm.size(), z.k_norm},
-      {g.in_ln.size(), z.in_ln}, {g.post_ln.size(), z.post_ln}, {g.conv.size(), z.conv}, {g.A_log.size(), z.A_log},
-      {g.dt_bias.size(), z.dt_bias}, {g.gnorm.size(), z.gnorm}};
-  for (size_t a = 0; a < std::size(arrays); ++a)
-    if (int64_t(arrays[a].first) != arrays[a].second)
-      throw std::logic_error("TargetGpu: layer " + std::to_string(i) + " array " + std::to_string(a) + " holds " +
-                             std::to_string(arrays[a].first) + " elements, its size is " +
-                             std::to_string(arrays[a].second));
+  const std::tuple<const char*, size_t, int64_t> arrays[] = {
+      {"q_proj", g.q.size(), z.q}, {"q_proj (gate)", g.q_gate.size(), z.q_gate}, {"k_proj", g.k.size(), z.k},
+      {"v_proj", g.v.size(), z.v}, {"o_proj", g.o.size(), z.o}, {"gate_up_proj", g.gate_up.size(), z.gate_up},
+      {"down_proj", g.down.size(), z.down}, {"in_proj", g.in_proj.size(), z.in_proj}, {"out_proj", g.out.size(), z.out},
+      {"router", g.router.size(), z.router}, {"experts.gate_up_proj", g.experts_gate_up.size(), z.experts_gate_up},
+      {"experts.down_proj", g.experts_down.size(), z.experts_down},
+      {"shared_expert.gate_up_proj", g.shared_gate_up.size(), z.shared_gate_up},
+      {"shared_expert.down_proj", g.shared_down.size(), z.shared_down}, {"q_norm", g.q_norm.size(), z.q_norm},
+      {"k_norm", g.k_norm.size(), z.k_norm}, {"input_layernorm", g.in_ln.size(), z.in_ln},
+      {"post_attention_layernorm", g.post_ln.size(), z.post_ln}, {"conv1d", g.conv.size(), z.conv},
+      {"A_log", g.A_log.size(), z.A_log}, {"dt_bias", g.dt_bias.size(), z.dt_bias}, {"norm", g.gnorm.size(), z.gnorm}};
+  for (const auto& [name, held, size] : arrays)
+    if (int64_t(held) != size)
+      throw std::logic_error("TargetGpu: layer " + std::to_string(i) + "'s " + name + " holds " + std::to_string(held) +
+                             " elements, its size is " + std::to_string(size));
 }
 
 /// The cuBLASLt workspace of the target's GemmContext.

@@ -1753,7 +1753,7 @@ int64_t gated_delta_rule_chunked_workspace_bytes(int64_t T, int64_t nseq, int Hk
   const int64_t nch = (T + kChunk - 1) / kChunk + nseq;  // each sequence's last chunk may be partial
   int64_t most = 0;
   for (bool tc : {false, true}) {
-    const int kc = tc ? kMaxCols : kSimtCols;
+    const int kc = tc ? 32 : kSimtCols;  // (the mma chunk_state takes 32 or 64 columns: the most blocks)
     most = std::max(most, ChunkedTemps(T, nch, nseq, Hk, Hv, dk, dv, tc, true, true, tc, (dv + kc - 1) / kc).bytes());
   }
   return most;

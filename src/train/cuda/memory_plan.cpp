@@ -55,8 +55,9 @@ std::string memory_refusal(const MemoryPlan& p, bool target_here, bool drafter_h
            ", or use a GPU with more memory";
   else
     knob = "the target does not fit: use a GPU with more memory";
-  return fmt::format("this run needs about {:.1f} GB on cuda:{} but {:.1f} GB are free: {}", need_b / 1e9, gpu,
-                     free_b / 1e9, knob);
+  return fmt::format("this run needs about {:.1f} GB on cuda:{}, more than the {:.1f} GB usable there (95 % of "
+                     "{:.1f} GB free): {}",
+                     need_b / 1e9, gpu, 0.95 * free_b / 1e9, free_b / 1e9, knob);
 }
 
 }  // namespace dflash
