@@ -31,6 +31,14 @@ struct Tiny {
   Tensor taps, embed, lm_head;
   DrafterSequence<float> seq;
 
+  /// The taps on the device, bf16 (the values are bf16 already).
+  cuda::DeviceArray<cuda::bf16> device_taps() const {
+    std::vector<uint16_t> tb(taps.data.size());
+    for (size_t i = 0; i < tb.size(); ++i) tb[i] = f32_to_bf16(taps.data[i]);
+    cuda::DeviceArray<cuda::bf16> d(tb.size());
+    DFLASH_CUDA_CHECK(cudaMemcpy(d.data(), tb.data(), tb.size() * 2, cudaMemcpyHostToDevice));
+    return d;
+  }
   /// scaled: yarn RoPE (factor 4 over a pretrained length of 8192) and every layer causal in its block
   /// (dflash_config.causal), the semantics servers read from published configs.
   explicit Tiny(bool scaled = false) {
@@ -99,10 +107,7 @@ TEST(CudaDrafter, YarnAndCausalLayersMatchTheCpuReference) {
   DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
   {
     DrafterGpu gpu(t.cfg, t.w, t.embed, t.lm_head, s);
-    std::vector<uint16_t> tb(t.taps.data.size());
-    for (size_t i = 0; i < tb.size(); ++i) tb[i] = f32_to_bf16(t.taps.data[i]);
-    cuda::DeviceArray<cuda::bf16> taps(tb.size());
-    DFLASH_CUDA_CHECK(cudaMemcpy(taps.data(), tb.data(), tb.size() * 2, cudaMemcpyHostToDevice));
+    const cuda::DeviceArray<cuda::bf16> taps = t.device_taps();
     const DrafterGpuStepResult r =
         gpu.step({taps.data(), t.seq.ids, t.seq.loss_mask, t.seq.anchors, t.seq.num_blocks, t.seq.gamma});
     EXPECT_LE(std::abs(r.loss - double(ref.loss)) / std::abs(double(ref.loss)), 1e-2);
@@ -122,10 +127,7 @@ TEST(CudaDrafter, StepMatchesTheCpuReference) {
   DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
   {
     DrafterGpu gpu(t.cfg, t.w, t.embed, t.lm_head, s);
-    std::vector<uint16_t> tb(t.taps.data.size());
-    for (size_t i = 0; i < tb.size(); ++i) tb[i] = f32_to_bf16(t.taps.data[i]);
-    cuda::DeviceArray<cuda::bf16> taps(tb.size());
-    DFLASH_CUDA_CHECK(cudaMemcpy(taps.data(), tb.data(), tb.size() * 2, cudaMemcpyHostToDevice));
+    const cuda::DeviceArray<cuda::bf16> taps = t.device_taps();
     DrafterGpuSequence gs{taps.data(), t.seq.ids, t.seq.loss_mask, t.seq.anchors, t.seq.num_blocks, t.seq.gamma};
     DrafterGpuStepOptions opt;
     opt.ce_chunk_bytes = 7 * 300 * 4;  // row chunks of 16 rows: 24 rows = one full chunk and one partial
