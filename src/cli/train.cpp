@@ -92,6 +92,10 @@ void add_train(CLI::App& app, Runner& run) {
   cmd->add_option("--eps", c.eps, "AdamW epsilon")->capture_default_str();
   cmd->add_option("--max-grad-norm", c.max_grad_norm, "Global gradient-norm clip")->capture_default_str();
   cmd->add_option("--gamma", c.gamma, "Loss decay over block slots (0: by block size)")->capture_default_str();
+  cmd->add_option("--loss", c.loss,
+                  "Slot weights of the loss: dflash (the gamma decay) or dpace (D-PACE: from each slot's chance of "
+                  "being accepted, detached)")
+      ->check(CLI::IsMember({"dflash", "dpace"}))->capture_default_str();
   cmd->add_option("--save-every", c.save_every, "Checkpoint every N steps")->capture_default_str();
   cmd->add_option("--keep-last", c.keep_last, "Checkpoints kept")->capture_default_str();
   cmd->add_option("--log-every", c.log_every, "Progress line every N steps")->capture_default_str();

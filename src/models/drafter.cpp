@@ -230,6 +230,27 @@ void append_rows(Tensor& to, const Tensor& rows) {
 }
 }  // namespace
 
+std::vector<double> dpace_weights(const std::vector<double>& ce, const std::vector<bool>& valid, int64_t B) {
+  if (B < 1 || ce.size() != valid.size() || ce.size() % size_t(B) != 0)
+    throw std::invalid_argument("dpace_weights: " + std::to_string(ce.size()) + " CE values and " +
+                                std::to_string(valid.size()) + " flags for blocks of " + std::to_string(B));
+  std::vector<double> w(ce.size(), 0.0), P(static_cast<size_t>(B));
+  for (size_t b0 = 0; b0 < ce.size(); b0 += size_t(B)) {
+    double p = 1;
+    for (int64_t k = 0; k < B; ++k) {  // P_k: the chance slots 1..k are all accepted
+      const size_t r = b0 + size_t(k);
+      if (valid[r]) p *= 0.5 * std::exp(-ce[r]) + 0.5;
+      P[size_t(k)] = p;
+    }
+    double tail = 0;
+    for (int64_t k = B - 1; k >= 0; --k) {  // w_k = sum_{m >= k} P_m
+      tail += P[size_t(k)];
+      if (valid[b0 + size_t(k)]) w[b0 + size_t(k)] = tail;
+    }
+  }
+  return w;
+}
+
 template <typename T>
 DrafterStepResult<T> drafter_step(const DrafterConfig& cfg, const DrafterWeights<T>& w, const DrafterSequence<T>& seq,
                                   const DrafterStepOptions& opt) {
@@ -307,7 +328,17 @@ DrafterStepResult<T> drafter_step(const DrafterConfig& cfg, const DrafterWeights
 
   DrafterStepResult<T> res;
   BasicTensor<T> dh;
-  const ChunkedCeResult<T> ce = chunked_cross_entropy(hf, *seq.lm_head, labels, wts, opt.ce_row_chunk,
+  std::vector<T> loss_w = wts;
+  if (seq.dpace) {  // the weights from each row's CE, detached
+    const ChunkedCeResult<T> first =
+        chunked_cross_entropy(hf, *seq.lm_head, labels, wts, opt.ce_row_chunk, opt.ce_vocab_chunk, nullptr);
+    std::vector<double> row_ce(static_cast<size_t>(Q));
+    std::vector<bool> valid(static_cast<size_t>(Q));
+    for (int64_t r = 0; r < Q; ++r) valid[size_t(r)] = wts[size_t(r)] > T(0), row_ce[size_t(r)] = double(first.ce[size_t(r)]);
+    const std::vector<double> dw = dpace_weights(row_ce, valid, B);
+    for (int64_t r = 0; r < Q; ++r) loss_w[size_t(r)] = T(dw[size_t(r)]);
+  }
+  const ChunkedCeResult<T> ce = chunked_cross_entropy(hf, *seq.lm_head, labels, loss_w, opt.ce_row_chunk,
                                                       opt.ce_vocab_chunk, opt.backward ? &dh : nullptr);
   res.loss = ce.loss;
   res.weight_sum = ce.weight_sum;

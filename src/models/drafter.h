@@ -65,7 +65,20 @@ struct DrafterSequence {
   const BasicTensor<T>* embed = nullptr;    // [V, d], frozen target embed_tokens
   const BasicTensor<T>* lm_head = nullptr;  // [V, d], frozen target lm_head (logits = h @ lm_head^T)
   double gamma = 7.0;                       // loss decay: w_k = exp(-(k-1)/gamma)
+  bool dpace = false;                       // D-PACE weights (dpace_weights) instead of the gamma decay
 };
+
+/// How a block's slots weigh in the loss: DFlash's decay exp(-(k-1)/gamma), or D-PACE's.
+struct LossWeighting {
+  double gamma = 7.0;
+  bool dpace = false;
+};
+
+/// D-PACE's slot weights (variants.md section 4; arXiv 2605.18810), detached from the graph: per block
+/// of B rows (row = b B + k), q_k = exp(-CE_k), q~_k = (q_k + 1) / 2, P_k = prod_{1 <= i <= k} q~_i and
+/// w_k = sum_{m >= k} P_m; a row without a label (valid false: slot 0, padding, a prompt or
+/// past-the-end label) weighs 0 and counts q~ = 1. ce, valid [N B]. Throws std::invalid_argument on sizes.
+std::vector<double> dpace_weights(const std::vector<double>& ce, const std::vector<bool>& valid, int64_t B);
 
 struct DrafterStepOptions {
   bool backward = true;       // compute the gradients
@@ -104,7 +117,8 @@ BlockLayout block_layout(const std::vector<int64_t>& ids, const std::vector<int6
 /// h = input_layernorm(x) (block tokens only), Q from h, K/V from [ctx ; h] (k_norm on all keys),
 /// RoPE (context j -> j, slot k -> a + k), dflash_kv_ranges mask (sliding_window for sliding layers),
 /// o_proj + residual, post_attention_layernorm, SwiGLU MLP + residual; final norm; weighted CE
-/// against lm_head with w = exp(-(k-1)/gamma) * loss_mask[a+k] * (a+k < S) for k >= 1.
+/// against lm_head with w = exp(-(k-1)/gamma) * loss_mask[a+k] * (a+k < S) for k >= 1, or with
+/// seq.dpace the D-PACE weights of the same rows from their CE (a first, forward-only cross entropy).
 /// RoPE angles and cos/sin are computed in double (as the reference) and rounded to T.
 /// Throws std::invalid_argument on inconsistent shapes or inputs.
 template <typename T>

@@ -50,15 +50,15 @@ class DrafterBackend {
   virtual void zero_grads() = 0;
   /// Taps of `s` from the target, then the drafter's forward + backward with these anchors; the
   /// gradients are ADDED to the accumulated ones. Throws std::invalid_argument for a bad sample.
-  virtual MicroResult micro_step(const TrainSample& s, const std::vector<int64_t>& anchors, double gamma) = 0;
+  virtual MicroResult micro_step(const TrainSample& s, const std::vector<int64_t>& anchors, const LossWeighting& loss) = 0;
   /// micro_step over all of `mbs` (results in the same order); a backend with several replicas runs
   /// them in parallel (their gradients are summed by optimizer_step). Errors are rethrown as
   /// std::runtime_error("training example N: ...") for the first failing micro-batch.
-  virtual std::vector<MicroResult> micro_steps(const std::vector<MicroBatch>& mbs, double gamma) {
+  virtual std::vector<MicroResult> micro_steps(const std::vector<MicroBatch>& mbs, const LossWeighting& loss) {
     std::vector<MicroResult> r;
     for (const MicroBatch& mb : mbs) {
       try {
-        r.push_back(micro_step(*mb.sample, mb.anchors, gamma));
+        r.push_back(micro_step(*mb.sample, mb.anchors, loss));
       } catch (const std::exception& e) {
         throw std::runtime_error("training example " + std::to_string(mb.sample->index) + ": " + e.what());
       }

@@ -53,7 +53,7 @@ class CpuBackend final : public DrafterBackend {
     for (auto& s : spans(acc_)) std::fill(s.data.begin(), s.data.end(), 0.f);
   }
 
-  MicroResult micro_step(const TrainSample& s, const std::vector<int64_t>& anchors, double gamma) override {
+  MicroResult micro_step(const TrainSample& s, const std::vector<int64_t>& anchors, const LossWeighting& loss) override {
     if (s.loss_mask.size() != s.ids.size())
       throw std::invalid_argument("loss_mask has " + std::to_string(s.loss_mask.size()) + " entries for " +
                                   std::to_string(s.ids.size()) + " tokens");
@@ -71,7 +71,7 @@ class CpuBackend final : public DrafterBackend {
     seq.num_blocks = int64_t(anchors.size());
     seq.embed = embed_;
     seq.lm_head = lm_head_;
-    seq.gamma = gamma;
+    seq.gamma = loss.gamma, seq.dpace = loss.dpace;
     const DrafterStepResult<float> d = drafter_step(cfg_, w_, seq);
     r.loss = double(d.loss);
     r.weight_sum = double(d.weight_sum);

@@ -297,6 +297,7 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
   to.grad_accum = c.grad_accum;
   to.max_grad_norm = c.max_grad_norm;
   to.gamma = c.gamma > 0 ? c.gamma : default_gamma(c.block_size);
+  to.dpace = c.loss == "dpace";
   to.seed = c.seed;
   to.shuffle = c.shuffle;
   to.adamw = {c.lr, c.beta1, c.beta2, c.eps, c.weight_decay};
@@ -372,9 +373,10 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
   if (leader) write_file_atomic((out / "train_config.json").string(), resolved.dump(2) + "\n");
   if (leader)
     fmt::print("train: {} samples, {} steps ({} per epoch), drafter {} layers x {} (taps {}), block {}, {} anchors, "
-             "mask token {}, gamma {}, lr {} (warmup {} steps), device {}\n",
+             "mask token {}, loss {}, lr {} (warmup {} steps), device {}\n",
              n, total, per_epoch, dc.num_hidden_layers, dc.hidden_size, nlohmann::json(dc.target_layer_ids).dump(),
-             dc.block_size, c.num_anchors, dc.mask_token_id, to.gamma, c.lr, to.schedule.warmup_steps(), tr.backend().device());
+             dc.block_size, c.num_anchors, dc.mask_token_id, to.dpace ? "D-PACE" : fmt::format("gamma {}", to.gamma),
+             c.lr, to.schedule.warmup_steps(), tr.backend().device());
 
   auto save_checkpoint = [&] {
     const fs::path dir = ckdir / fmt::format("step-{:08d}", tr.step_count());

@@ -69,6 +69,7 @@ void TrainConfig::validate_values() const {
   need(warmup_ratio >= 0 && warmup_ratio <= 1, "warmup_ratio must be in [0, 1]");
   need(max_grad_norm > 0, "max_grad_norm must be > 0");
   need(gamma >= 0, "gamma must be >= 0 (0 = by block size)");
+  need(loss == "dflash" || loss == "dpace", "loss must be dflash or dpace (got " + loss + ")");
   need(save_every >= 1 && keep_last >= 1 && log_every >= 1 && stages_every >= 1 && nan_abort >= 1,
        "save_every, keep_last, log_every, stages_every and nan_abort must be >= 1");
   need(steps_this_run >= 0, "steps_this_run must be >= 0");
@@ -147,6 +148,7 @@ nlohmann::json to_json(const TrainConfig& c) {
           {"eps", c.eps},
           {"max_grad_norm", c.max_grad_norm},
           {"gamma", c.gamma},
+          {"loss", c.loss},
           {"save_every", c.save_every},
           {"keep_last", c.keep_last},
           {"log_every", c.log_every},
@@ -217,7 +219,7 @@ TrainConfig train_config_from_json(const nlohmann::json& j, const std::string& w
     c.num_anchors = all["num_anchors"], c.lr = all["lr"], c.warmup_ratio = all["warmup_ratio"];
     c.recompute = all["recompute"];
     c.weight_decay = all["weight_decay"], c.beta1 = all["beta1"], c.beta2 = all["beta2"], c.eps = all["eps"];
-    c.max_grad_norm = all["max_grad_norm"], c.gamma = all["gamma"], c.save_every = all["save_every"];
+    c.max_grad_norm = all["max_grad_norm"], c.gamma = all["gamma"], c.loss = all["loss"], c.save_every = all["save_every"];
     c.keep_last = all["keep_last"], c.log_every = all["log_every"], c.stages_every = all["stages_every"];
     c.nan_abort = all["nan_abort"], c.steps_this_run = all["steps_this_run"], c.resume = all["resume"];
   } catch (const nlohmann::json::exception& e) {  // e.g. a list of non-strings in data

@@ -41,6 +41,7 @@ struct TrainConfig {
   double lr = 6e-4, warmup_ratio = 0.04, weight_decay = 0.0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
   double max_grad_norm = 1.0;
   double gamma = 0;                       // 0: by block size (16 -> 7, 10 -> 5, 8 -> 4)
+  std::string loss = "dflash";            // slot weights: "dflash" (the gamma decay) or "dpace" (D-PACE)
   // operations
   int64_t save_every = 1000, keep_last = 3, log_every = 10, stages_every = 100, nan_abort = 10;
   int64_t steps_this_run = 0;             // > 0: checkpoint and exit after this many steps (time-sliced jobs)

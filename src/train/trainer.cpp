@@ -20,12 +20,14 @@ namespace {
 constexpr const char* kStateFormat = "dflash-train-state-v1";
 
 nlohmann::json options_json(const TrainerOptions& o) {
-  return {{"num_anchors", o.num_anchors},     {"grad_accum", o.grad_accum},
+  nlohmann::json j = {{"num_anchors", o.num_anchors},     {"grad_accum", o.grad_accum},
           {"max_grad_norm", o.max_grad_norm}, {"gamma", o.gamma},
           {"peak_lr", o.schedule.peak_lr},    {"total_steps", o.schedule.total_steps},
           {"warmup_ratio", o.schedule.warmup_ratio}, {"beta1", o.adamw.beta1},
           {"beta2", o.adamw.beta2},           {"eps", o.adamw.eps},
           {"weight_decay", o.adamw.weight_decay}, {"shuffle", o.shuffle}};
+  if (o.dpace) j["loss"] = "dpace";  // (absent for the gamma decay: earlier states resume)
+  return j;
 }
 
 }  // namespace
@@ -83,7 +85,7 @@ TrainStepStats DrafterTrainer::step(const SampleSource& source) {
       samples[m].index = idx;
       mbs[m] = {&samples[m], sample_anchors(samples[m].loss_mask, opt_.num_anchors, rng_)};
     }
-    const std::vector<MicroResult> results = backend_->micro_steps(mbs, opt_.gamma);
+    const std::vector<MicroResult> results = backend_->micro_steps(mbs, LossWeighting{opt_.gamma, opt_.dpace});
     for (size_t m = 0; m < results.size(); ++m)
       if (results[m].nonfinite_taps)
         st.nonfinite += (st.nonfinite.empty() ? "" : "; ") + std::string("non-finite taps in example ") +

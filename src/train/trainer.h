@@ -25,6 +25,7 @@ struct TrainerOptions {
   int64_t grad_accum = 1;         // sequences (micro-batches) per optimizer step
   double max_grad_norm = 1.0;     // global-norm clipping
   double gamma = 7.0;             // loss decay over slots
+  bool dpace = false;             // D-PACE's slot weights instead of the decay (dpace_weights)
   WarmupCosineSchedule schedule;  // peak lr 6e-4, warmup 4 %, cosine to 0 over total_steps
   AdamWOptions adamw;             // betas, eps, weight decay (its lr is unused: the schedule gives it)
   uint64_t seed = 0;              // data order and anchors

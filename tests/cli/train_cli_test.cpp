@@ -387,6 +387,19 @@ TEST(TrainCli, ResourceLimitsAreClearErrorsBeforeAnyStep) {
   for (const char* o : {"o1", "o2", "o3"}) EXPECT_FALSE(fs::exists(r.tmp / o / "checkpoints")) << o;
 }
 
+TEST(TrainCli, DpaceLossTrains) {
+  TinyTrain r;
+  const fs::path out = r.tmp / "dpace";
+  std::string log;
+  ASSERT_EQ(r.train(out, "--max-steps 60 --loss dpace", &log), 0) << log;
+  EXPECT_NE(log.find("loss D-PACE"), std::string::npos) << log;
+  const auto m = metrics(out);
+  ASSERT_FALSE(m.empty()) << log;
+  EXPECT_LT(m.back()["loss"].get<double>(), 0.5 * m.front()["loss"].get<double>()) << log;
+  EXPECT_EQ(read_json_file((out / "train_config.json").string())["loss"], "dpace");
+  EXPECT_NE(r.train(r.tmp / "bad", "--max-steps 5 --loss focal", &log), 0);
+}
+
 TEST(TrainCli, DrafterLayoutFlagsAndInitFromAnyLayout) {
   EXPECT_EQ(parse_layer_types("sliding_attention x2, full_attention"),
             (std::vector<std::string>{"sliding_attention", "sliding_attention", "full_attention"}));

@@ -119,6 +119,30 @@ TEST(CudaDrafter, YarnAndCausalLayersMatchTheCpuReference) {
   DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
 }
 
+TEST(CudaDrafter, DpaceStepMatchesTheCpuReference) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  Tiny t;
+  t.seq.dpace = true;
+  const DrafterStepResult<float> ref = drafter_step(t.cfg, t.w, t.seq);
+  cudaStream_t s;
+  DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
+  {
+    DrafterGpu gpu(t.cfg, t.w, t.embed, t.lm_head, s);
+    const cuda::DeviceArray<cuda::bf16> taps = t.device_taps();
+    DrafterGpuStepOptions opt;
+    opt.ce_chunk_bytes = 7 * 300 * 4;  // several row chunks, as the plain step's test
+    const DrafterGpuStepResult r = gpu.step(
+        {taps.data(), t.seq.ids, t.seq.loss_mask, t.seq.anchors, t.seq.num_blocks, t.seq.gamma, true}, opt);
+    EXPECT_LE(std::abs(r.loss - double(ref.loss)) / std::abs(double(ref.loss)), 1e-2);
+    EXPECT_LE(std::abs(r.weight_sum - double(ref.weight_sum)) / double(ref.weight_sum), 1e-2);
+    const auto g = gpu.grads();
+    const auto gn = g.named(), rn = ref.grads.named();
+    for (size_t i = 0; i < gn.size(); ++i)
+      EXPECT_LE(test::rel_l2(gn[i].second->data, rn[i].second->data), kTolBf16Step) << gn[i].first;
+  }
+  DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
+}
+
 TEST(CudaDrafter, StepMatchesTheCpuReference) {
   if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
   Tiny t;

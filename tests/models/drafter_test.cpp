@@ -280,3 +280,51 @@ TEST(Drafter, DraftFromTheContextCacheEqualsTheTrainingForward) {
   EXPECT_THROW(drafter_draft_logits(p.cfg, p.w, cache, int32_t(p.embed.dim(0)), p.embed, p.lm_head),
                std::invalid_argument);
 }
+
+TEST(Drafter, DpaceWeightsByHand) {
+  // One block of 4: slot 0 has no label; CE ln 2, ln 4, 0 -> q 1/2, 1/4, 1 -> q~ 3/4, 5/8, 1;
+  // P 3/4, 15/32, 15/32; w_k = sum_{m >= k} P_m: 27/16, 15/16, 15/32.
+  const double l2 = std::log(2.0), l4 = std::log(4.0);
+  auto w = dpace_weights({9.0, l2, l4, 0.0}, {false, true, true, true}, 4);
+  const std::vector<double> want{0.0, 27.0 / 16, 15.0 / 16, 15.0 / 32};
+  for (size_t i = 0; i < 4; ++i) EXPECT_NEAR(w[i], want[i], 1e-15) << i;
+  // A row without a label (a prompt token) weighs 0 and does not lower the later slots' chance; a
+  // second block is its own.
+  w = dpace_weights({0, l2, 5.0, l4, 0, 0, 0, 0}, {false, true, false, true, false, true, true, true}, 4);
+  EXPECT_NEAR(w[1], 0.75 + 0.75 + 0.75 * 0.625, 1e-15);
+  EXPECT_EQ(w[2], 0.0);
+  EXPECT_NEAR(w[3], 0.75 * 0.625, 1e-15);
+  EXPECT_NEAR(w[5], 3.0, 1e-15);  // CE 0 everywhere: P = 1, w_k = B - k
+  EXPECT_NEAR(w[7], 1.0, 1e-15);
+  EXPECT_THROW(dpace_weights({0, 0, 0}, {true, true, true}, 2), std::invalid_argument);
+}
+
+TEST(Drafter, DpaceStepWeighsEachRowByItsOwnCe) {
+  // The D-PACE step's loss against the same weights computed by hand from the plain step's logits.
+  Problem<double> p;
+  DrafterStepOptions o;
+  o.keep_logits = true;
+  const DrafterStepResult<double> plain = drafter_step(p.cfg, p.w, p.seq, o);
+  p.seq.dpace = true;
+  const DrafterStepResult<double> dp = drafter_step(p.cfg, p.w, p.seq, o);
+  const int64_t B = p.cfg.block_size, N = p.seq.num_blocks, V = plain.logits.dim(1);
+  const BlockLayout lay = block_layout(p.seq.ids, p.seq.loss_mask, p.seq.anchors, N, B, p.cfg.mask_token_id, kGamma);
+  std::vector<double> ce(size_t(N * B), 0.0);
+  std::vector<bool> valid(size_t(N * B), false);
+  for (int64_t r = 0; r < N * B; ++r) {
+    if (lay.weights[size_t(r)] <= 0) continue;
+    const double* z = plain.logits.ptr() + r * V;
+    double m = z[0], sum = 0;
+    for (int64_t v = 0; v < V; ++v) m = std::max(m, z[v]);
+    for (int64_t v = 0; v < V; ++v) sum += std::exp(z[v] - m);
+    ce[size_t(r)] = m + std::log(sum) - z[lay.labels[size_t(r)]];
+    valid[size_t(r)] = true;
+  }
+  const std::vector<double> w = dpace_weights(ce, valid, B);
+  double num = 0, den = 0;
+  for (size_t r = 0; r < w.size(); ++r) num += w[r] * ce[r], den += w[r];
+  EXPECT_NEAR(dp.loss, num / den, 1e-12);
+  EXPECT_NEAR(dp.weight_sum, den, 1e-12);
+  EXPECT_GT(std::abs(dp.loss - plain.loss), 1e-6);  // not the gamma decay's
+  EXPECT_EQ(dp.slot_count, plain.slot_count);
+}

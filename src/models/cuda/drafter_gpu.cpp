@@ -333,8 +333,8 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   // ---- host-side block layout (as drafter_step) ----
   const BlockLayout lay = block_layout(seq.ids, seq.loss_mask, seq.anchors, N, B, c.mask_token_id, seq.gamma);
   const std::vector<int32_t>& labels = lay.labels;
-  const std::vector<double>& wts = lay.weights;
-  const double wsum = lay.weight_sum;
+  std::vector<double> wts = lay.weights;  // (D-PACE replaces them below, on the same rows)
+  double wsum = lay.weight_sum;
   // The rows with a loss weight (block position 0, padding and prompt labels have none): the cross
   // entropy runs over these only, and so does the last layer after its attention (o_proj, MLP, the
   // final norm), whose other rows reach no loss.
@@ -472,6 +472,24 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
     StreamBuffer<char> ce_ws(size_t(z.ce_ws_bytes), s);
     StreamBuffer<float> lse(size_t(Qc), s), tl(size_t(Qc), s);
     StreamBuffer<int32_t> amax(size_t(Qc), s);
+    if (seq.dpace) {  // D-PACE: the weights from each row's CE (a forward-only pass first), detached
+      cuda::cross_entropy(I.gemm, hf.data(), I.lm_head.data(), Qc, d, I.V, d_ul.data(), d_coef.data(), rc,
+                          ce_ws.data(), {lse.data(), tl.data(), amax.data()}, nullptr);
+      DFLASH_CUDA_CHECK(cudaMemcpyAsync(h_lse.data(), lse.data(), size_t(Qc) * 4, cudaMemcpyDeviceToHost, s));
+      DFLASH_CUDA_CHECK(cudaMemcpyAsync(h_tl.data(), tl.data(), size_t(Qc) * 4, cudaMemcpyDeviceToHost, s));
+      DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));
+      std::vector<double> row_ce(static_cast<size_t>(Q), 0.0);
+      std::vector<bool> valid(static_cast<size_t>(Q), false);
+      for (int64_t i = 0; i < Qc; ++i) {
+        const size_t r = size_t(used[size_t(i)]);
+        valid[r] = true, row_ce[r] = double(h_lse[size_t(i)]) - double(h_tl[size_t(i)]);
+      }
+      const std::vector<double> dw = dpace_weights(row_ce, valid, B);
+      wsum = 0;
+      for (int64_t i = 0; i < Qc; ++i) wsum += (wts[size_t(used[size_t(i)])] = dw[size_t(used[size_t(i)])]);
+      for (int64_t i = 0; i < Qc; ++i) coef[size_t(i)] = float(wts[size_t(used[size_t(i)])] / wsum);
+      d_coef = upload(coef, s);
+    }
     cuda::cross_entropy(I.gemm, hf.data(), I.lm_head.data(), Qc, d, I.V, d_ul.data(), d_coef.data(), rc,
                         ce_ws.data(), {lse.data(), tl.data(), amax.data()}, backward ? dhf.data() : nullptr);
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(h_lse.data(), lse.data(), size_t(Qc) * 4, cudaMemcpyDeviceToHost, s));

@@ -26,6 +26,7 @@ struct DrafterGpuSequence {
   std::vector<int64_t> anchors;      // sorted valid anchors
   int64_t num_blocks = 0;            // >= anchors.size(); the rest are padding blocks
   double gamma = 7.0;
+  bool dpace = false;  // D-PACE weights instead of the gamma decay (dpace_weights, src/models/drafter.h)
 };
 
 struct DrafterGpuStepOptions {

@@ -74,15 +74,15 @@ struct DrafterReplica {
       : device(dev), stream(dev), holder(f.drafter(stream.s)), drafter(*holder) {}
 
   /// The drafter's forward + backward on taps already on this GPU (gradients added).
-  MicroResult step(const bf16* taps, const TrainSample& s, const std::vector<int64_t>& anchors, double gamma,
-                   bool recompute) {
+  MicroResult step(const bf16* taps, const TrainSample& s, const std::vector<int64_t>& anchors,
+                   const LossWeighting& loss, bool recompute) {
     DFLASH_CUDA_CHECK(cudaSetDevice(device));
     const auto t0 = std::chrono::steady_clock::now();
     MicroResult r;
     const int64_t B = drafter.config().block_size;
     if (!anchors.empty()) {
       DrafterGpuSequence seq{taps, s.ids, std::vector<int64_t>(s.loss_mask.begin(), s.loss_mask.end()), anchors,
-                             int64_t(anchors.size()), gamma};
+                             int64_t(anchors.size()), loss.gamma, loss.dpace};
       DrafterGpuStepOptions so;
       so.recompute = recompute;
       DrafterGpuStepResult d;
@@ -124,12 +124,12 @@ class GpuBackend final : public DrafterBackend {
     drafter_.drafter.zero_grads();
   }
 
-  MicroResult micro_step(const TrainSample& s, const std::vector<int64_t>& anchors, double gamma) override {
-    return micro_steps({MicroBatch{&s, anchors}}, gamma).at(0);
+  MicroResult micro_step(const TrainSample& s, const std::vector<int64_t>& anchors, const LossWeighting& loss) override {
+    return micro_steps({MicroBatch{&s, anchors}}, loss).at(0);
   }
 
   /// Packed target forwards over runs of the micro-batches, then the drafter steps in order.
-  std::vector<MicroResult> micro_steps(const std::vector<MicroBatch>& mbs, double gamma) override {
+  std::vector<MicroResult> micro_steps(const std::vector<MicroBatch>& mbs, const LossWeighting& loss) override {
     on_device();
     std::vector<MicroResult> res(mbs.size());
     std::vector<size_t> all(mbs.size());
@@ -155,7 +155,7 @@ class GpuBackend final : public DrafterBackend {
       for (size_t j : run) {
         const TrainSample& s = *mbs[j].sample;
         try {
-          res[j] = drafter_.step(taps.data() + row * tap_width(cfg_), s, mbs[j].anchors, gamma, opt_.recompute);
+          res[j] = drafter_.step(taps.data() + row * tap_width(cfg_), s, mbs[j].anchors, loss, opt_.recompute);
         } catch (const std::exception& e) {
           throw std::runtime_error("training example " + std::to_string(s.index) + ": " + e.what());
         }
@@ -295,11 +295,11 @@ class MultiGpuBackend final : public DrafterBackend {
     on_drafters([&](DrafterReplica& r) { r.drafter.zero_grads(); });
   }
 
-  MicroResult micro_step(const TrainSample& s, const std::vector<int64_t>& anchors, double gamma) override {
-    return micro_steps({MicroBatch{&s, anchors}}, gamma).at(0);
+  MicroResult micro_step(const TrainSample& s, const std::vector<int64_t>& anchors, const LossWeighting& loss) override {
+    return micro_steps({MicroBatch{&s, anchors}}, loss).at(0);
   }
 
-  std::vector<MicroResult> micro_steps(const std::vector<MicroBatch>& mbs, double gamma) override {
+  std::vector<MicroResult> micro_steps(const std::vector<MicroBatch>& mbs, const LossWeighting& loss) override {
     const size_t n = mbs.size(), nt = targets_.size(), nd = drafters_.size();
     // Drafter replicas of all processes, balanced by tokens; this process runs the micro-batches of
     // its own, and its target replicas share them out the same way.
@@ -365,7 +365,7 @@ class MultiGpuBackend final : public DrafterBackend {
                                                     size_t(m.elems) * sizeof(bf16), dr.stream.s));
               taps = local.data();
             }
-            res[j] = dr.step(taps, *mbs[j].sample, mbs[j].anchors, gamma, opt_.recompute);  // (synchronizes)
+            res[j] = dr.step(taps, *mbs[j].sample, mbs[j].anchors, loss, opt_.recompute);  // (synchronizes)
             res[j].target_ms = m.target_ms, res[j].queue_ms = wait_ms;
           }
         }
