@@ -58,7 +58,7 @@ void add_bench_drafter_step(CLI::App& bench, Runner& run) {
   static std::string preset, results = "bench/results";
   static int64_t seq = 0, anchors = 512;
   static int steps = 10, warmup = 3;
-  static bool no_record = false, recompute = false;
+  static bool no_record = false, recompute = false, dpace = false;
   cmd->add_option("--preset", preset, "qwen3-8b | qwen3.6-27b | qwen3.6-35b-a3b | tiny")->required();
   cmd->add_option("--seq", seq, "Context length S (default: the preset's, 3072 / 4096)");
   cmd->add_option("--anchors", anchors, "Anchors per sequence")->capture_default_str()->check(CLI::Range(int64_t(1), int64_t(1) << 16));
@@ -67,10 +67,11 @@ void add_bench_drafter_step(CLI::App& bench, Runner& run) {
   cmd->add_option("--results", results, "Directory of the JSONL records")->capture_default_str();
   cmd->add_flag("--no-record", no_record, "Print only; append nothing to the results");
   cmd->add_flag("--recompute", recompute, "Activation recomputation per drafter layer");
+  cmd->add_flag("--dpace", dpace, "D-PACE's slot weights (dflash train --loss dpace)");
   cmd->callback([&run] {
     run = [] {
 #ifdef DFLASH_HAVE_CUDA
-      return run_drafter_step_bench({preset, seq, anchors, steps, warmup, results, !no_record, recompute});
+      return run_drafter_step_bench({preset, seq, anchors, steps, warmup, results, !no_record, recompute, dpace});
 #else
       return no_cuda_backend("drafter-step");
 #endif

@@ -47,7 +47,8 @@ int run_drafter_step_bench(const DrafterStepBenchOptions& o) {
   cuda::fill_normal(taps.data(), int64_t(taps.size()), 99, 0.f, 1.f, s);
   mem.static_done(s);
 
-  const DrafterGpuSequence seq = bench_sequence(c, S, o.anchors, taps.data());
+  DrafterGpuSequence seq = bench_sequence(c, S, o.anchors, taps.data());
+  seq.dpace = o.dpace;
   double visible = 0;
   for (const auto& r : cpu::dflash_kv_ranges(seq.anchors, seq.num_blocks, B, S, 0, false))
     visible += double(r.ctx_end - r.ctx_begin + r.blk_end - r.blk_begin);
@@ -84,7 +85,7 @@ int run_drafter_step_bench(const DrafterStepBenchOptions& o) {
                                 {"min_ms", *std::min_element(ms.begin(), ms.end())},
                                 {"max_ms", *std::max_element(ms.begin(), ms.end())}, {"loss", loss},
                                 {"model_tflop_per_step", flops / 1e12}, {"achieved_tflops", tflops},
-                                {"gemm_peak_tflops_8192", gemm_peak}, {"recompute", o.recompute},
+                                {"gemm_peak_tflops_8192", gemm_peak}, {"recompute", o.recompute}, {"dpace", o.dpace},
                                 {"params", gpu.num_params()}, {"stage_ms", stages},
                                 {"gemm_sustained_ms", sg.ms}, {"gemm_sustained_tflop", sg.tflop},
                                 {"gemm_sustained_shapes", sg.shapes},
@@ -95,7 +96,7 @@ int run_drafter_step_bench(const DrafterStepBenchOptions& o) {
                                                                                             o.recompute)))) / 1e9},
                                 {"what", "zero_grads + forward + backward + clip + AdamW"}};
   fmt::print("bench drafter-step: the GPU during the timed steps: {}\n", power.words());
-  emit_bench_records("drafter-step", o.recompute ? o.preset + "+recompute" : o.preset,
+  emit_bench_records("drafter-step", o.preset + (o.recompute ? "+recompute" : "") + (o.dpace ? "+dpace" : ""),
                      {{"step_ms", step_ms, "ms"}, {"peak_gb", peak_gb, "GB"}}, extra, o.results, o.record);
   DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
   return 0;

@@ -15,6 +15,7 @@ struct DrafterStepBenchOptions {
   std::string results = "bench/results";
   bool record = true;                  // append to results/drafter-step.jsonl
   bool recompute = false;              // activation recomputation (DrafterGpuStepOptions::recompute)
+  bool dpace = false;                  // D-PACE's slot weights (one more forward-only cross entropy)
 };
 
 /// Runs the benchmark on GPU 0; prints one JSON line per metric. Returns the exit code.
