@@ -97,32 +97,10 @@ TEST(CudaCrossEntropy, RowChunksFitTheLogitsBudgetInWholeTiles) {
   EXPECT_THROW(cuda::cross_entropy_row_chunk(0, 10), std::invalid_argument);
 }
 
-TEST(CudaDrafter, YarnAndCausalLayersMatchTheCpuReference) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
-  const Tiny t(true), plain;
-  const DrafterStepResult<float> ref = drafter_step(t.cfg, t.w, t.seq);
-  // (The reference itself changes with both: the yarn frequencies and cos / sin scale, the block mask.)
-  EXPECT_GT(std::abs(double(ref.loss) - double(drafter_step(plain.cfg, plain.w, plain.seq).loss)), 1e-4);
-  cudaStream_t s;
-  DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
-  {
-    DrafterGpu gpu(t.cfg, t.w, t.embed, t.lm_head, s);
-    const cuda::DeviceArray<cuda::bf16> taps = t.device_taps();
-    const DrafterGpuStepResult r =
-        gpu.step({taps.data(), t.seq.ids, t.seq.loss_mask, t.seq.anchors, t.seq.num_blocks, t.seq.gamma});
-    EXPECT_LE(std::abs(r.loss - double(ref.loss)) / std::abs(double(ref.loss)), 1e-2);
-    const auto g = gpu.grads();
-    const auto gn = g.named(), rn = ref.grads.named();
-    for (size_t i = 0; i < gn.size(); ++i)
-      EXPECT_LE(test::rel_l2(gn[i].second->data, rn[i].second->data), kTolBf16Step) << gn[i].first;
-  }
-  DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
-}
-
-TEST(CudaDrafter, DpaceStepMatchesTheCpuReference) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
-  Tiny t;
-  t.seq.dpace = true;
+namespace {
+/// One GPU step of `t` (ce_chunk_bytes: several row chunks) against the CPU reference's loss, weight
+/// sum and every gradient (bf16 step tolerance).
+void expect_step_matches_the_cpu(const Tiny& t) {
   const DrafterStepResult<float> ref = drafter_step(t.cfg, t.w, t.seq);
   cudaStream_t s;
   DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
@@ -130,9 +108,9 @@ TEST(CudaDrafter, DpaceStepMatchesTheCpuReference) {
     DrafterGpu gpu(t.cfg, t.w, t.embed, t.lm_head, s);
     const cuda::DeviceArray<cuda::bf16> taps = t.device_taps();
     DrafterGpuStepOptions opt;
-    opt.ce_chunk_bytes = 7 * 300 * 4;  // several row chunks, as the plain step's test
+    opt.ce_chunk_bytes = 7 * 300 * 4;
     const DrafterGpuStepResult r = gpu.step(
-        {taps.data(), t.seq.ids, t.seq.loss_mask, t.seq.anchors, t.seq.num_blocks, t.seq.gamma, true}, opt);
+        {taps.data(), t.seq.ids, t.seq.loss_mask, t.seq.anchors, t.seq.num_blocks, t.seq.gamma, t.seq.dpace}, opt);
     EXPECT_LE(std::abs(r.loss - double(ref.loss)) / std::abs(double(ref.loss)), 1e-2);
     EXPECT_LE(std::abs(r.weight_sum - double(ref.weight_sum)) / double(ref.weight_sum), 1e-2);
     const auto g = gpu.grads();
@@ -141,6 +119,23 @@ TEST(CudaDrafter, DpaceStepMatchesTheCpuReference) {
       EXPECT_LE(test::rel_l2(gn[i].second->data, rn[i].second->data), kTolBf16Step) << gn[i].first;
   }
   DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
+}
+}  // namespace
+
+TEST(CudaDrafter, YarnAndCausalLayersMatchTheCpuReference) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  const Tiny t(true), plain;
+  // (The reference itself changes with both: the yarn frequencies and cos / sin scale, the block mask.)
+  EXPECT_GT(std::abs(double(drafter_step(t.cfg, t.w, t.seq).loss) - double(drafter_step(plain.cfg, plain.w, plain.seq).loss)),
+            1e-4);
+  expect_step_matches_the_cpu(t);
+}
+
+TEST(CudaDrafter, DpaceStepMatchesTheCpuReference) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  Tiny t;
+  t.seq.dpace = true;
+  expect_step_matches_the_cpu(t);
 }
 
 TEST(CudaDrafter, StepMatchesTheCpuReference) {
