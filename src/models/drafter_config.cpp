@@ -6,7 +6,6 @@
 
 #include "io/hf_config.h"
 #include "ops/rope.h"
-#include "text/chat_template.h"
 #include "text/tokenizer.h"
 
 namespace dflash {
@@ -29,19 +28,18 @@ std::vector<int64_t> default_target_layer_ids(int64_t L, int64_t n) {
 }
 
 namespace {
-/// Ids that end a sequence or a turn: the target's EOS ids, the tokenizer's EOS and, where the
-/// tokenizer's chat template is a known family, its end-of-turn token.
+/// Ids that end a sequence or a turn: chat_stop_tokens with the tokenizer's own chat family; the EOS
+/// ids alone without a tokenizer or for a template of no known family.
 std::vector<int64_t> stop_ids(const ModelSpec& target, const Tokenizer* tok) {
   std::vector<int64_t> r = target.eos_token_ids;
   if (!tok) return r;
   if (auto e = tok->eos_id()) r.push_back(*e);
-  if (!tok->chat_template().empty()) {
-    try {
-      if (auto e = tok->token_to_id(end_of_turn_token(detect_chat_family(tok->chat_template())))) r.push_back(*e);
-    } catch (const std::runtime_error&) {  // a template of no known family: its EOS above
-    }
+  if (tok->chat_template().empty()) return r;
+  try {
+    return chat_stop_tokens(target, *tok, detect_chat_family(tok->chat_template()));
+  } catch (const std::runtime_error&) {  // a template of no known family
+    return r;
   }
-  return r;
 }
 
 bool is_stop(int64_t id, const std::vector<int64_t>& stops) {
@@ -52,6 +50,15 @@ bool is_stop(int64_t id, const std::vector<int64_t>& stops) {
 /// special token no text chat writes.
 constexpr int64_t kQwen35MaskTokenId = 248070;
 }  // namespace
+
+std::vector<int64_t> chat_stop_tokens(const ModelSpec& target, const Tokenizer& tok, ChatFamily family) {
+  std::vector<int64_t> r = target.eos_token_ids;
+  if (auto e = tok.eos_id()) r.push_back(*e);
+  if (auto e = tok.token_to_id(end_of_turn_token(family))) r.push_back(*e);
+  std::sort(r.begin(), r.end());
+  r.erase(std::unique(r.begin(), r.end()), r.end());
+  return r;
+}
 
 void check_drafter_fits(const DrafterConfig& d, const ModelSpec& t, const std::string& path) {
   auto fail = [&](const std::string& why) {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "models/model_spec.h"
+#include "text/chat_template.h"
 
 namespace dflash {
 
@@ -81,6 +82,10 @@ std::vector<int64_t> default_target_layer_ids(int64_t num_target_layers, int64_t
 /// token that is neither BOS/EOS nor written by the chat template. Never a stop token (check_mask_token).
 /// Throws std::runtime_error when none exists.
 int64_t default_mask_token_id(const ModelSpec& target, const Tokenizer& tok);
+/// Stop tokens for chat generation: the target's eos_token_id(s), the tokenizer's EOS and the chat
+/// family's end-of-turn token, sorted, each once.
+std::vector<int64_t> chat_stop_tokens(const ModelSpec& target, const Tokenizer& tok, ChatFamily family);
+
 /// Throws std::invalid_argument naming `where` when `id` ends a turn or a sequence for this target
 /// and tokenizer (its EOS ids, the tokenizer's EOS, the chat template's end-of-turn token): a drafter
 /// fills its block with the mask, and a server that checks drafted tokens for a stop would stop there.

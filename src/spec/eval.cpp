@@ -45,15 +45,6 @@ std::vector<PromptConversation> load_prompts(const std::vector<std::string>& fil
   return r;
 }
 
-std::vector<int64_t> chat_stop_tokens(const ModelSpec& target, const Tokenizer& tok, ChatFamily family) {
-  std::vector<int64_t> r = target.eos_token_ids;
-  if (auto e = tok.eos_id()) r.push_back(*e);
-  if (auto e = tok.token_to_id(end_of_turn_token(family))) r.push_back(*e);
-  std::sort(r.begin(), r.end());
-  r.erase(std::unique(r.begin(), r.end()), r.end());
-  return r;
-}
-
 ChatRunResult run_chat(TargetDecoder& target, BlockDrafter* drafter, const Tokenizer& tok, ChatFamily family,
                        const std::vector<PromptConversation>& convs, const ChatRunOptions& o,
                        const std::function<void(int64_t, int64_t)>& progress) {

@@ -34,10 +34,6 @@ struct PromptConversation {
 std::vector<PromptConversation> load_prompts(const std::vector<std::string>& files, int64_t limit,
                                              std::vector<SkippedRecord>* skipped);
 
-/// Stop tokens for chat generation: the target's eos_token_id(s), the tokenizer's EOS and the chat
-/// family's end-of-turn token.
-std::vector<int64_t> chat_stop_tokens(const ModelSpec& target, const Tokenizer& tok, ChatFamily family);
-
 struct ChatRunOptions {
   GenerateOptions gen;
   int batch_size = 8;             // conversations decoded together

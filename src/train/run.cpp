@@ -244,17 +244,6 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
   const auto target = TargetModel::load(c.target);
 
   // Drafter.
-  DrafterOverrides ov;
-  ov.num_hidden_layers = c.num_draft_layers;
-  ov.block_size = c.block_size;
-  ov.num_taps = c.num_taps;
-  if (c.mask_token_id) ov.mask_token_id = *c.mask_token_id;
-  if (!c.target_layer_ids.empty()) ov.target_layer_ids = c.target_layer_ids;
-  ov.layer_types = c.layer_types;
-  if (c.sliding_window > 0) ov.sliding_window = c.sliding_window;
-  ov.num_attention_heads = c.num_attention_heads, ov.num_key_value_heads = c.num_key_value_heads;
-  ov.head_dim = c.head_dim, ov.intermediate_size = c.intermediate_size;
-  ov.rope_scaling = c.rope_scaling;
   DrafterConfig dc;
   DrafterWeights<float> w0;
   if (!c.init_from.empty()) {
@@ -286,6 +275,17 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
                dc.num_attention_heads, dc.num_key_value_heads, dc.head_dim, nlohmann::json(dc.target_layer_ids).dump(),
                dc.block_size, dc.mask_token_id);
   } else {
+    DrafterOverrides ov;
+    ov.num_hidden_layers = c.num_draft_layers;
+    ov.block_size = c.block_size;
+    ov.num_taps = c.num_taps;
+    if (c.mask_token_id) ov.mask_token_id = *c.mask_token_id;
+    if (!c.target_layer_ids.empty()) ov.target_layer_ids = c.target_layer_ids;
+    ov.layer_types = c.layer_types;
+    if (c.sliding_window > 0) ov.sliding_window = c.sliding_window;
+    ov.num_attention_heads = c.num_attention_heads, ov.num_key_value_heads = c.num_key_value_heads;
+    ov.head_dim = c.head_dim, ov.intermediate_size = c.intermediate_size;
+    ov.rope_scaling = c.rope_scaling;
     if (!tok && !c.mask_token_id)
       throw std::runtime_error(c.target + ": no tokenizer to choose the mask token from; pass --tokenizer or --mask-token-id");
     dc = derive_drafter_config(target->spec(), tok.get(), ov);

@@ -74,14 +74,14 @@ struct BackwardSizes {
 /// key rows) and Qc rows with a loss weight: step() allocates from these, and step_bytes() adds them
 /// up along the step's timeline (DrafterGpu::step_bytes).
 struct StepSizes {
-  int64_t S, Q, SQ, Qc, Qf, d, hd, H, Hkv, Im, K, L;
+  int64_t S, Q, SQ, Qc, Qf, d, hd, H, Hkv, Im, L;
   bool compact;
   int64_t masks;                  // distinct (window, causal) masks of the layers, Q ranges each
   int64_t ce_row_chunk, ce_ws_bytes;
   StepSizes(const DrafterConfig& c, int64_t V, int64_t S_, int64_t N, int64_t Qc_, int64_t ce_chunk_bytes)
       : S(S_), Q(N * c.block_size), SQ(S_ + N * c.block_size), Qc(Qc_), Qf(Qc_ > 0 ? Qc_ : N * c.block_size),
         d(c.hidden_size), hd(c.head_dim), H(c.num_attention_heads), Hkv(c.num_key_value_heads),
-        Im(c.intermediate_size), K(int64_t(c.target_layer_ids.size())), L(c.num_hidden_layers), compact(Qc_ > 0),
+        Im(c.intermediate_size), L(c.num_hidden_layers), compact(Qc_ > 0),
         masks(0), ce_row_chunk(Qc_ > 0 ? cuda::cross_entropy_row_chunk(V, Qc_, ce_chunk_bytes) : 0),
         ce_ws_bytes(Qc_ > 0 ? cuda::cross_entropy_workspace_bytes(ce_row_chunk, V, true) : 0) {
     std::set<std::pair<int64_t, bool>> kinds;
