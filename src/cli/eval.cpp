@@ -55,7 +55,7 @@ void add_eval(CLI::App& app, Runner& run) {
       ChatRunResult plain;
       if (!no_baseline) plain = run_chat(*e.target, nullptr, *e.tok, e.family, convs, co, progress_printer("eval: baseline"));
       for (const auto& s : spec.skipped) fmt::print(stderr, "skipped {}:{}: {}\n", s.file, s.line, s.reason);
-      const int64_t B = e.drafter->config().block_size;
+      const int64_t B = e.drafter->config().drafts_per_block() + 1;  // tokens one verify step can commit
       const EvalReport rep = make_eval_report(convs, spec, no_baseline ? nullptr : &plain, B);
       fmt::print("{}", rep.table());
       if (co.gen.temperature == 0 && rep.identical >= 0 && rep.identical < rep.turns)

@@ -60,7 +60,7 @@ void add_generate(CLI::App& app, Runner& run) {
       std::string line = fmt::format("generate: {} tokens in {:.2f} s ({:.1f} tokens/s)", tokens, wall / 1e3,
                                      wall > 0 ? 1e3 * double(tokens) / wall : 0.0);
       if (e.drafter) {
-        const AcceptanceStats a = acceptance_stats(seqs, e.drafter->config().block_size);
+        const AcceptanceStats a = acceptance_stats(seqs, e.drafter->config().drafts_per_block() + 1);
         line += fmt::format(", acceptance length tau {:.2f} over {} verify steps", a.tau, a.steps);
       }
       fmt::print(stderr, "{}\n", line);

@@ -61,7 +61,12 @@ void add_train(CLI::App& app, Runner& run) {
   cmd->add_option("--num-draft-layers", c.num_draft_layers, "Draft decoder layers")->capture_default_str();
   cmd->add_option("--num-taps", c.num_taps, "Target layers tapped (default formula of dflash.md)")->capture_default_str();
   cmd->add_option("--target-layer-ids", c.target_layer_ids, "Explicit tapped target layers")->delimiter(',');
-  cmd->add_option("--block-size", c.block_size, "Tokens drafted per block")->capture_default_str();
+  cmd->add_option("--drafter", c.drafter,
+                  "Drafter: dflash, or dspark (every slot drafts; Markov and confidence heads; its own loss). "
+                  "Default: --init-from's, else dflash")
+      ->check(CLI::IsMember({"dflash", "dspark"}));
+  cmd->add_option("--markov-rank", c.markov_rank, "DSpark: rank of the Markov head")->capture_default_str();
+  cmd->add_option("--block-size", c.block_size, "Block size (0: DFlash 16, DSpark 7)")->capture_default_str();
   cmd->add_option("--mask-token-id", mask_id, "Mask token id (default: <|MASK|>, a spare row or an unused special token)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--layer-types", layer_types,
@@ -91,7 +96,7 @@ void add_train(CLI::App& app, Runner& run) {
   cmd->add_option("--beta2", c.beta2, "AdamW beta2")->capture_default_str();
   cmd->add_option("--eps", c.eps, "AdamW epsilon")->capture_default_str();
   cmd->add_option("--max-grad-norm", c.max_grad_norm, "Global gradient-norm clip")->capture_default_str();
-  cmd->add_option("--gamma", c.gamma, "Loss decay over block slots (0: by block size)")->capture_default_str();
+  cmd->add_option("--gamma", c.gamma, "Loss decay over block slots (0: by block size; DSpark 4)")->capture_default_str();
   cmd->add_option("--loss", c.loss,
                   "Slot weights of the loss: dflash (the gamma decay) or dpace (D-PACE: from each slot's chance of "
                   "being accepted, detached)")

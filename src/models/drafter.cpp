@@ -1,6 +1,8 @@
 // DFlash drafter: checkpoint loader and the forward + hand-written backward of one training sequence.
 #include "models/drafter.h"
 
+#include "models/dspark.h"
+
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -42,7 +44,22 @@ auto named_impl(W& w) {
   r.emplace_back("fc.weight", &w.fc);
   r.emplace_back("hidden_norm.weight", &w.hidden_norm);
   r.emplace_back("norm.weight", &w.norm);
+  if (!w.markov_w1.shape.empty()) {
+    r.emplace_back("markov_head.markov_w1.weight", &w.markov_w1);
+    r.emplace_back("markov_head.markov_w2.weight", &w.markov_w2);
+    r.emplace_back("confidence_head.proj.weight", &w.confidence_w);
+    r.emplace_back("confidence_head.proj.bias", &w.confidence_b);
+  }
   return r;
+}
+
+/// Empty weights with the layers and, for DSpark, the heads of `c` (shapes set by drafter_param_shapes).
+template <typename T>
+DrafterWeights<T> drafter_skeleton(const DrafterConfig& c) {
+  DrafterWeights<T> w;
+  w.layers.resize(size_t(c.num_hidden_layers));
+  if (c.is_dspark()) w.markov_w1.shape = {c.vocab_size, c.markov_rank};  // (named() then lists the heads)
+  return w;
 }
 
 template <typename T>
@@ -138,13 +155,19 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> drafter_param_shapes(c
   r.push_back({"fc.weight", {d, K * d}});
   r.push_back({"hidden_norm.weight", {d}});
   r.push_back({"norm.weight", {d}});
+  if (c.is_dspark()) {
+    const int64_t V = c.vocab_size, rk = c.markov_rank;
+    r.push_back({"markov_head.markov_w1.weight", {V, rk}});
+    r.push_back({"markov_head.markov_w2.weight", {V, rk}});
+    r.push_back({"confidence_head.proj.weight", {1, d + rk}});
+    r.push_back({"confidence_head.proj.bias", {1}});
+  }
   return r;
 }
 
 template <typename T>
 DrafterWeights<T> drafter_zeros(const DrafterConfig& c) {
-  DrafterWeights<T> w;
-  w.layers.resize(size_t(c.num_hidden_layers));
+  DrafterWeights<T> w = drafter_skeleton<T>(c);
   const auto shapes = drafter_param_shapes(c);
   auto named = w.named();
   for (size_t i = 0; i < named.size(); ++i) *named[i].second = BasicTensor<T>(shapes[i].second);
@@ -169,8 +192,7 @@ DrafterWeights<T> load_drafter_weights(const std::string& dir, DrafterConfig* cf
     if (!expected.count(key)) throw std::runtime_error(st_path + ": unexpected tensor '" + n + "'");
     if (!stored.emplace(key, n).second) throw std::runtime_error(st_path + ": tensor '" + key + "' stored twice");
   }
-  DrafterWeights<T> w;
-  w.layers.resize(size_t(cfg.num_hidden_layers));
+  DrafterWeights<T> w = drafter_skeleton<T>(cfg);
   auto named = w.named();
   for (size_t i = 0; i < named.size(); ++i) {
     const auto& [name, shape] = shapes[i];
@@ -267,6 +289,10 @@ DrafterStepResult<T> drafter_step(const DrafterConfig& cfg, const DrafterWeights
   if (int64_t(w.layers.size()) != L) throw std::invalid_argument("drafter_step: weights have the wrong layer count");
   if (N < int64_t(seq.anchors.size())) throw std::invalid_argument("drafter_step: more anchors than blocks");
   if (!(seq.gamma > 0)) throw std::invalid_argument("drafter_step: gamma must be > 0");
+  if (cfg.is_dspark() && !seq.target_hidden)
+    throw std::invalid_argument("drafter_step: a DSpark drafter needs the target's final hidden states");
+  if (cfg.is_dspark() && seq.dpace) throw std::invalid_argument("drafter_step: D-PACE weights a DFlash drafter's loss, not DSpark's");
+  if (cfg.is_dspark()) check_shape("target_hidden", seq.target_hidden->shape, {S, d});
   for (size_t b = 0; b < seq.anchors.size(); ++b) {
     const int64_t a = seq.anchors[b];
     if (a < 0 || a >= S || (b > 0 && a < seq.anchors[b - 1]))
@@ -328,33 +354,45 @@ DrafterStepResult<T> drafter_step(const DrafterConfig& cfg, const DrafterWeights
 
   DrafterStepResult<T> res;
   BasicTensor<T> dh;
-  std::vector<T> loss_w = wts;
-  if (seq.dpace) {  // the weights from each row's CE, detached
-    const ChunkedCeResult<T> first =
-        chunked_cross_entropy(hf, *seq.lm_head, labels, wts, opt.ce_row_chunk, opt.ce_vocab_chunk, nullptr);
-    std::vector<double> row_ce(static_cast<size_t>(Q));
-    std::vector<bool> valid(static_cast<size_t>(Q));
-    for (int64_t r = 0; r < Q; ++r) valid[size_t(r)] = wts[size_t(r)] > T(0), row_ce[size_t(r)] = double(first.ce[size_t(r)]);
-    const std::vector<double> dw = dpace_weights(row_ce, valid, B);
-    for (int64_t r = 0; r < Q; ++r) loss_w[size_t(r)] = T(dw[size_t(r)]);
-  }
-  const ChunkedCeResult<T> ce = chunked_cross_entropy(hf, *seq.lm_head, labels, loss_w, opt.ce_row_chunk,
-                                                      opt.ce_vocab_chunk, opt.backward ? &dh : nullptr);
-  res.loss = ce.loss;
-  res.weight_sum = ce.weight_sum;
-  res.slot_correct.assign(size_t(B), 0);
-  res.slot_count.assign(size_t(B), 0);
-  for (int64_t r = 0; r < Q; ++r)
-    if (wts[size_t(r)] > T(0)) {
-      res.slot_count[size_t(r % B)] += 1;
-      if (ce.argmax[size_t(r)] == labels[size_t(r)]) res.slot_correct[size_t(r % B)] += 1;
+  DrafterGrads<T>& gr = res.grads;
+  if (opt.backward) gr = drafter_zeros<T>(cfg);
+  if (cfg.is_dspark()) {  // DSpark's loss over the same final hidden states (src/models/dspark.h)
+    const DSparkRows rows = dspark_rows(seq.ids, seq.loss_mask, seq.anchors, N, B, seq.gamma);
+    DSparkLossResult<T> l = dspark_loss(w, hf, *seq.target_hidden, *seq.lm_head, rows, B, opt.backward ? &gr : nullptr,
+                                        seq.confidence_targets);
+    res.confidence_targets = std::move(l.confidence_targets);
+    res.loss = l.loss, res.weight_sum = l.weight_sum;
+    res.slot_correct = std::move(l.slot_correct), res.slot_count = std::move(l.slot_count);
+    dh = std::move(l.dh);
+    if (opt.keep_logits) res.logits = dspark_logits(w, hf, *seq.lm_head, rows.prev);
+    if (!opt.backward) return res;
+  } else {
+    std::vector<T> loss_w = wts;
+    if (seq.dpace) {  // the weights from each row's CE, detached
+      const ChunkedCeResult<T> first =
+          chunked_cross_entropy(hf, *seq.lm_head, labels, wts, opt.ce_row_chunk, opt.ce_vocab_chunk, nullptr);
+      std::vector<double> row_ce(static_cast<size_t>(Q));
+      std::vector<bool> valid(static_cast<size_t>(Q));
+      for (int64_t r = 0; r < Q; ++r) valid[size_t(r)] = wts[size_t(r)] > T(0), row_ce[size_t(r)] = double(first.ce[size_t(r)]);
+      const std::vector<double> dw = dpace_weights(row_ce, valid, B);
+      for (int64_t r = 0; r < Q; ++r) loss_w[size_t(r)] = T(dw[size_t(r)]);
     }
-  if (opt.keep_logits) res.logits = linear(hf, *seq.lm_head, "drafter lm_head");
-  if (!opt.backward) return res;
+    const ChunkedCeResult<T> ce = chunked_cross_entropy(hf, *seq.lm_head, labels, loss_w, opt.ce_row_chunk,
+                                                        opt.ce_vocab_chunk, opt.backward ? &dh : nullptr);
+    res.loss = ce.loss;
+    res.weight_sum = ce.weight_sum;
+    res.slot_correct.assign(size_t(B), 0);
+    res.slot_count.assign(size_t(B), 0);
+    for (int64_t r = 0; r < Q; ++r)
+      if (wts[size_t(r)] > T(0)) {
+        res.slot_count[size_t(r % B)] += 1;
+        if (ce.argmax[size_t(r)] == labels[size_t(r)]) res.slot_correct[size_t(r % B)] += 1;
+      }
+    if (opt.keep_logits) res.logits = linear(hf, *seq.lm_head, "drafter lm_head");
+    if (!opt.backward) return res;
+  }
 
   // ---- backward ----
-  DrafterGrads<T>& gr = res.grads;
-  gr = drafter_zeros<T>(cfg);
   BasicTensor<T> dx;
   rms_norm_backward(x, w.norm, inv_final, dh, &dx, &gr.norm);
   BasicTensor<T> dctx({S, d});
@@ -423,6 +461,11 @@ void drafter_extend_context(const DrafterConfig& cfg, const DrafterWeights<float
 
 Tensor drafter_draft_logits(const DrafterConfig& cfg, const DrafterWeights<float>& w, const DrafterContextCache& c,
                             int32_t last_token, const Tensor& embed, const Tensor& lm_head) {
+  return cpu::linear(drafter_draft_hidden(cfg, w, c, last_token, embed), lm_head, "lm_head");
+}
+
+Tensor drafter_draft_hidden(const DrafterConfig& cfg, const DrafterWeights<float>& w, const DrafterContextCache& c,
+                            int32_t last_token, const Tensor& embed) {
   using namespace dflash::cpu;
   const int64_t d = cfg.hidden_size, hd = cfg.head_dim, H = cfg.num_attention_heads, B = cfg.block_size;
   const int64_t p = c.length, V = embed.dim(0);
@@ -454,7 +497,7 @@ Tensor drafter_draft_logits(const DrafterConfig& cfg, const DrafterWeights<float
     swiglu(g, linear(hp, lw.up_proj, "drafter up_proj"));
     add_into(x, linear(g, lw.down_proj, "drafter down_proj"));
   }
-  return linear(rms_norm_forward(x, w.norm, cfg.rms_norm_eps, nullptr), lm_head, "lm_head");
+  return rms_norm_forward(x, w.norm, cfg.rms_norm_eps, nullptr);
 }
 
 template struct DrafterWeights<float>;

@@ -28,9 +28,14 @@ struct DrafterWeights {
   BasicTensor<T> hidden_norm;  // [d]
   std::vector<DrafterLayerWeights<T>> layers;
   BasicTensor<T> norm;         // [d]
+  // A DSpark drafter's heads (src/models/dspark.h; empty for DFlash), r = markov_rank:
+  BasicTensor<T> markov_w1;     // [V, r] markov_head.markov_w1.weight (an embedding of the previous token)
+  BasicTensor<T> markov_w2;     // [V, r] markov_head.markov_w2.weight (Linear r -> V)
+  BasicTensor<T> confidence_w;  // [1, d + r] confidence_head.proj.weight
+  BasicTensor<T> confidence_b;  // [1] confidence_head.proj.bias
 
   /// (checkpoint name, tensor) for every parameter, in a fixed order (layers first, then fc,
-  /// hidden_norm, norm).
+  /// hidden_norm, norm, then a DSpark drafter's heads).
   std::vector<std::pair<std::string, BasicTensor<T>*>> named();
   std::vector<std::pair<std::string, const BasicTensor<T>*>> named() const;
 };
@@ -64,7 +69,12 @@ struct DrafterSequence {
   int64_t num_blocks = 0;                   // >= anchors.size()
   const BasicTensor<T>* embed = nullptr;    // [V, d], frozen target embed_tokens
   const BasicTensor<T>* lm_head = nullptr;  // [V, d], frozen target lm_head (logits = h @ lm_head^T)
-  double gamma = 7.0;                       // loss decay: w_k = exp(-(k-1)/gamma)
+  /// DSpark only: [S, d], the target's final hidden states (after its final norm: hidden_states[L]),
+  /// whose logits the drafter's distributions are matched to.
+  const BasicTensor<T>* target_hidden = nullptr;
+  /// DSpark only, tests: [num_blocks B] confidence targets held fixed (dspark_loss's fixed_targets).
+  const std::vector<T>* confidence_targets = nullptr;
+  double gamma = 7.0;                       // loss decay: w_k = exp(-(k-1)/gamma) (DSpark: exp(-k/gamma))
   bool dpace = false;                       // D-PACE weights (dpace_weights) instead of the gamma decay
 };
 
@@ -94,6 +104,7 @@ struct DrafterStepResult {
   std::vector<int64_t> slot_count;   // [B] positions with w > 0
   DrafterGrads<T> grads;             // d loss / d parameter (if options.backward)
   BasicTensor<T> logits;             // [num_blocks * B, V] (if options.keep_logits)
+  std::vector<T> confidence_targets; // DSpark: [num_blocks * B] the detached targets it used
 };
 
 /// The host-side layout of one sequence's blocks (shared by the CPU and GPU steps), rows r = b * B + k:
@@ -120,6 +131,8 @@ BlockLayout block_layout(const std::vector<int64_t>& ids, const std::vector<int6
 /// against lm_head with w = exp(-(k-1)/gamma) * loss_mask[a+k] * (a+k < S) for k >= 1, or with
 /// seq.dpace the D-PACE weights of the same rows from their CE (a first, forward-only cross entropy).
 /// RoPE angles and cos/sin are computed in double (as the reference) and rounded to T.
+/// A DSpark drafter (cfg.is_dspark()) takes dspark_loss (src/models/dspark.h) over the same final hidden
+/// states instead of the cross entropy; its logits (keep_logits) are the Markov-corrected ones.
 /// Throws std::invalid_argument on inconsistent shapes or inputs.
 template <typename T>
 DrafterStepResult<T> drafter_step(const DrafterConfig& cfg, const DrafterWeights<T>& w, const DrafterSequence<T>& seq,
@@ -145,5 +158,9 @@ void drafter_extend_context(const DrafterConfig& cfg, const DrafterWeights<float
 /// embed / lm_head [V, d]. Throws std::invalid_argument for a token outside the vocabulary.
 Tensor drafter_draft_logits(const DrafterConfig& cfg, const DrafterWeights<float>& w, const DrafterContextCache& c,
                             int32_t last_token, const Tensor& embed, const Tensor& lm_head);
+/// The final hidden states [B, d] (after the final norm) of that block, whose lm_head product is
+/// drafter_draft_logits.
+Tensor drafter_draft_hidden(const DrafterConfig& cfg, const DrafterWeights<float>& w, const DrafterContextCache& c,
+                            int32_t last_token, const Tensor& embed);
 
 }  // namespace dflash

@@ -156,10 +156,14 @@ std::string shell_word(const std::string& s) {
 std::string serving_commands(const std::string& target, const std::string& drafter_dir, const DrafterConfig& cfg) {
   const int64_t sliding = std::count(cfg.layer_types.begin(), cfg.layer_types.end(), "sliding_attention");
   const bool mixed = sliding > 0 && sliding < int64_t(cfg.layer_types.size());
-  const nlohmann::json spec = {{"method", "dflash"}, {"model", drafter_dir}, {"num_speculative_tokens", cfg.block_size - 1}};
-  return "SGLang: python -m sglang.launch_server --model-path " + shell_word(target) +
-         " --speculative-algorithm DFLASH --speculative-draft-model-path " + shell_word(drafter_dir) +
-         " --speculative-num-draft-tokens " + std::to_string(cfg.block_size) + "\n" +
+  // DFlash drafts B - 1 tokens and verifies B; DSpark drafts B and verifies B + 1 (SGLang's
+  // speculative_num_draft_tokens is gamma + 1, dspark_config.py).
+  const int64_t drafts = cfg.drafts_per_block();
+  const nlohmann::json spec = {{"method", cfg.is_dspark() ? "dspark" : "dflash"}, {"model", drafter_dir},
+                               {"num_speculative_tokens", drafts}};
+  return "SGLang: python -m sglang.launch_server --model-path " + shell_word(target) + " --speculative-algorithm " +
+         (cfg.is_dspark() ? "DSPARK" : "DFLASH") + " --speculative-draft-model-path " + shell_word(drafter_dir) +
+         " --speculative-num-draft-tokens " + std::to_string(drafts + 1) + "\n" +
          "vLLM:   " + (mixed ? "VLLM_USE_V2_MODEL_RUNNER=1 " : "") + "vllm serve " + shell_word(target) +
          " --speculative-config " + shell_word(spec.dump()) + "\n";
 }

@@ -41,6 +41,9 @@ void write_drafter_checkpoint(const std::string& dir, const DrafterConfig& cfg, 
 ///           (vLLM never reads block_size: a wrong count silently lowers tau), behind
 ///           VLLM_USE_V2_MODEL_RUNNER=1 for a drafter that mixes sliding and full layers (vLLM refuses
 ///           it on its first runner).
+/// A DSpark drafter (drafts block_size tokens, verifies block_size + 1): SGLang --speculative-algorithm
+/// DSPARK with --speculative-num-draft-tokens block_size + 1 (its gamma + 1); vLLM method "dspark"
+/// with num_speculative_tokens block_size.
 /// Loading by `DFlashDraftModel.from_pretrained` (z-lab's package) works too; `AutoModel` with
 /// trust_remote_code does not (no modeling file is shipped).
 std::string serving_commands(const std::string& target, const std::string& drafter_dir, const DrafterConfig& cfg);

@@ -147,6 +147,7 @@ void DrafterConfig::validate(const std::string& where) const {
     if (t != "full_attention" && t != "sliding_attention") fail("unknown layer type '" + t + "'");
     if (t == "sliding_attention" && sliding_window <= 0) fail("sliding_attention layers need sliding_window > 0");
   }
+  if (markov_rank < 0 || markov_rank > (int64_t(1) << 16)) fail("markov_rank must be in [0, 65536] (got " + std::to_string(markov_rank) + ")");
   if (!(rope.theta > 0) || !(rms_norm_eps > 0)) fail("rope_theta and rms_norm_eps must be positive");
   if (rope.partial_rotary_factor != 1.0)
     fail("partial_rotary_factor " + std::to_string(rope.partial_rotary_factor) + ": a DFlash drafter rotates its whole head_dim");
@@ -166,6 +167,12 @@ void DrafterConfig::validate(const std::string& where) const {
            std::to_string(rope.original_max_position_embeddings) + " is not max_position_embeddings " +
            std::to_string(max_position_embeddings) + ": transformers versions read the factor differently");
   }
+}
+
+std::vector<int64_t> captured_layer_ids(const DrafterConfig& c) {
+  std::vector<int64_t> r = c.target_layer_ids;
+  if (c.is_dspark()) r.push_back(c.num_target_layers - 1);
+  return r;
 }
 
 bool DrafterConfig::is_sliding(int64_t layer) const {
@@ -192,7 +199,8 @@ DrafterConfig derive_drafter_config(const ModelSpec& t, const Tokenizer* tok, co
     hf::read_rope({{"rope_scaling", o.rope_scaling}, {"max_position_embeddings", c.max_position_embeddings}}, c.rope,
                   rd, "rope scaling");
   }
-  c.block_size = o.block_size.value_or(16);
+  c.markov_rank = o.markov_rank.value_or(0);
+  c.block_size = o.block_size.value_or(c.is_dspark() ? 7 : 16);  // DSpark's published block: 7
   c.num_target_layers = t.num_hidden_layers;
   if (o.target_layer_ids) {
     c.target_layer_ids = *o.target_layer_ids;  // (validate: strictly increasing, not the last layer)
@@ -251,6 +259,35 @@ bool flag(const nlohmann::json& o, const char* key, const std::string& where) {
   if (!o[key].is_boolean()) throw std::runtime_error(where + ": field '" + key + "' must be true or false");
   return o[key].get<bool>();
 }
+
+/// DSpark's fields as SGLang's parse_dspark_draft_config finds them: the dspark_-prefixed key, then
+/// dspark_config, then the top level.
+void read_dspark(const nlohmann::json& j, DrafterConfig& c, const std::string& where) {
+  auto fail = [&](const std::string& m) { throw std::runtime_error(where + ": " + m); };
+  const nlohmann::json none = nlohmann::json::object();
+  const nlohmann::json& ds = j.contains("dspark_config") && j["dspark_config"].is_object() ? j["dspark_config"] : none;
+  auto find = [&](const char* key) -> const nlohmann::json* {
+    const std::string prefixed = std::string("dspark_") + key;
+    if (j.contains(prefixed) && !j[prefixed].is_null()) return &j[prefixed];
+    if (ds.contains(key) && !ds[key].is_null()) return &ds[key];
+    if (j.contains(key) && !j[key].is_null()) return &j[key];
+    return nullptr;
+  };
+  const nlohmann::json* rank = find("markov_rank");
+  if (!rank) return;
+  if (!rank->is_number_integer() || rank->get<int64_t>() < 0) fail("markov_rank must be a non-negative integer");
+  c.markov_rank = rank->get<int64_t>();
+  if (!c.is_dspark()) return;
+  if (j.value("speculators_model_type", "") == "dspark")
+    fail("a DSpark checkpoint in the speculators convention (slot j predicts anchor + j): SGLang refuses it, and "
+         "this reader follows DeepSpec's (slot k predicts anchor + k + 1)");
+  const nlohmann::json* type = find("markov_head_type");
+  if (type && !(type->is_string() && type->get<std::string>() == "vanilla"))
+    fail("markov_head_type " + type->dump() + ": only the vanilla Markov head is supported");
+  for (const char* key : {"enable_confidence_head", "confidence_head_with_markov"})
+    if (j.contains(key) && !flag(j, key, where))
+      fail(std::string(key) + " false: this reader needs the confidence head on [hidden; W1[previous token]]");
+}
 }  // namespace
 
 nlohmann::json drafter_config_to_json(const DrafterConfig& c) {
@@ -258,7 +295,7 @@ nlohmann::json drafter_config_to_json(const DrafterConfig& c) {
   for (const auto& t : c.layer_types) sliding = sliding || t == "sliding_attention";
   nlohmann::json dflash = {{"mask_token_id", c.mask_token_id}, {"target_layer_ids", c.target_layer_ids}};
   if (c.causal) dflash["causal"] = *c.causal;
-  return {{"architectures", {"DFlashDraftModel"}},
+  nlohmann::json j = {{"architectures", {c.is_dspark() ? "Qwen3DSparkModel" : "DFlashDraftModel"}},
           {"model_type", "qwen3"},
           {"block_size", c.block_size},
           {"num_target_layers", c.num_target_layers},
@@ -281,6 +318,13 @@ nlohmann::json drafter_config_to_json(const DrafterConfig& c) {
           {"hidden_act", "silu"},
           {"attention_bias", false},
           {"torch_dtype", "bfloat16"}};
+  if (c.is_dspark()) {  // SGLang's parse_dspark_draft_config and vLLM's Qwen3DSparkModel read these at the top level
+    j["markov_rank"] = c.markov_rank;
+    j["markov_head_type"] = "vanilla";
+    j["enable_confidence_head"] = true;
+    j["confidence_head_with_markov"] = true;
+  }
+  return j;
 }
 
 DrafterConfig drafter_config_from_json(const nlohmann::json& j, const std::string& where) {
@@ -357,6 +401,7 @@ DrafterConfig drafter_config_from_json(const nlohmann::json& j, const std::strin
     if (has(*o, key)) c.causal = flag(*o, key, where);
   }
   if (flag(d, "attention_sink_bias", where)) fail("dflash_config.attention_sink_bias (attention sinks) is not supported");
+  read_dspark(j, c, where);
   c.validate(where);
   return c;
 }

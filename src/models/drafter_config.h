@@ -32,7 +32,14 @@ struct DrafterConfig {
   /// Causal attention inside the block for every layer (config.json `is_causal`, else
   /// `dflash_config.causal`, as vLLM reads them); unset: full layers see their whole block (dflash.md).
   std::optional<bool> causal;
+  /// DSpark (variants.md section 1; src/models/dspark.h): the rank r of its low-rank Markov head
+  /// (vanilla: logits += W2 W1[previous token]) beside a confidence head; 0 for a DFlash drafter.
+  int64_t markov_rank = 0;
 
+  bool is_dspark() const { return markov_rank > 0; }
+  /// Tokens one draft proposes: B - 1 for DFlash (slot 0 is the anchor), B for DSpark (slot k
+  /// predicts anchor + k + 1). The target verifies these plus the anchor.
+  int64_t drafts_per_block() const { return is_dspark() ? block_size : block_size - 1; }
   bool is_sliding(int64_t layer) const;
   /// The layer's sliding window (0 for a full layer): it sees context [a + k - (window - 1), a).
   int64_t layer_window(int64_t layer) const { return is_sliding(layer) ? sliding_window : 0; }
@@ -52,11 +59,17 @@ struct DrafterConfig {
   }
 };
 
+/// The target layers a training run captures for drafter `c`: target_layer_ids, then for DSpark the
+/// target's last layer (num_target_layers - 1: its final hidden states after the final norm,
+/// hidden_states[L]), whose d columns follow the taps in every captured row: [taps (K d) | final (d)].
+std::vector<int64_t> captured_layer_ids(const DrafterConfig& c);
+
 /// What a user may override (unset = the default the doc gives).
 struct DrafterOverrides {
   std::optional<int64_t> num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim;
   std::optional<int64_t> intermediate_size, block_size, mask_token_id, num_taps, sliding_window;
   std::optional<double> rope_theta;
+  std::optional<int64_t> markov_rank;  // > 0: a DSpark drafter with a Markov head of this rank
   std::optional<std::vector<int64_t>> target_layer_ids;
   /// Indices of drafter layers that use sliding-window attention (needs sliding_window).
   std::vector<int64_t> sliding_layers;
@@ -98,15 +111,20 @@ void check_mask_token(int64_t id, const ModelSpec& target, const Tokenizer& tok,
 DrafterConfig derive_drafter_config(const ModelSpec& target, const Tokenizer* tok, const DrafterOverrides& o);
 
 /// config.json of a DFlash checkpoint (architectures DFlashDraftModel, model_type qwen3,
-/// dflash_config {mask_token_id, target_layer_ids[, causal]}, standard Qwen3 fields, rope_scaling when
-/// the RoPE is scaled). Loads with z-lab's `DFlashDraftModel.from_pretrained`, SGLang and vLLM; not
+/// dflash_config {mask_token_id, target_layer_ids[, causal]}, standard Qwen3 fields,
+/// rope_scaling when the RoPE is scaled). A DSpark drafter: architectures Qwen3DSparkModel and, at the
+/// top level where SGLang and vLLM read them, markov_rank, markov_head_type "vanilla",
+/// enable_confidence_head and confidence_head_with_markov true. Loads with z-lab's `DFlashDraftModel.from_pretrained`, SGLang and vLLM; not
 /// with `AutoModel.from_pretrained(..., trust_remote_code=True)`: no modeling file is shipped.
 nlohmann::json drafter_config_to_json(const DrafterConfig& c);
 /// Reads a DFlash config.json (ours, z-lab's or SpecForge's) as SGLang / vLLM read it: block_size in
 /// dflash_config or at the top level; rope_scaling / rope_parameters; sliding_window only with
 /// use_sliding_window (else none, as transformers); layer_types, or derived from max_window_layers
 /// (transformers' Qwen3Config); dflash_config.use_swa (every layer sliding when layer_types has none)
-/// with swa_window_size before sliding_window; is_causal / dflash_config.causal. Throws naming `where`
+/// with swa_window_size before sliding_window; is_causal / dflash_config.causal; DSpark's markov_rank
+/// (top level, dspark_config or dspark_markov_rank, as SGLang's parse_dspark_draft_config; only the
+/// vanilla head with a confidence head on it, and DeepSpec's slot convention: a speculators config is
+/// refused, as SGLang refuses it). Throws naming `where`
 /// and the field, and for what no server would serve (DrafterConfig::validate).
 /// Older z-lab configs without dflash_config.target_layer_ids get
 /// default_target_layer_ids(num_target_layers, num_hidden_layers) (one tap per draft layer, as the

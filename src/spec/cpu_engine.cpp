@@ -4,6 +4,9 @@
 
 #include "spec/decoder.h"
 
+#include "models/dspark.h"
+#include "ops/linear.h"
+
 namespace dflash {
 
 namespace {
@@ -52,7 +55,12 @@ class CpuDrafter final : public BlockDrafter {
     std::vector<std::vector<int32_t>> r(last.size());
     for (size_t s = 0; s < last.size(); ++s) {
       if (last[s] < 0) continue;
-      const Tensor logits = drafter_draft_logits(c_, w_, ctx_.at(s), last[s], embed_, lm_head_);  // [B, V]
+      const Tensor h = drafter_draft_hidden(c_, w_, ctx_.at(s), last[s], embed_);  // [B, d]
+      if (c_.is_dspark()) {  // every slot drafts, along the Markov walk
+        r[s] = dspark_greedy_drafts(w_, h, last[s], lm_head_);
+        continue;
+      }
+      const Tensor logits = cpu::linear(h, lm_head_, "lm_head");  // [B, V]
       const int64_t V = logits.dim(1);
       for (int64_t k = 1; k < c_.block_size; ++k)
         r[s].push_back(int32_t(std::max_element(logits.row(k), logits.row(k) + V) - logits.row(k)));

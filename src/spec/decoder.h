@@ -64,8 +64,9 @@ class BlockDrafter {
   /// Appends the target taps [m, K*D] of sequence s's next m committed positions.
   virtual void append_context(int s, const Tensor& taps) = 0;
   /// For each sequence s with last_tokens[s] >= 0: the block [last_tokens[s], MASK x (B-1)] at
-  /// positions ctx_len(s) .. ctx_len(s) + B - 1, one forward; returns B - 1 greedy draft tokens per
-  /// such sequence (empty for the others).
+  /// positions ctx_len(s) .. ctx_len(s) + B - 1, one forward; returns config().drafts_per_block()
+  /// greedy draft tokens per such sequence (DFlash: slots 1..B-1; DSpark: slots 0..B-1 along its
+  /// Markov walk), empty for the others.
   virtual std::vector<std::vector<int32_t>> draft(const std::vector<int32_t>& last_tokens) = 0;
   virtual std::string describe() const = 0;
 };

@@ -81,7 +81,7 @@ GenerateResult generate(TargetDecoder& target, BlockDrafter* drafter, const std:
                         const GenerateOptions& o) {
   const ModelSpec& spec = target.spec();
   const int n = int(prompts.size());
-  const int64_t B = drafter ? drafter->config().block_size : 1;
+  const int64_t B = drafter ? drafter->config().drafts_per_block() + 1 : 1;  // tokens fed per verify step
   const int64_t limit = spec.max_position_embeddings > 0 ? spec.max_position_embeddings : INT64_MAX;
   if (o.max_new_tokens < 1) throw std::invalid_argument("max_new_tokens must be at least 1");
   if (drafter) check_drafter_fits(drafter->config(), spec, "drafter");

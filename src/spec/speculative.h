@@ -53,8 +53,10 @@ GenerateResult generate(TargetDecoder& target, BlockDrafter* drafter, const std:
                         const GenerateOptions& o);
 
 /// Acceptance statistics over verify steps (../shared/docs/dflash.md): tau = mean(accepted + 1).
+/// B = the most tokens one verify step commits: the drafts plus one (DrafterConfig::drafts_per_block
+/// + 1: DFlash's block_size, DSpark's block_size + 1).
 struct AcceptanceStats {
-  int64_t block_size = 0, steps = 0;
+  int64_t block_size = 0, steps = 0;  // block_size: B
   double tau = 0;
   std::vector<int64_t> histogram;    // [B + 1]: steps that committed j tokens (j = accepted + 1 in 1..B)
   std::vector<double> slot_accept;   // [B]: fraction of steps whose draft slot k (1..B-1) was accepted; [0] = 1

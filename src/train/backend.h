@@ -86,7 +86,8 @@ class DrafterBackend {
 /// Name of the first tensor of `w` holding NaN / Inf, or "".
 std::string first_nonfinite(const DrafterWeights<float>& w);
 
-/// Host taps [S, K*d] float32 of a sample, in target_layer_ids order.
+/// Host taps [S, K*d] float32 of a sample, in target_layer_ids order (captured_layer_ids: a DSpark
+/// drafter's rows end with the target's final hidden state, [S, (K + 1) d]).
 using TapsFn = std::function<Tensor(const TrainSample&)>;
 
 /// The CPU reference backend: drafter_step in fp32, AdamW<float>. `embed` and `lm_head` [V, d] must

@@ -59,8 +59,19 @@ class CpuBackend final : public DrafterBackend {
                                   std::to_string(s.ids.size()) + " tokens");
     MicroResult r;
     auto t0 = std::chrono::steady_clock::now();
-    const Tensor taps = taps_(s);
+    Tensor taps = taps_(s), final_hidden;
     r.target_ms = ms_since(t0);
+    if (cfg_.is_dspark()) {  // each captured row: [taps (K d) | the target's final hidden state (d)]
+      const int64_t S = taps.dim(0), d = cfg_.hidden_size, Kd = int64_t(cfg_.target_layer_ids.size()) * d;
+      if (taps.dim(1) != Kd + d) throw std::invalid_argument("cpu backend: DSpark captures without the final hidden state");
+      Tensor t({S, Kd});
+      final_hidden = Tensor({S, d});
+      for (int64_t i = 0; i < S; ++i) {
+        std::copy_n(taps.row(i), Kd, t.row(i));
+        std::copy_n(taps.row(i) + Kd, d, final_hidden.row(i));
+      }
+      taps = std::move(t);
+    }
     for (float x : taps.data) r.nonfinite_taps = r.nonfinite_taps || !std::isfinite(x);
     t0 = std::chrono::steady_clock::now();
     DrafterSequence<float> seq;
@@ -71,6 +82,7 @@ class CpuBackend final : public DrafterBackend {
     seq.num_blocks = int64_t(anchors.size());
     seq.embed = embed_;
     seq.lm_head = lm_head_;
+    if (cfg_.is_dspark()) seq.target_hidden = &final_hidden;
     seq.gamma = loss.gamma, seq.dpace = loss.dpace;
     const DrafterStepResult<float> d = drafter_step(cfg_, w_, seq);
     r.loss = double(d.loss);

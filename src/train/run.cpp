@@ -63,10 +63,10 @@ std::vector<fs::path> checkpoints(const fs::path& dir) {
 }
 
 /// Expected acceptance length from per-slot top-1 accuracies, slots independent:
-/// tau = 1 + sum_k prod_{j <= k} acc_j (k = 1..B-1).
-double tau_estimate(const std::vector<int64_t>& correct, const std::vector<int64_t>& count) {
+/// tau = 1 + sum_k prod_{j <= k} acc_j over the drafting slots k = first .. B-1 (DFlash 1, DSpark 0).
+double tau_estimate(const std::vector<int64_t>& correct, const std::vector<int64_t>& count, size_t first) {
   double tau = 1, run = 1;
-  for (size_t k = 1; k < correct.size(); ++k) {
+  for (size_t k = first; k < correct.size(); ++k) {
     if (count[k] == 0) break;
     run *= double(correct[k]) / double(count[k]);
     tau += run;
@@ -264,7 +264,8 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
     differs(bool(c.intermediate_size), "intermediate_size", dc.intermediate_size, c.intermediate_size.value_or(0));
     differs(!c.target_layer_ids.empty(), "target_layer_ids", dc.target_layer_ids, c.target_layer_ids);
     differs(bool(c.mask_token_id), "mask_token_id", dc.mask_token_id, c.mask_token_id.value_or(-1));
-    differs(c.block_size != TrainConfig{}.block_size, "block_size", dc.block_size, c.block_size);
+    differs(c.block_size > 0, "block_size", dc.block_size, c.block_size);
+    differs(!c.drafter.empty(), "drafter", dc.is_dspark() ? "dspark" : "dflash", c.drafter);
     differs(c.num_draft_layers != TrainConfig{}.num_draft_layers && c.layer_types.empty(), "num_hidden_layers",
             dc.num_hidden_layers, c.num_draft_layers);
     if (!diff.empty())
@@ -277,7 +278,8 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
   } else {
     DrafterOverrides ov;
     ov.num_hidden_layers = c.num_draft_layers;
-    ov.block_size = c.block_size;
+    if (c.block_size > 0) ov.block_size = c.block_size;
+    if (c.drafter == "dspark") ov.markov_rank = c.markov_rank;
     ov.num_taps = c.num_taps;
     if (c.mask_token_id) ov.mask_token_id = *c.mask_token_id;
     if (!c.target_layer_ids.empty()) ov.target_layer_ids = c.target_layer_ids;
@@ -296,8 +298,9 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
   to.num_anchors = c.num_anchors;
   to.grad_accum = c.grad_accum;
   to.max_grad_norm = c.max_grad_norm;
-  to.gamma = c.gamma > 0 ? c.gamma : default_gamma(c.block_size);
+  to.gamma = c.gamma > 0 ? c.gamma : dc.is_dspark() ? 4.0 : default_gamma(dc.block_size);  // DSpark: DeepSpec's 4
   to.dpace = c.loss == "dpace";
+  if (dc.is_dspark() && to.dpace) throw std::runtime_error("--loss dpace weighs a DFlash drafter's slots; DSpark has its own loss");
   to.seed = c.seed;
   to.shuffle = c.shuffle;
   to.adamw = {c.lr, c.beta1, c.beta2, c.eps, c.weight_decay};
@@ -345,10 +348,10 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
     backend = make_cpu_backend(dc, std::move(w0), &target->embed_tokens(), &target->lm_head(), [&](const TrainSample& s) {
       ForwardOptions fo;
       fo.logits = false;
-      fo.hidden_states = tap_hidden_states(dc.target_layer_ids);
+      fo.hidden_states = tap_hidden_states(captured_layer_ids(dc));
       const auto S = int64_t(s.ids.size());
       return concat_taps(target->forward(std::vector<int32_t>(s.ids.begin(), s.ids.end()), {0, S}, fo),
-                         dc.target_layer_ids);
+                         captured_layer_ids(dc));
     });
   } else {
 #ifdef DFLASH_HAVE_CUDA
@@ -375,7 +378,10 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
     fmt::print("train: {} samples, {} steps ({} per epoch), drafter {} layers x {} (taps {}), block {}, {} anchors, "
              "mask token {}, loss {}, lr {} (warmup {} steps), device {}\n",
              n, total, per_epoch, dc.num_hidden_layers, dc.hidden_size, nlohmann::json(dc.target_layer_ids).dump(),
-             dc.block_size, c.num_anchors, dc.mask_token_id, to.dpace ? "D-PACE" : fmt::format("gamma {}", to.gamma),
+             dc.block_size, c.num_anchors, dc.mask_token_id,
+             dc.is_dspark() ? fmt::format("DSpark (0.1 CE + 0.9 L1 + confidence BCE, gamma {}, Markov rank {})", to.gamma, dc.markov_rank)
+             : to.dpace     ? std::string("D-PACE")
+                            : fmt::format("gamma {}", to.gamma),
              c.lr, to.schedule.warmup_steps(), tr.backend().device());
 
   auto save_checkpoint = [&] {
@@ -475,7 +481,8 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
       int64_t hit = 0, cnt = 0;
       for (size_t k = 1; k < win_correct.size(); ++k) hit += win_correct[k], cnt += win_count[k];
       const double acc = cnt ? double(hit) / double(cnt) : 0.0;
-      const double tau = tau_estimate(win_correct, win_count);
+      const size_t first_slot = dc.is_dspark() ? 0 : 1;  // DFlash's slot 0 is the anchor
+      const double tau = tau_estimate(win_correct, win_count, first_slot);
       const double loss = win_loss_n ? win_loss / double(win_loss_n) : 0.0;
       const double eta = (s > step0) ? elapsed / double(s - step0) * double(total - s) : NAN;
       const double epoch = double(tr.position().epoch) + double(tr.position().index) / double(n);
@@ -499,7 +506,7 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
           {"train/loss", loss}, {"train/acc", acc}, {"train/tau_estimate", tau}, {"train/lr", st.lr},
           {"train/grad_norm", st.grad_norm}, {"perf/tokens_per_s", double(win_tokens) / dt},
           {"perf/samples_per_s", double(win_micro) / dt}};
-      for (size_t k = 1; k < slot_acc.size(); ++k) tbv.emplace_back("slot_acc/" + std::to_string(k), slot_acc[k]);
+      for (size_t k = first_slot; k < slot_acc.size(); ++k) tbv.emplace_back("slot_acc/" + std::to_string(k), slot_acc[k]);
       if (tb) tb->scalars(s, tbv);
       win_micro = win_tokens = win_loss_n = 0;
       win_loss = 0;

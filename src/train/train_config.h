@@ -26,7 +26,11 @@ struct TrainConfig {
   bool shuffle = true;
   uint64_t seed = 0;
   // drafter
-  int64_t num_draft_layers = 5, num_taps = 5, block_size = 16;
+  /// "dflash", "dspark" (src/models/dspark.h), or "" (--init-from's kind, else dflash).
+  std::string drafter;
+  int64_t markov_rank = 256;              // DSpark's Markov head rank (published: 256)
+  int64_t num_draft_layers = 5, num_taps = 5;
+  int64_t block_size = 0;                 // 0: by the drafter (DFlash 16, DSpark 7)
   std::vector<int64_t> target_layer_ids;  // empty: the doc's default for num_taps
   std::optional<int64_t> mask_token_id;   // default: <|MASK|>, a spare row or an unused special token
   // drafter layout (unset: from the target as dflash.md says)
@@ -40,7 +44,7 @@ struct TrainConfig {
   bool recompute = false;                 // GPU: recompute each drafter layer in the backward (less memory)
   double lr = 6e-4, warmup_ratio = 0.04, weight_decay = 0.0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
   double max_grad_norm = 1.0;
-  double gamma = 0;                       // 0: by block size (16 -> 7, 10 -> 5, 8 -> 4)
+  double gamma = 0;                       // 0: by block size (16 -> 7, 10 -> 5, 8 -> 4; DSpark: 4)
   std::string loss = "dflash";            // slot weights: "dflash" (the gamma decay) or "dpace" (D-PACE)
   // operations
   int64_t save_every = 1000, keep_last = 3, log_every = 10, stages_every = 100, nan_abort = 10;

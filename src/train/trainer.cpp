@@ -250,6 +250,8 @@ DrafterWeights<float> init_drafter_weights(const DrafterConfig& cfg, uint64_t se
   std::mt19937_64 rng(seed);
   auto unit = [&] { return (double(rng() >> 11) + 0.5) * 0x1.0p-53; };  // (0, 1)
   for (auto& [name, t] : w.named()) {
+    // DSpark starts as its backbone alone: no Markov bias (W2 = 0) and a confidence bias of 0.
+    if (name == "markov_head.markov_w2.weight" || name == "confidence_head.proj.bias") continue;
     if (t->ndim() == 1) {
       for (float& x : t->data) x = 1.0f;
       continue;
