@@ -61,7 +61,7 @@ void add_train(CLI::App& app, Runner& run) {
   cmd->add_option("--num-draft-layers", c.num_draft_layers, "Draft decoder layers")->capture_default_str();
   cmd->add_option("--num-taps", c.num_taps, "Target layers tapped (default formula of dflash.md)")->capture_default_str();
   cmd->add_option("--target-layer-ids", c.target_layer_ids, "Explicit tapped target layers")->delimiter(',');
-  cmd->add_option("--drafter", c.drafter,
+  cmd->add_option("--drafter-type", c.drafter_type,
                   "Drafter: dflash, or dspark (every slot drafts; Markov and confidence heads; its own loss). "
                   "Default: --init-from's, else dflash")
       ->check(CLI::IsMember({"dflash", "dspark"}));

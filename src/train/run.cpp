@@ -265,7 +265,7 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
     differs(!c.target_layer_ids.empty(), "target_layer_ids", dc.target_layer_ids, c.target_layer_ids);
     differs(bool(c.mask_token_id), "mask_token_id", dc.mask_token_id, c.mask_token_id.value_or(-1));
     differs(c.block_size > 0, "block_size", dc.block_size, c.block_size);
-    differs(!c.drafter.empty(), "drafter", dc.is_dspark() ? "dspark" : "dflash", c.drafter);
+    differs(!c.drafter_type.empty(), "drafter_type", dc.is_dspark() ? "dspark" : "dflash", c.drafter_type);
     differs(c.num_draft_layers != TrainConfig{}.num_draft_layers && c.layer_types.empty(), "num_hidden_layers",
             dc.num_hidden_layers, c.num_draft_layers);
     if (!diff.empty())
@@ -279,7 +279,7 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
     DrafterOverrides ov;
     ov.num_hidden_layers = c.num_draft_layers;
     if (c.block_size > 0) ov.block_size = c.block_size;
-    if (c.drafter == "dspark") ov.markov_rank = c.markov_rank;
+    if (c.drafter_type == "dspark") ov.markov_rank = c.markov_rank;
     ov.num_taps = c.num_taps;
     if (c.mask_token_id) ov.mask_token_id = *c.mask_token_id;
     if (!c.target_layer_ids.empty()) ov.target_layer_ids = c.target_layer_ids;

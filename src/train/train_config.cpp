@@ -57,9 +57,9 @@ void TrainConfig::validate_values() const {
   need(num_taps >= 1, "num_taps must be >= 1");
   need(block_size == 0 || (block_size >= 2 && block_size <= 64),
        "block_size must be in [2, 64] (published drafters: DFlash 16, DSpark 7; 0: by the drafter)");
-  need(drafter.empty() || drafter == "dflash" || drafter == "dspark", "drafter must be dflash or dspark (got " + drafter + ")");
+  need(drafter_type.empty() || drafter_type == "dflash" || drafter_type == "dspark", "drafter_type must be dflash or dspark (got " + drafter_type + ")");
   need(markov_rank >= 1 && markov_rank <= 65536, "markov_rank must be in [1, 65536]");
-  need(!(drafter == "dspark" && loss == "dpace"), "loss dpace weighs a DFlash drafter's slots; DSpark has its own loss");
+  need(!(drafter_type == "dspark" && loss == "dpace"), "loss dpace weighs a DFlash drafter's slots; DSpark has its own loss");
   need((epochs >= 1 && epochs <= 100000) || max_steps > 0, "epochs must be in [1, 100000] (or set max_steps)");
   for (int64_t id : target_layer_ids) need(id >= 0, "target_layer_ids must be >= 0");
   need(max_steps >= 0, "max_steps must be >= 0");
@@ -127,7 +127,7 @@ nlohmann::json to_json(const TrainConfig& c) {
           {"max_length", c.max_length},
           {"shuffle", c.shuffle},
           {"seed", c.seed},
-          {"drafter", c.drafter},
+          {"drafter_type", c.drafter_type},
           {"markov_rank", c.markov_rank},
           {"num_draft_layers", c.num_draft_layers},
           {"num_taps", c.num_taps},
@@ -209,7 +209,7 @@ TrainConfig train_config_from_json(const nlohmann::json& j, const std::string& w
     c.target_gpus = all["target_gpus"].get<std::vector<int>>(), c.drafter_gpus = all["drafter_gpus"].get<std::vector<int>>();
     c.init_from = all["init_from"], c.max_length = all["max_length"];
     c.shuffle = all["shuffle"], c.seed = all["seed"], c.num_draft_layers = all["num_draft_layers"];
-    c.drafter = all["drafter"], c.markov_rank = all["markov_rank"];
+    c.drafter_type = all["drafter_type"], c.markov_rank = all["markov_rank"];
     c.num_taps = all["num_taps"], c.block_size = all["block_size"];
     c.target_layer_ids = all["target_layer_ids"].get<std::vector<int64_t>>();
     c.mask_token_id = optional_int(all["mask_token_id"]);

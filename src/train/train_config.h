@@ -27,7 +27,7 @@ struct TrainConfig {
   uint64_t seed = 0;
   // drafter
   /// "dflash", "dspark" (src/models/dspark.h), or "" (--init-from's kind, else dflash).
-  std::string drafter;
+  std::string drafter_type;
   int64_t markov_rank = 256;              // DSpark's Markov head rank (published: 256)
   int64_t num_draft_layers = 5, num_taps = 5;
   int64_t block_size = 0;                 // 0: by the drafter (DFlash 16, DSpark 7)

@@ -79,6 +79,28 @@ TEST_P(SpecFixture, GreedyIsLosslessWithARandomDrafter) {
   EXPECT_LE(a.tau, double(kB));
 }
 
+// A DSpark drafter drafts every slot (B tokens, B + 1 verified) along its Markov walk: still
+// lossless, and a verify step can commit up to B + 1 tokens.
+TEST_P(SpecFixture, GreedyIsLosslessWithADsparkDrafter) {
+  GenerateOptions o;
+  o.max_new_tokens = 30;
+  const auto plain = generate(*decoder, nullptr, ps, o);
+  DrafterConfig dc = cfg;
+  dc.markov_rank = 4;
+  DrafterWeights<float> w = init_drafter_weights(dc, 3);
+  for (float& x : w.markov_w2.data) x = 0.5f;  // (init leaves the Markov bias at 0)
+  auto drafter = make_cpu_drafter(dc, std::move(w), model->embed_tokens(), model->lm_head());
+  drafter->reset(1);
+  Tensor taps({1, int64_t(dc.target_layer_ids.size()) * dc.hidden_size});
+  drafter->append_context(0, taps);
+  EXPECT_EQ(drafter->draft({3}).at(0).size(), size_t(kB));
+  const auto spec = generate(*decoder, drafter.get(), ps, o);
+  for (size_t s = 0; s < ps.size(); ++s) EXPECT_EQ(spec.seqs[s].tokens, plain.seqs[s].tokens) << GetParam() << " prompt " << s;
+  const AcceptanceStats a = acceptance_stats(spec.seqs, dc.drafts_per_block() + 1);
+  EXPECT_EQ(a.histogram.size(), size_t(kB + 2));
+  EXPECT_GE(a.tau, 1.0);
+}
+
 // Continuous batching: with fewer slots than prompts, finished slots take the next prompt (its
 // prefill joins the others' decode step); the outputs do not change.
 TEST_P(SpecFixture, ContinuousBatchingChangesNothing) {
