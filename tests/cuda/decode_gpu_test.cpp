@@ -8,6 +8,7 @@
 #include <random>
 
 #include "models/cuda/target_gpu.h"
+#include "models/dspark.h"
 #include "spec/oracle_drafter.h"
 #include "spec/speculative.h"
 #include "test_util.h"
@@ -238,6 +239,58 @@ TEST(CudaDecode, GpuDrafterDraftsAsTheReference) {
     check({29, 31, -1, 37}, "after clear");
     EXPECT_GE(compared, 12) << "too few well-separated slots to compare";
   }
+}
+
+// DSpark's Markov walk on the GPU (every slot drafts; each token feeds the next slot's Markov head)
+// against the CPU reference: each drafted token is the argmax of the reference's corrected logits
+// given the GPU's own earlier tokens (a near tie may go either way in bf16, and then the walks part).
+TEST(CudaDecode, GpuDsparkDrafterWalksAsTheReference) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  const auto m = hd64();
+  DrafterOverrides ov;
+  ov.num_hidden_layers = 2;
+  ov.block_size = 5;
+  ov.mask_token_id = m->spec().vocab_size - 1;
+  ov.target_layer_ids = taps_for(m->spec().num_hidden_layers);
+  ov.markov_rank = 64;
+  const DrafterConfig cfg = derive_drafter_config(m->spec(), nullptr, ov);
+  DrafterWeights<float> w = init_drafter_weights(cfg, 9, 0.2);
+  std::mt19937_64 rng(3);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (float& x : w.markov_w2.data) x = bf16_to_f32(f32_to_bf16(0.3f * nd(rng)));
+  auto gpu = make_gpu_drafter(cfg, w, m->embed_tokens(), m->lm_head(), 0);
+  const int64_t width = int64_t(cfg.target_layer_ids.size()) * cfg.hidden_size, B = cfg.block_size;
+  const int n = 3;
+  std::vector<DrafterContextCache> ref(n);
+  gpu->reset(n);
+  int compared = 0;
+  for (int q = 0; q < n; ++q) {
+    Tensor t({int64_t(5 + 20 * q), width});
+    for (float& x : t.data) x = bf16_to_f32(f32_to_bf16(nd(rng)));
+    gpu->append_context(q, t);
+    drafter_extend_context(cfg, w, ref[size_t(q)], t);
+  }
+  const std::vector<int32_t> last = {5, 7, 11};
+  const auto drafts = gpu->draft(last);
+  for (int q = 0; q < n; ++q) {
+    ASSERT_EQ(int64_t(drafts[size_t(q)].size()), B) << "sequence " << q;
+    const Tensor h = drafter_draft_hidden(cfg, w, ref[size_t(q)], last[size_t(q)], m->embed_tokens());
+    std::vector<int32_t> prev = {last[size_t(q)]};
+    prev.insert(prev.end(), drafts[size_t(q)].begin(), drafts[size_t(q)].end() - 1);
+    const Tensor z = dspark_logits(w, h, m->lm_head(), prev);
+    const int64_t V = z.dim(1);
+    for (int64_t k = 0; k < B; ++k) {
+      std::vector<float> row(z.row(k), z.row(k) + V), sorted = row;
+      std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
+      float scale = 0;
+      for (float x : row) scale = std::max(scale, std::abs(x));
+      if (sorted[0] - sorted[1] < 0.05f * scale) continue;  // a near tie: bf16 may pick either
+      ++compared;
+      EXPECT_EQ(drafts[size_t(q)][size_t(k)], int32_t(std::max_element(row.begin(), row.end()) - row.begin()))
+          << "sequence " << q << " slot " << k;
+    }
+  }
+  EXPECT_GE(compared, 8) << "too few well-separated slots to compare";
 }
 
 #endif  // DFLASH_HAVE_CUDA

@@ -28,20 +28,23 @@ float bf(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 struct Tiny {
   DrafterConfig cfg;
   DrafterWeights<float> w;
-  Tensor taps, embed, lm_head;
+  Tensor taps, embed, lm_head, target_hidden;
   DrafterSequence<float> seq;
 
-  /// The taps on the device, bf16 (the values are bf16 already).
-  cuda::DeviceArray<cuda::bf16> device_taps() const {
-    std::vector<uint16_t> tb(taps.data.size());
-    for (size_t i = 0; i < tb.size(); ++i) tb[i] = f32_to_bf16(taps.data[i]);
+  /// `t` on the device, bf16 (the values are bf16 already): the taps, the target's hidden states.
+  static cuda::DeviceArray<cuda::bf16> on_device(const Tensor& t) {
+    std::vector<uint16_t> tb(t.data.size());
+    for (size_t i = 0; i < tb.size(); ++i) tb[i] = f32_to_bf16(t.data[i]);
     cuda::DeviceArray<cuda::bf16> d(tb.size());
     DFLASH_CUDA_CHECK(cudaMemcpy(d.data(), tb.data(), tb.size() * 2, cudaMemcpyHostToDevice));
     return d;
   }
+  cuda::DeviceArray<cuda::bf16> device_taps() const { return on_device(taps); }
   /// scaled: yarn RoPE (factor 4 over a pretrained length of 8192) and every layer causal in its block
   /// (dflash_config.causal), the semantics servers read from published configs.
-  explicit Tiny(bool scaled = false) {
+  /// dspark: a DSpark drafter (Markov rank 16) with the target's final hidden states.
+  explicit Tiny(bool scaled = false, bool dspark = false) {
+    if (dspark) cfg.markov_rank = 16;
     if (scaled) {
       cfg.rope.type = "yarn", cfg.rope.factor = 4.0, cfg.rope.original_max_position_embeddings = 8192;
       cfg.causal = true;
@@ -74,6 +77,14 @@ struct Tiny {
     seq.num_blocks = 6;                // one padding block
     seq.gamma = 2.0;
     seq.taps = &taps, seq.embed = &embed, seq.lm_head = &lm_head;
+    if (dspark) {
+      for (float& x : w.markov_w2.data) x = bf(0.3f * nd(rng));  // (init leaves W2 and the bias at 0)
+      w.confidence_b.data[0] = 0.2f;
+      target_hidden = Tensor({S, d});
+      for (float& x : target_hidden.data) x = bf(nd(rng));
+      seq.target_hidden = &target_hidden;
+      seq.gamma = 4.0;
+    }
   }
 };
 
@@ -107,16 +118,30 @@ void expect_step_matches_the_cpu(const Tiny& t) {
   {
     DrafterGpu gpu(t.cfg, t.w, t.embed, t.lm_head, s);
     const cuda::DeviceArray<cuda::bf16> taps = t.device_taps();
+    const cuda::DeviceArray<cuda::bf16> hidden = Tiny::on_device(t.target_hidden);
     DrafterGpuStepOptions opt;
-    opt.ce_chunk_bytes = 7 * 300 * 4;
-    const DrafterGpuStepResult r = gpu.step(
-        {taps.data(), t.seq.ids, t.seq.loss_mask, t.seq.anchors, t.seq.num_blocks, t.seq.gamma, t.seq.dpace}, opt);
-    EXPECT_LE(std::abs(r.loss - double(ref.loss)) / std::abs(double(ref.loss)), 1e-2);
-    EXPECT_LE(std::abs(r.weight_sum - double(ref.weight_sum)) / double(ref.weight_sum), 1e-2);
-    const auto g = gpu.grads();
-    const auto gn = g.named(), rn = ref.grads.named();
-    for (size_t i = 0; i < gn.size(); ++i)
-      EXPECT_LE(test::rel_l2(gn[i].second->data, rn[i].second->data), kTolBf16Step) << gn[i].first;
+    opt.ce_chunk_bytes = 7 * 300 * 4;  // several row chunks (DSpark: 10 V bytes a row, at least 16 rows)
+    const DrafterGpuSequence seq{taps.data(), t.seq.ids, t.seq.loss_mask, t.seq.anchors, t.seq.num_blocks,
+                                 t.seq.gamma, t.seq.dpace, t.seq.target_hidden ? hidden.data() : nullptr};
+    // Twice without zero_grads (the gradients add), then again after it (they start over): the
+    // DSpark heads' atomics and GEMM follow the same accumulation as every other gradient.
+    for (int round = 0; round < 3; ++round) {
+      if (round == 2) gpu.zero_grads();
+      const DrafterGpuStepResult r = gpu.step(seq, opt);
+      EXPECT_LE(std::abs(r.loss - double(ref.loss)) / std::abs(double(ref.loss)), 1e-2);
+      EXPECT_LE(std::abs(r.weight_sum - double(ref.weight_sum)) / double(ref.weight_sum), 1e-2);
+      for (size_t k = 0; k < r.slot_count.size(); ++k) EXPECT_EQ(r.slot_count[k], ref.slot_count[k]) << "slot " << k;
+      if (round == 0) continue;
+      const float times = round == 1 ? 2.f : 1.f;
+      const auto g = gpu.grads();
+      const auto gn = g.named(), rn = ref.grads.named();
+      ASSERT_EQ(gn.size(), rn.size());
+      for (size_t i = 0; i < gn.size(); ++i) {
+        std::vector<float> want = rn[i].second->data;
+        for (float& x : want) x *= times;
+        EXPECT_LE(test::rel_l2(gn[i].second->data, want), kTolBf16Step) << gn[i].first << " round " << round;
+      }
+    }
   }
   DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
 }
@@ -129,6 +154,23 @@ TEST(CudaDrafter, YarnAndCausalLayersMatchTheCpuReference) {
   EXPECT_GT(std::abs(double(drafter_step(t.cfg, t.w, t.seq).loss) - double(drafter_step(plain.cfg, plain.w, plain.seq).loss)),
             1e-4);
   expect_step_matches_the_cpu(t);
+}
+
+TEST(CudaDrafter, DsparkStepMatchesTheCpuReference) {
+  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  const Tiny t(false, true);
+  ASSERT_TRUE(t.cfg.is_dspark());
+  expect_step_matches_the_cpu(t);
+  // A DSpark step needs the target's hidden states.
+  cudaStream_t s;
+  DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
+  {
+    DrafterGpu gpu(t.cfg, t.w, t.embed, t.lm_head, s);
+    const cuda::DeviceArray<cuda::bf16> taps = t.device_taps();
+    EXPECT_THROW(gpu.step({taps.data(), t.seq.ids, t.seq.loss_mask, t.seq.anchors, t.seq.num_blocks, t.seq.gamma}),
+                 std::invalid_argument);
+  }
+  DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
 }
 
 TEST(CudaDrafter, DpaceStepMatchesTheCpuReference) {

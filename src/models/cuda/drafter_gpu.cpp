@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "models/cuda/drafter_gpu_impl.h"
+#include "models/dspark.h"
 #include "ops/cuda/adamw.h"
 #include "ops/cuda/cross_entropy.h"
 #include "ops/cuda/elementwise.h"
@@ -78,6 +79,7 @@ struct StepSizes {
   bool compact;
   int64_t masks;                  // distinct (window, causal) masks of the layers, Q ranges each
   int64_t ce_row_chunk, ce_ws_bytes;
+  int64_t dspark_row_chunk = 0, dspark_ws_bytes = 0;  // DSpark's loss (dspark_step_loss) instead of the cross entropy
   StepSizes(const DrafterConfig& c, int64_t V, int64_t S_, int64_t N, int64_t Qc_, int64_t ce_chunk_bytes)
       : S(S_), Q(N * c.block_size), SQ(S_ + N * c.block_size), Qc(Qc_), Qf(Qc_ > 0 ? Qc_ : N * c.block_size),
         d(c.hidden_size), hd(c.head_dim), H(c.num_attention_heads), Hkv(c.num_key_value_heads),
@@ -87,6 +89,11 @@ struct StepSizes {
     std::set<std::pair<int64_t, bool>> kinds;
     for (int64_t i = 0; i < L; ++i) kinds.insert({c.layer_window(i), c.layer_causal(i)});
     masks = int64_t(kinds.size());
+    if (c.is_dspark() && Qc > 0) {
+      dspark_row_chunk = dspark_loss_row_chunk(V, Qc, ce_chunk_bytes);
+      dspark_ws_bytes = dspark_loss_workspace_bytes(c, V, Qc, dspark_row_chunk);
+      ce_row_chunk = 0, ce_ws_bytes = 0;
+    }
   }
   /// Layer i: on from its attention's output the Qc rows with a loss weight in the last layer.
   SavedSizes saved(int64_t i) const {
@@ -110,7 +117,7 @@ struct StepSizes {
   /// The final norm's output and inverse RMS, beside the last layer's output.
   int64_t final_norm_bytes() const { return 2 * Qf * d + 4 * Qf; }
   /// The cross entropy: the gradient of the final norm's output, its labels, weights, statistics, workspace.
-  int64_t cross_entropy_bytes() const { return 2 * Qf * d + 4 * 5 * Qc + ce_ws_bytes; }
+  int64_t cross_entropy_bytes() const { return 2 * Qf * d + 4 * 5 * Qc + ce_ws_bytes + dspark_ws_bytes; }
   /// The most one step holds at once: the saved activations (with recomputation the layer inputs and
   /// one layer's activations) with the cross entropy, or with the backward's buffers.
   int64_t peak_bytes(bool recompute) const {
@@ -170,7 +177,7 @@ int64_t DrafterGpu::state_bytes(const DrafterConfig& cfg, int64_t V) {
 
 int64_t DrafterGpu::step_bytes(const DrafterConfig& cfg, int64_t V, int64_t S, int64_t num_blocks, bool recompute,
                                int64_t ce_chunk_bytes) {
-  return StepSizes(cfg, V, S, num_blocks, num_blocks * (cfg.block_size - 1), ce_chunk_bytes).peak_bytes(recompute);
+  return StepSizes(cfg, V, S, num_blocks, num_blocks * cfg.drafts_per_block(), ce_chunk_bytes).peak_bytes(recompute);
 }
 
 void DrafterGpu::allocate(int64_t V) {
@@ -332,9 +339,16 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
 
   // ---- host-side block layout (as drafter_step) ----
   const BlockLayout lay = block_layout(seq.ids, seq.loss_mask, seq.anchors, N, B, c.mask_token_id, seq.gamma);
-  const std::vector<int32_t>& labels = lay.labels;
+  std::vector<int32_t> labels = lay.labels;
   std::vector<double> wts = lay.weights;  // (D-PACE replaces them below, on the same rows)
   double wsum = lay.weight_sum;
+  DSparkRows drows;  // DSpark: every slot predicts the token after it (src/models/dspark.h)
+  if (c.is_dspark()) {
+    if (!seq.target_hidden) throw std::invalid_argument("DrafterGpu::step: a DSpark drafter needs the target's final hidden states");
+    if (seq.dpace) throw std::invalid_argument("DrafterGpu::step: D-PACE weighs a DFlash drafter's loss, not DSpark's");
+    drows = dspark_rows(seq.ids, seq.loss_mask, seq.anchors, N, B, seq.gamma);
+    labels = drows.labels, wts = drows.weights, wsum = drows.weight_sum;
+  }
   // The rows with a loss weight (block position 0, padding and prompt labels have none): the cross
   // entropy runs over these only, and so does the last layer after its attention (o_proj, MLP, the
   // final norm), whose other rows reach no loss.
@@ -460,12 +474,28 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   // Cross entropy over the rows with a loss weight (hf's), fused with its backward when one is
   // wanted (coef = w / sum(w) is known up front): dhf is their gradient.
   const bool backward = opt.backward && Qc > 0;
+  // After zero_grads(), each weight matrix's gradient GEMM (one per matrix) overwrites instead of
+  // adding, and the gradients summed over several calls (the norm weights', DSpark's atomics) start at zero.
+  const float grad_beta = I.grad_zero_pending ? 0.f : 1.f;
+  if (backward && I.grad_zero_pending)
+    for (const auto& [name, shape] : I.shapes)
+      if (shape.size() == 1 || name == "markov_head.markov_w1.weight" || name == "confidence_head.proj.weight")
+        DFLASH_CUDA_CHECK(cudaMemsetAsync(I.G(name), 0, size_t(BasicTensor<float>::numel_of(shape)) * sizeof(float), s));
+  std::map<std::string, int> wgrads;  // calls per weight: each must be written exactly once
   timer.end("forward");
   timer.begin("cross_entropy");
   StreamBuffer<bf16> dhf(backward ? size_t(Qf * d) : 0, s);
   std::vector<float> h_lse(static_cast<size_t>(Qc)), h_tl(static_cast<size_t>(Qc));
   std::vector<int32_t> h_amax(static_cast<size_t>(Qc));
-  if (Qc > 0) {
+  std::vector<double> row_loss(static_cast<size_t>(Qc));  // each used row's unweighted loss
+  if (Qc > 0 && c.is_dspark()) {
+    std::vector<int32_t> prev, trow;
+    for (int32_t r : used) prev.push_back(drows.prev[size_t(r)]), trow.push_back(int32_t(drows.target_row[size_t(r)]));
+    dspark_step_loss(I, c, hf.data(), Qc, seq.target_hidden, S, used_labels, prev, trow, coef, z.dspark_row_chunk,
+                     backward ? dhf.data() : nullptr, grad_beta, &row_loss, &h_amax);
+    for (const char* w : {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight"})
+      wgrads[w] += backward;
+  } else if (Qc > 0) {
     auto d_ul = upload(used_labels, s);
     auto d_coef = upload(coef, s);
     const int64_t rc = z.ce_row_chunk;
@@ -501,6 +531,8 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   DFLASH_CUDA_CHECK(cudaMemcpyAsync(h_bad, bad.data(), 2 * sizeof(int), cudaMemcpyDeviceToHost, s));
   DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));
   if (h_bad[0]) throw std::invalid_argument("DrafterGpu::step: mask_token_id outside the embedding");
+  if (!c.is_dspark())
+    for (int64_t i = 0; i < Qc; ++i) row_loss[size_t(i)] = double(h_lse[size_t(i)]) - double(h_tl[size_t(i)]);
   DrafterGpuStepResult res;
   res.nonfinite_taps = h_bad[1] != 0;
   res.weight_sum = wsum;
@@ -510,7 +542,7 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   for (int64_t i = 0; i < Qc; ++i) {
     const size_t r = size_t(used[size_t(i)]);
     if (wts[r] <= 0) continue;
-    lsum += wts[r] * (double(h_lse[size_t(i)]) - double(h_tl[size_t(i)]));
+    lsum += wts[r] * row_loss[size_t(i)];
     res.slot_count[r % size_t(B)] += 1;
     res.slot_correct[r % size_t(B)] += h_amax[size_t(i)] == labels[r];
   }
@@ -522,12 +554,6 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
 
   // ---- backward ----
   timer.begin("backward");
-  // After zero_grads(), each weight matrix's gradient GEMM (one per matrix) overwrites instead of
-  // adding, and the norm weights' gradients, which are summed over several calls, start at zero.
-  const float grad_beta = I.grad_zero_pending ? 0.f : 1.f;
-  if (I.grad_zero_pending)
-    for (const auto& [name, shape] : I.shapes)
-      if (shape.size() == 1) DFLASH_CUDA_CHECK(cudaMemsetAsync(I.G(name), 0, size_t(shape[0]) * sizeof(float), s));
   // (The flag is cleared once every gradient is written: a backward that throws half-way leaves the
   // buffer counted as zero.)
   const BackwardSizes bz = z.backward();
@@ -538,7 +564,6 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   StreamBuffer<float> dctx(size_t(bz.dctx), s);
   DFLASH_CUDA_CHECK(cudaMemsetAsync(dctx.data(), 0, size_t(S * d) * 4, s));
   // dW += dy^T x (= after zero_grads) over `rows` rows: dy [rows, out], x [rows, in] -> [out, in]
-  std::map<std::string, int> wgrads;  // calls per weight: each must be written exactly once
   auto wgrad = [&](const bf16* dy, const bf16* xin, int64_t rows, int64_t out, int64_t in, const std::string& w) {
     ++wgrads[w];
     I.gemm.gemm({out, in, rows, true, false}, dy, xin, I.G(w), 1.f, grad_beta);

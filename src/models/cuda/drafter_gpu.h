@@ -27,6 +27,8 @@ struct DrafterGpuSequence {
   int64_t num_blocks = 0;            // >= anchors.size(); the rest are padding blocks
   double gamma = 7.0;
   bool dpace = false;  // D-PACE weights instead of the gamma decay (dpace_weights, src/models/drafter.h)
+  /// DSpark only: device [S, d] bf16, the target's final hidden states (after its final norm).
+  const cuda::bf16* target_hidden = nullptr;
 };
 
 struct DrafterGpuStepOptions {

@@ -86,6 +86,37 @@ void DrafterGpu::extend_context(const bf16* taps, const std::vector<int64_t>& cu
   for (int q = 0; q < C.n; ++q) C.len[size_t(q)] += cu[size_t(q) + 1] - cu[size_t(q)];
 }
 
+namespace {
+/// DSpark's greedy Markov walk over the blocks' final hidden states hn [na B, d] (block a = sequence
+/// act[a]), as dspark_greedy_drafts: token_k = argmax(lm_head h_k + W2 W1[prev]) is one argmax of
+/// [h_k ; W1[prev]] against [lm_head | W2] (V x (d + r)), prev = the anchor, then each drafted token.
+std::vector<std::vector<int32_t>> dspark_walk(DrafterGpu::Impl& I, const DrafterConfig& c, const bf16* hn,
+                                              const std::vector<int>& act, const std::vector<int32_t>& last,
+                                              std::vector<std::vector<int32_t>> r) {
+  cudaStream_t s = I.s;
+  const int64_t d = c.hidden_size, rk = c.markov_rank, w = d + rk, V = I.V, B = c.block_size;
+  const int64_t na = int64_t(act.size());
+  StreamBuffer<bf16> wcat(size_t(V * w), s), hcat(size_t(na * w), s), e(size_t(na * rk), s);
+  DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(wcat.data(), size_t(w) * 2, I.lm_head.data(), size_t(d) * 2, size_t(d) * 2,
+                                      size_t(V), cudaMemcpyDeviceToDevice, s));
+  DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(wcat.data() + d, size_t(w) * 2, I.W("markov_head.markov_w2.weight"),
+                                      size_t(rk) * 2, size_t(rk) * 2, size_t(V), cudaMemcpyDeviceToDevice, s));
+  std::vector<int32_t> prev(static_cast<size_t>(na));
+  for (int64_t a = 0; a < na; ++a) prev[size_t(a)] = last[size_t(act[size_t(a)])];
+  for (int64_t k = 0; k < B; ++k) {
+    auto d_prev = cuda::upload(prev, s);
+    cuda::embedding_gather(I.W("markov_head.markov_w1.weight"), V, rk, d_prev.data(), na, e.data(), nullptr, s);
+    DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(hcat.data(), size_t(w) * 2, hn + k * d, size_t(B * d) * 2, size_t(d) * 2,
+                                        size_t(na), cudaMemcpyDeviceToDevice, s));
+    DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(hcat.data() + d, size_t(w) * 2, e.data(), size_t(rk) * 2, size_t(rk) * 2,
+                                        size_t(na), cudaMemcpyDeviceToDevice, s));
+    prev = cuda::lm_head_argmax(I.gemm, hcat.data(), wcat.data(), na, w, V);  // (synchronizes)
+    for (int64_t a = 0; a < na; ++a) r[size_t(act[size_t(a)])].push_back(prev[size_t(a)]);
+  }
+  return r;
+}
+}  // namespace
+
 std::vector<std::vector<int32_t>> DrafterGpu::draft(const std::vector<int32_t>& last) {
   Impl& I = *impl_;
   KvCache& C = I.ctx;
@@ -172,6 +203,7 @@ std::vector<std::vector<int32_t>> DrafterGpu::draft(const std::vector<int32_t>& 
     linear(mlp_act.data(), Im, d, layer_param(i, "mlp.down_proj.weight"), x.data(), 1.f);  // x += down_proj(act)
   }
   cuda::rms_norm_forward(x.data(), I.F("norm.weight"), hn.data(), nullptr, Q, d, c.rms_norm_eps, false, s);
+  if (c.is_dspark()) return dspark_walk(I, c, hn.data(), act, last, std::move(r));
   const std::vector<int32_t> amax = cuda::lm_head_argmax(I.gemm, hn.data(), I.lm_head.data(), Q, d, I.V);
   for (int64_t a = 0; a < na; ++a)
     r[size_t(act[size_t(a)])].assign(amax.begin() + a * B + 1, amax.begin() + (a + 1) * B);

@@ -55,4 +55,22 @@ inline std::string layer_param(int64_t i, const char* w) { return "layers." + st
 /// rows are gate | up (cuda::swiglu_forward's layout).
 inline std::string gate_up_param(int64_t i) { return layer_param(i, "mlp.gate_proj.weight"); }
 
+// DSpark's loss in the training step (drafter_gpu_dspark.cpp; reference: dspark_loss, src/models/dspark.h).
+/// Rows per chunk of DSpark's loss for `rows` rows: z and t (fp32) and dz (bf16), 10 V bytes a row,
+/// within max_bytes (at least 16 rows).
+int64_t dspark_loss_row_chunk(int64_t V, int64_t rows, int64_t max_bytes);
+/// Device bytes dspark_step_loss allocates for `rows` rows in chunks of `row_chunk`.
+int64_t dspark_loss_workspace_bytes(const DrafterConfig& c, int64_t V, int64_t rows, int64_t row_chunk);
+/// DSpark's loss over the `rows` rows with a weight: hf [rows, d] their final hidden states, target_hidden
+/// [S, d] the target's (device bf16), and per row its label, previous token, target row (into
+/// target_hidden) and coef = w / sum w. Fills row_loss (0.1 CE + 0.9 L1 + BCE, unweighted) and the
+/// argmax of the corrected logits; with dhf, writes d loss / d hf [rows, d] and the heads' gradients:
+/// markov_w2 by GEMM (beta w2_beta), markov_w1 and the confidence head by atomics (added: the
+/// caller zeroes them after zero_grads). Synchronizes the stream (the row statistics come back).
+void dspark_step_loss(DrafterGpu::Impl& I, const DrafterConfig& c, const cuda::bf16* hf, int64_t rows,
+                      const cuda::bf16* target_hidden, int64_t S, const std::vector<int32_t>& labels,
+                      const std::vector<int32_t>& prev, const std::vector<int32_t>& target_row,
+                      const std::vector<float>& coef, int64_t row_chunk, cuda::bf16* dhf, float w2_beta,
+                      std::vector<double>* row_loss, std::vector<int32_t>* argmax);
+
 }  // namespace dflash

@@ -83,6 +83,19 @@ struct DrafterReplica {
     if (!anchors.empty()) {
       DrafterGpuSequence seq{taps, s.ids, std::vector<int64_t>(s.loss_mask.begin(), s.loss_mask.end()), anchors,
                              int64_t(anchors.size()), loss.gamma, loss.dpace};
+      const DrafterConfig& c = drafter.config();
+      cuda::StreamBuffer<bf16> own_taps, final_hidden;  // DSpark: the captured rows split (freed in stream order)
+      if (c.is_dspark()) {  // rows [taps (K d) | final hidden (d)] -> [S, K d] and [S, d]
+        const int64_t S = int64_t(s.ids.size()), d = c.hidden_size, Kd = int64_t(c.target_layer_ids.size()) * d;
+        own_taps = cuda::StreamBuffer<bf16>(size_t(S * Kd), stream.s);
+        final_hidden = cuda::StreamBuffer<bf16>(size_t(S * d), stream.s);
+        DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(own_taps.data(), size_t(Kd) * 2, taps, size_t(Kd + d) * 2, size_t(Kd) * 2,
+                                            size_t(S), cudaMemcpyDeviceToDevice, stream.s));
+        DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(final_hidden.data(), size_t(d) * 2, taps + Kd, size_t(Kd + d) * 2,
+                                            size_t(d) * 2, size_t(S), cudaMemcpyDeviceToDevice, stream.s));
+        seq.taps = own_taps.data();
+        seq.target_hidden = final_hidden.data();
+      }
       DrafterGpuStepOptions so;
       so.recompute = recompute;
       DrafterGpuStepResult d;
@@ -105,7 +118,8 @@ struct DrafterReplica {
   }
 };
 
-int64_t tap_width(const DrafterConfig& c) { return int64_t(c.target_layer_ids.size()) * c.hidden_size; }
+/// Elements of one captured row: the taps (K d), and for DSpark the target's final hidden state (d).
+int64_t tap_width(const DrafterConfig& c) { return int64_t(captured_layer_ids(c).size()) * c.hidden_size; }
 
 void check_sample(const DrafterConfig& c, const TrainSample& s) {
   if (s.loss_mask.size() != s.ids.size()) throw std::invalid_argument("loss_mask and ids differ in length");
@@ -149,7 +163,7 @@ class GpuBackend final : public DrafterBackend {
       const auto t0 = std::chrono::steady_clock::now();
       // On the target's stream; freed there after the drafter steps, which end synchronized.
       cuda::StreamBuffer<bf16> taps(size_t(tokens * tap_width(cfg_)), target_.stream.s);
-      target_.taps(ss, cfg_.target_layer_ids, taps.data());
+      target_.taps(ss, captured_layer_ids(cfg_), taps.data());
       const double target_ms = ms_since(t0);
       int64_t row = 0;
       for (size_t j : run) {
@@ -335,7 +349,7 @@ class MultiGpuBackend final : public DrafterBackend {
             j = run.front();  // a failing packed forward is reported for the run's first sample
             const auto t0 = std::chrono::steady_clock::now();
             auto pack = std::make_shared<PackedTaps>(size_t(tokens * tap_width(cfg_)), tr.device, tr.stream.s);
-            tr.taps(ss, cfg_.target_layer_ids, pack->data);
+            tr.taps(ss, captured_layer_ids(cfg_), pack->data);
             const double ms = ms_since(t0);
             int64_t row = 0;
             for (size_t k = 0; k < run.size(); ++k) {
