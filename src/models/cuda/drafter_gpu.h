@@ -99,7 +99,8 @@ class DrafterGpu {
   int64_t context_length(int q) const;
   /// Greedy drafts, one forward for all sequences: for each q with last[q] >= 0 the block
   /// [last[q], MASK x (B-1)] at positions context_length(q) .. + B - 1 (as drafter_draft_logits);
-  /// returns the argmax tokens of slots 1 .. B-1 (nothing for last[q] < 0). last [n]. Throws
+  /// returns the argmax tokens of slots 1 .. B-1 (DSpark: of slots 0 .. B-1 along its Markov walk,
+  /// as dspark_greedy_drafts), nothing for last[q] < 0. last [n]. Throws
   /// std::invalid_argument for a token outside the vocabulary or a wrong number of sequences.
   std::vector<std::vector<int32_t>> draft(const std::vector<int32_t>& last);
 
