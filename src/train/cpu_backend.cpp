@@ -73,6 +73,10 @@ class CpuBackend final : public DrafterBackend {
       taps = std::move(t);
     }
     for (float x : taps.data) r.nonfinite_taps = r.nonfinite_taps || !std::isfinite(x);
+    if (taps_checked_ < kTapCheckedMicroBatches) {
+      ++taps_checked_;
+      r.tap_stats = tap_stats(taps.ptr(), taps.dim(0), captured_layer_ids(cfg_), cfg_.hidden_size);
+    }
     t0 = std::chrono::steady_clock::now();
     DrafterSequence<float> seq;
     seq.taps = &taps;
@@ -134,6 +138,7 @@ class CpuBackend final : public DrafterBackend {
   const Tensor* embed_;
   const Tensor* lm_head_;
   TapsFn taps_;
+  int taps_checked_ = 0;  // micro-batches whose taps were checked
   AdamW<float> adam_;
   DrafterGrads<float> acc_;
 };

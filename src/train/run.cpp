@@ -1,6 +1,7 @@
 #include "train/run.h"
 
 #include <fmt/core.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -26,6 +27,8 @@
 #include "train/prepare_data.h"
 #include "train/tensorboard.h"
 #include "train/trainer.h"
+#include "train/train_eval.h"
+#include "text/prepare.h"
 #ifdef DFLASH_HAVE_CUDA
 #include "ops/cuda/device_info.h"
 #include "ops/cuda/runtime.h"
@@ -114,6 +117,7 @@ std::string power_report(const std::vector<std::pair<int, std::string>>& gpus, c
 
 struct StageWindow {
   double target_ms = 0, drafter_ms = 0, queue_ms = 0, optimizer_ms = 0, wall_s = 0;  // per replica
+  double eval_ms = 0;  // real speculative decoding of the held-out prompts (--eval-data)
   int64_t steps = 0;
   bool overlap = false;  // target and drafter on separate GPUs, running at the same time
 };
@@ -123,7 +127,8 @@ struct StageWindow {
 std::string stage_report(const StageWindow& w, const std::string& device) {
   const double wall = std::max(w.wall_s * 1e3, 1e-9);
   const double t = w.target_ms / wall, d = w.drafter_ms / wall, q = w.queue_ms / wall, o = w.optimizer_ms / wall;
-  const double other = std::max(0.0, 1.0 - (w.overlap ? std::max(t, d + q) : t + d + q) - o);
+  const double e = w.eval_ms / wall;
+  const double other = std::max(0.0, 1.0 - (w.overlap ? std::max(t, d + q) : t + d + q) - o - e);
   std::string verdict;
   if (q >= 0.15)
     verdict = fmt::format("drafter GPUs wait {:.0f}% on the target: add target GPUs (--target-gpus), or shorten "
@@ -139,8 +144,9 @@ std::string stage_report(const StageWindow& w, const std::string& device) {
     verdict = fmt::format("{:.0f}% of the time is outside the compute stages (data loading, logging, checkpoints)",
                           100 * other);
   return fmt::format("stages over the last {} steps ({}): target forward {:.0f}% | queue wait {:.0f}% | drafter "
-                     "forward+backward {:.0f}% | optimizer + all-reduce {:.0f}% | other {:.0f}% -> {}",
-                     w.steps, device, 100 * t, 100 * q, 100 * d, 100 * o, 100 * other, verdict);
+                     "forward+backward {:.0f}% | optimizer + all-reduce {:.0f}% | {}other {:.0f}% -> {}",
+                     w.steps, device, 100 * t, 100 * q, 100 * d, 100 * o,
+                     w.eval_ms > 0 ? fmt::format("eval {:.0f}% | ", 100 * e) : std::string(), 100 * other, verdict);
 }
 
 std::unique_ptr<Tokenizer> load_tokenizer(const TrainConfig& c) {
@@ -362,6 +368,16 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
 #endif
   }
   DrafterTrainer tr(dc, std::move(backend), n, to);
+  std::optional<TrainEval> eval;  // --eval-data: real acceptance of held-out prompts (rank 0)
+  if (!c.eval_data.empty() && leader) {
+    if (!tok) throw std::runtime_error("--eval-data: the target has no tokenizer to encode the prompts with; pass --tokenizer");
+    const std::string tok_path = c.tokenizer.empty() ? c.target : c.tokenizer;
+    eval.emplace(*target, *tok, chat_family_for(*tok, c.chat_template, tok_path), c.eval_data, c.eval_limit,
+                 c.eval_max_new_tokens, int(c.eval_batch_size), c.device, c.drafter_devices().at(0));
+    fmt::print("train: real acceptance of {} held-out conversations ({}) {}\n", eval->conversations(),
+               fmt::format("{}", fmt::join(c.eval_data, ", ")),
+               c.eval_every > 0 ? fmt::format("every {} steps and at the end", c.eval_every) : std::string("at the end"));
+  }
   if (c.resume) {
     tr.resume(existing.back().string());
     fmt::print("train: resumed from {} at step {} (epoch {}, sample {} of the epoch)\n", existing.back().string(),
@@ -436,6 +452,25 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
   for (const auto& g : gpus) bus_ids.push_back(g.second);
   PowerSampler power(bus_ids);
   auto t_win = Clock::now(), t_stage = Clock::now();
+  double tau_real = NAN;  // the last evaluation's
+  int64_t tau_real_step = 0;
+  // Decodes the held-out prompts with the drafter as it would be saved; reports tau_real.
+  auto evaluate = [&](int64_t s) {
+    if (!eval) return;
+    const TrainEvalResult r = eval->run(dc, tr.backend().state().weights);
+    tau_real = r.acceptance.tau, tau_real_step = s;
+    stages.eval_ms += r.ms;
+    t_win += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double, std::milli>(r.ms));  // (not in tok/s)
+    fmt::print("eval step {}: tau_real {:.3f} ({} turns, {} tokens, {} verify steps, {:.1f} s)\n", s, r.acceptance.tau,
+               r.turns, r.generated_tokens, r.acceptance.steps, r.ms / 1e3);
+    metrics << nlohmann::json{{"step", s}, {"tau_real", r.acceptance.tau}, {"eval_turns", r.turns},
+                              {"eval_tokens", r.generated_tokens}, {"eval_ms", r.ms},
+                              {"slot_accept_real", r.acceptance.slot_accept}}
+                   .dump()
+            << "\n";
+    metrics.flush();
+    if (tb) tb->scalars(s, {{"eval/tau_real", r.acceptance.tau}, {"perf/eval_s", r.ms / 1e3}});
+  };
   while (tr.step_count() < total) {
     const TrainStepStats st = tr.step([&](int64_t i) {
       TrainSample s;
@@ -445,6 +480,8 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
       s.loss_mask.assign(mask.begin(), mask.end());
       return s;
     });
+    if (leader)
+      for (const auto& [example, ts] : st.tap_stats) fmt::print("train: taps of example {}: {}\n", example, tap_summary(ts));
     // A stop (signal) in any process stops all of them after this step.
     const int sig_here = stop.load();
     const int sig_any = tr.backend().any_rank(sig_here != 0) ? (sig_here ? sig_here : SIGTERM) : 0;
@@ -479,18 +516,19 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
     if (!st.skipped && (s % c.log_every == 0 || s == total)) {
       const double dt = secs_since(t_win), elapsed = secs_since(t_start);
       int64_t hit = 0, cnt = 0;
-      for (size_t k = 1; k < win_correct.size(); ++k) hit += win_correct[k], cnt += win_count[k];
-      const double acc = cnt ? double(hit) / double(cnt) : 0.0;
       const size_t first_slot = dc.is_dspark() ? 0 : 1;  // DFlash's slot 0 is the anchor
+      for (size_t k = first_slot; k < win_correct.size(); ++k) hit += win_correct[k], cnt += win_count[k];
+      const double acc = cnt ? double(hit) / double(cnt) : 0.0;
       const double tau = tau_estimate(win_correct, win_count, first_slot);
       const double loss = win_loss_n ? win_loss / double(win_loss_n) : 0.0;
       const double eta = (s > step0) ? elapsed / double(s - step0) * double(total - s) : NAN;
       const double epoch = double(tr.position().epoch) + double(tr.position().index) / double(n);
       if (leader)
-        fmt::print("step {}/{} | epoch {:.2f} | loss {:.4f} | acc {:.3f} | tau~{:.2f} | lr {:.2e} | {:.0f} tok/s | "
+        fmt::print("step {}/{} | epoch {:.2f} | loss {:.4f} | acc {:.3f} | tau~{:.2f}{} | lr {:.2e} | {:.0f} tok/s | "
                  "{:.2f} samples/s | ETA {} | mem {}\n",
-                 s, total, epoch, loss, acc, tau, st.lr, double(win_tokens) / dt, double(win_micro) / dt,
-                 duration_str(eta), memory_str(c.device));
+                 s, total, epoch, loss, acc, tau,
+                 std::isnan(tau_real) ? std::string() : fmt::format(" (real {:.2f} @ {})", tau_real, tau_real_step), st.lr,
+                 double(win_tokens) / dt, double(win_micro) / dt, duration_str(eta), memory_str(c.device));
       std::vector<double> slot_acc;
       for (size_t k = 0; k < win_correct.size(); ++k)
         slot_acc.push_back(win_count[k] ? double(win_correct[k]) / double(win_count[k]) : 0.0);
@@ -514,6 +552,7 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
       std::fill(win_count.begin(), win_count.end(), 0);
       t_win = Clock::now();
     }
+    if (c.eval_every > 0 && s % c.eval_every == 0 && s < total && !st.skipped) evaluate(s);
     if (!st.skipped) ++stages.steps;
     if (stages.steps >= c.stages_every) {
       stages.wall_s = secs_since(t_stage);
@@ -542,6 +581,7 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
     }
   }
   const fs::path final_dir = out / "final";
+  evaluate(tr.step_count());
   if (leader) {
     tr.save(final_dir.string());
     fmt::print("train: done: {} steps in {}, {} skipped; the drafter is in {}\n", tr.step_count(),

@@ -77,6 +77,9 @@ void TrainConfig::validate_values() const {
   need(save_every >= 1 && keep_last >= 1 && log_every >= 1 && stages_every >= 1 && nan_abort >= 1,
        "save_every, keep_last, log_every, stages_every and nan_abort must be >= 1");
   need(steps_this_run >= 0, "steps_this_run must be >= 0");
+  need(eval_every >= 0 && eval_limit >= 0, "eval_every and eval_limit must be >= 0");
+  need(eval_every == 0 || !eval_data.empty(), "eval_every needs eval_data (the held-out prompt files)");
+  need(eval_max_new_tokens >= 1 && eval_batch_size >= 1, "eval_max_new_tokens and eval_batch_size must be >= 1");
 }
 
 std::vector<std::string> parse_layer_types(const std::string& s) {
@@ -161,6 +164,11 @@ nlohmann::json to_json(const TrainConfig& c) {
           {"stages_every", c.stages_every},
           {"nan_abort", c.nan_abort},
           {"steps_this_run", c.steps_this_run},
+          {"eval_data", c.eval_data},
+          {"eval_every", c.eval_every},
+          {"eval_limit", c.eval_limit},
+          {"eval_max_new_tokens", c.eval_max_new_tokens},
+          {"eval_batch_size", c.eval_batch_size},
           {"resume", c.resume}};
 }
 
@@ -194,7 +202,7 @@ TrainConfig train_config_from_json(const nlohmann::json& j, const std::string& w
                     : k == "seed"        ? v.is_number_unsigned()
                     : k == "target_layer_ids" ? (v.is_array() && all_ints(v))
                     : k == "gpus" || k == "target_gpus" || k == "drafter_gpus" ? (v.is_array() && all_device_ids(v))
-                    : k == "data"             ? (v.is_array() && all_strings(v))
+                    : k == "data" || k == "eval_data" ? (v.is_array() && all_strings(v))
                     : want.is_number_float()  ? v.is_number()
                     : want.is_number_integer() ? v.is_number_integer() && v.get<int64_t>() >= INT32_MIN
                                                : want.type() == v.type();
@@ -229,6 +237,9 @@ TrainConfig train_config_from_json(const nlohmann::json& j, const std::string& w
     c.max_grad_norm = all["max_grad_norm"], c.gamma = all["gamma"], c.loss = all["loss"], c.save_every = all["save_every"];
     c.keep_last = all["keep_last"], c.log_every = all["log_every"], c.stages_every = all["stages_every"];
     c.nan_abort = all["nan_abort"], c.steps_this_run = all["steps_this_run"], c.resume = all["resume"];
+    c.eval_data = all["eval_data"].get<std::vector<std::string>>(), c.eval_every = all["eval_every"];
+    c.eval_limit = all["eval_limit"], c.eval_max_new_tokens = all["eval_max_new_tokens"];
+    c.eval_batch_size = all["eval_batch_size"];
   } catch (const nlohmann::json::exception& e) {  // e.g. a list of non-strings in data
     throw std::runtime_error(where + ": " + e.what());
   }

@@ -46,6 +46,11 @@ struct TrainConfig {
   double max_grad_norm = 1.0;
   double gamma = 0;                       // 0: by block size (16 -> 7, 10 -> 5, 8 -> 4; DSpark: 4)
   std::string loss = "dflash";            // slot weights: "dflash" (the gamma decay) or "dpace" (D-PACE)
+  // real acceptance during training (src/train/train_eval.h): held-out prompts decoded with the drafter
+  std::vector<std::string> eval_data;     // prompt files (GSM8K, MT-Bench, messages, ShareGPT); empty: off
+  int64_t eval_every = 0;                 // every N steps (0: only at the end), when eval_data is given
+  int64_t eval_limit = 20;                // the first K conversations of each file
+  int64_t eval_max_new_tokens = 128, eval_batch_size = 8;
   // operations
   int64_t save_every = 1000, keep_last = 3, log_every = 10, stages_every = 100, nan_abort = 10;
   int64_t steps_this_run = 0;             // > 0: checkpoint and exit after this many steps (time-sliced jobs)

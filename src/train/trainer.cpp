@@ -86,6 +86,15 @@ TrainStepStats DrafterTrainer::step(const SampleSource& source) {
       mbs[m] = {&samples[m], sample_anchors(samples[m].loss_mask, opt_.num_anchors, rng_)};
     }
     const std::vector<MicroResult> results = backend_->micro_steps(mbs, LossWeighting{opt_.gamma, opt_.dpace});
+    for (size_t m = 0; m < results.size(); ++m) {  // unusable taps stop the run before any training on them
+      if (results[m].tap_stats.empty()) continue;
+      const std::string bad = tap_problem(results[m].tap_stats);
+      if (!bad.empty())
+        throw std::runtime_error("training example " + std::to_string(mbs[m].sample->index) +
+                                 ": the target's taps are unusable: " + bad + " (" + tap_summary(results[m].tap_stats) +
+                                 "). Check target_layer_ids against the target and its backend; nothing was trained");
+      st.tap_stats.emplace_back(mbs[m].sample->index, results[m].tap_stats);
+    }
     for (size_t m = 0; m < results.size(); ++m)
       if (results[m].nonfinite_taps)
         st.nonfinite += (st.nonfinite.empty() ? "" : "; ") + std::string("non-finite taps in example ") +

@@ -50,6 +50,8 @@ struct TrainStepStats {
   std::string nonfinite;             // a step skipped for NaN / Inf: which gradient, which example's taps
   std::vector<int64_t> slot_correct, slot_count;       // [B] top-1 hits per slot (as DrafterStepResult)
   bool skipped = false;              // non-finite gradient norm: weights and optimizer untouched
+  /// (example index, its captured layers' numbers) for the micro-batches whose taps were checked.
+  std::vector<std::pair<int64_t, std::vector<TapStats>>> tap_stats;
 };
 
 /// Trains a drafter, one sequence per micro-batch, on any DrafterBackend (CPU reference or GPU).

@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "io/json_file.h"
+#include "io/safetensors.h"
 #include "text/packed.h"
 #include "train/train_config.h"
 #include "test_util.h"
@@ -143,6 +144,81 @@ TEST(TrainCli, DsparkTrainsAndSaysHowToServeIt) {
   EXPECT_NE(log.find("drafter_type \"dspark\" (this run: \"dflash\")"), std::string::npos) << log;
   EXPECT_NE(r.train(r.tmp / "bad", "--drafter-type dspark --loss dpace --max-steps 5", &log), 0);
   EXPECT_NE(log.find("DSpark has its own loss"), std::string::npos) << log;
+}
+
+// A target whose hidden states are all zero (its embeddings zeroed: every layer's output is then 0):
+// the first micro-batch's tap check stops the run, naming the tapped layer, before any step.
+TEST(TrainCli, ZeroTapsStopTheRunNamingTheLayer) {
+  TinyTrain r;
+  const fs::path target = r.tmp / "zeroed";
+  fs::copy(test::fixtures_dir() / "qwen3", target);
+  const fs::path shard = target / "model-00001-of-00003.safetensors";
+  std::vector<std::string> bufs;
+  std::vector<SafetensorsEntry> entries;
+  {
+    const SafetensorsFile f(shard.string());
+    for (const TensorInfo& t : f.tensors()) {
+      std::string b(static_cast<const char*>(f.data(t.name)), f.nbytes(t.name));
+      if (t.name == "model.embed_tokens.weight") b.assign(b.size(), '\0');
+      bufs.push_back(std::move(b));
+    }
+    for (size_t i = 0; i < f.tensors().size(); ++i)
+      entries.push_back({f.tensors()[i].name, f.tensors()[i].dtype, f.tensors()[i].shape, bufs[i].data()});
+    fs::remove(shard);  // (the mapping keeps the old bytes until f closes)
+    write_safetensors(shard.string(), entries);
+  }
+  std::string log;
+  const std::string cmd = test::dflash_binary().string() + " train --target " + target.string() + " --data " +
+                          r.data.string() + " --out " + (r.tmp / "out").string() +
+                          " --mask-token-id 300 --num-taps 1 --num-draft-layers 1 --block-size 4 --num-anchors 8 --max-steps 5";
+  EXPECT_NE(test::run_command(cmd, &log), 0) << log;
+  EXPECT_NE(log.find("the target's taps are unusable: target layer 1: every row is exactly zero"), std::string::npos) << log;
+  EXPECT_FALSE(fs::exists(r.tmp / "out" / "final"));
+  // The same data on the real fixture logs each layer's numbers and trains.
+  ASSERT_EQ(r.train(r.tmp / "ok", "--max-steps 2", &log), 0) << log;
+  EXPECT_NE(log.find("train: taps of example"), std::string::npos) << log;
+  EXPECT_NE(log.find("% non-finite"), std::string::npos) << log;
+}
+
+// --eval-data: real speculative decoding of held-out prompts with the drafter during the run (the
+// real SmolLM2 target: a tokenizer and chat template are needed), tau_real in the log and in
+// metrics.jsonl, and the evaluation as its own stage.
+TEST(TrainCli, EvalDuringTrainingReportsTauReal) {
+  const char* gguf = std::getenv("DFLASH_SMOLLM2_GGUF");
+  if (!gguf || !fs::exists(gguf))
+    GTEST_SKIP() << "SmolLM2 GGUF not available (DFLASH_SMOLLM2_GGUF unset; scripts/test.sh fetches it)";
+  test::TempDir tmp;
+  std::vector<std::vector<int32_t>> samples;
+  std::mt19937_64 rng(3);
+  for (int i = 0; i < 4; ++i) {
+    samples.emplace_back();
+    for (int j = 0; j < 24; ++j) samples.back().push_back(int32_t(rng() % 40000));
+  }
+  write_samples(tmp / "data", samples);
+  {
+    std::ofstream q(tmp / "prompts.jsonl");
+    q << R"({"question": "What is 2 + 3?", "answer": "5"})" << "\n" << R"({"question": "Name a color.", "answer": "red"})" << "\n";
+  }
+  std::string log;
+  const std::string cmd = test::dflash_binary().string() + " train --target " + gguf + " --data " + (tmp / "data").string() +
+                          " --out " + (tmp / "out").string() +
+                          " --num-taps 1 --num-draft-layers 1 --block-size 4 --num-anchors 4 --max-steps 4 --log-every 2 "
+                          "--stages-every 4 --eval-data " + (tmp / "prompts.jsonl").string() +
+                          " --eval-every 2 --eval-limit 2 --eval-max-new-tokens 6";
+  ASSERT_EQ(test::run_command(cmd, &log), 0) << log;
+  EXPECT_NE(log.find("real acceptance of 2 held-out conversations"), std::string::npos) << log;
+  EXPECT_NE(log.find("eval step 2: tau_real"), std::string::npos) << log;
+  EXPECT_NE(log.find("eval step 4: tau_real"), std::string::npos) << log;  // at the end
+  EXPECT_NE(log.find("(real "), std::string::npos) << log;
+  EXPECT_NE(log.find("| eval "), std::string::npos) << log;  // its own stage
+  int evals = 0;
+  for (const auto& m : metrics(tmp / "out"))
+    if (m.contains("tau_real")) {
+      ++evals;
+      EXPECT_GE(double(m["tau_real"]), 1.0);
+      EXPECT_EQ(m["eval_turns"], 2);
+    }
+  EXPECT_EQ(evals, 2);
 }
 
 TEST(TrainCli, InterruptedAndResumedEqualsUninterrupted) {

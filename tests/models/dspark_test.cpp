@@ -149,8 +149,7 @@ TEST(DSpark, StepGradientsMatchFiniteDifferencesFloat64) {
         for (size_t j = 0; j < wn[i].second->data.size(); ++j) wn[i].second->data[j] += h * dn[i].second->data[j];
       return drafter_step(p.cfg, w2, p.seq, fwd).loss;
     };
-    const double h = 1e-4;
-    const double fd = (8 * (loss_at(h) - loss_at(-h)) - (loss_at(2 * h) - loss_at(-2 * h))) / (12 * h);
+    const double fd = test::central_difference(loss_at, 1e-4);
     const double rel = std::abs(fd - an) / std::max(std::abs(an), 1e-12);
     std::printf("[dspark fd] direction %d: analytic %+.12e fd %+.12e rel %.2e\n", dirn, an, fd, rel);
     EXPECT_LE(rel, 1e-6) << "direction " << dirn;

@@ -15,6 +15,7 @@
 #include "train/distributed.h"
 #include "train/pipeline.h"
 #include "common/clock.h"
+#include "tensor/dtype.h"
 
 namespace dflash {
 
@@ -70,6 +71,7 @@ struct DrafterReplica {
   Stream stream;
   std::unique_ptr<DrafterGpu> holder;
   DrafterGpu& drafter;
+  int taps_checked = 0;  // micro-batches whose taps were checked (this replica's thread only)
   DrafterReplica(const GpuReplicaFactory& f, int dev)
       : device(dev), stream(dev), holder(f.drafter(stream.s)), drafter(*holder) {}
 
@@ -80,6 +82,17 @@ struct DrafterReplica {
     const auto t0 = std::chrono::steady_clock::now();
     MicroResult r;
     const int64_t B = drafter.config().block_size;
+    if (taps_checked < kTapCheckedMicroBatches) {  // the first micro-batches' taps, on the host (tap_check.h)
+      ++taps_checked;
+      const std::vector<int64_t> layers = captured_layer_ids(drafter.config());
+      const int64_t S = int64_t(s.ids.size()), width = int64_t(layers.size()) * drafter.config().hidden_size;
+      std::vector<uint16_t> h(static_cast<size_t>(S * width));
+      DFLASH_CUDA_CHECK(cudaMemcpyAsync(h.data(), taps, h.size() * 2, cudaMemcpyDeviceToHost, stream.s));
+      DFLASH_CUDA_CHECK(cudaStreamSynchronize(stream.s));
+      std::vector<float> f(h.size());
+      for (size_t i = 0; i < h.size(); ++i) f[i] = bf16_to_f32(h[i]);
+      r.tap_stats = tap_stats(f.data(), S, layers, drafter.config().hidden_size);
+    }
     if (!anchors.empty()) {
       DrafterGpuSequence seq{taps, s.ids, std::vector<int64_t>(s.loss_mask.begin(), s.loss_mask.end()), anchors,
                              int64_t(anchors.size()), loss.gamma, loss.dpace};
