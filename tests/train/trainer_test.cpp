@@ -201,15 +201,17 @@ TEST(Trainer, TrainingLowersTheLoss) {
 // NaN in one example's taps: that step is skipped and names the example and a gradient tensor;
 // the weights stay finite and the following steps train.
 TEST(Trainer, NonFiniteTapsSkipTheStepNamingExampleAndTensor) {
+  // (Past the first kTapCheckedMicroBatches micro-batches, whose taps the backend checks: a NaN there
+  // stops the run, TapsOfTheFirstMicroBatchesStopTheRun.)
   const TinyRun run;
-  const int64_t bad = 2;
+  const int64_t bad = 4;
   TapsFn poisoned = [&](const TrainSample& s) {
     Tensor t = run.taps.at(size_t(s.index));
     if (s.index == bad) t.data[5] = std::nanf("");
     return t;
   };
   TrainerOptions o = run.options();
-  o.shuffle = false;  // examples in order: step 2 holds examples 2 and 3
+  o.shuffle = false;  // examples in order: step 3 holds examples 4 and 0 (the 5th and 6th micro-batches)
   DrafterTrainer tr(run.cfg, run.backend(7, poisoned), int64_t(run.examples.size()), o);
   int skipped = 0;
   for (int i = 0; i < 5; ++i) {
@@ -219,11 +221,38 @@ TEST(Trainer, NonFiniteTapsSkipTheStepNamingExampleAndTensor) {
       continue;
     }
     ++skipped;
-    EXPECT_NE(st.nonfinite.find("non-finite taps in example 2"), std::string::npos) << st.nonfinite;
+    EXPECT_NE(st.nonfinite.find("non-finite taps in example 4"), std::string::npos) << st.nonfinite;
     EXPECT_NE(st.nonfinite.find("the gradient of "), std::string::npos) << st.nonfinite;
   }
   EXPECT_GE(skipped, 1);
   EXPECT_TRUE(first_nonfinite(tr.backend().state().weights).empty());
+}
+
+TEST(Trainer, TapsOfTheFirstMicroBatchesStopTheRun) {
+  const TinyRun run;
+  TapsFn poisoned = [&](const TrainSample& s) {
+    Tensor t = run.taps.at(size_t(s.index));
+    if (s.index == 1) t.data[5] = std::nanf("");
+    return t;
+  };
+  TrainerOptions o = run.options();
+  o.shuffle = false;
+  DrafterTrainer tr(run.cfg, run.backend(7, poisoned), int64_t(run.examples.size()), o);
+  try {
+    tr.step(run.source());
+    FAIL() << "NaN taps were trained on";
+  } catch (const std::runtime_error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("training example 1: the target's taps are unusable: target layer " +
+                     std::to_string(run.cfg.target_layer_ids[0]) + ": 1 of"), std::string::npos) << m;
+  }
+  EXPECT_EQ(tr.step_count(), 0);
+  EXPECT_EQ(tr.position().index, 0);  // nothing consumed
+  DrafterTrainer ok(run.cfg, run.backend(7), int64_t(run.examples.size()), o);
+  const TrainStepStats st = ok.step(run.source());
+  ASSERT_EQ(st.tap_stats.size(), 2u);  // both micro-batches of the first step were checked
+  EXPECT_EQ(st.tap_stats[0].first, 0);
+  EXPECT_GT(st.tap_stats[0].second.at(0).rms, 0.5);
 }
 
 TEST(Trainer, BadExamplesAndMismatchedResumesAreRefused) {
