@@ -260,17 +260,17 @@ TEST(CudaDecode, GpuDsparkDrafterWalksAsTheReference) {
   for (float& x : w.markov_w2.data) x = bf16_to_f32(f32_to_bf16(0.3f * nd(rng)));
   auto gpu = make_gpu_drafter(cfg, w, m->embed_tokens(), m->lm_head(), 0);
   const int64_t width = int64_t(cfg.target_layer_ids.size()) * cfg.hidden_size, B = cfg.block_size;
-  const int n = 3;
+  const int n = 6;
   std::vector<DrafterContextCache> ref(n);
   gpu->reset(n);
   int compared = 0;
   for (int q = 0; q < n; ++q) {
-    Tensor t({int64_t(5 + 20 * q), width});
+    Tensor t({int64_t(5 + 13 * q), width});
     for (float& x : t.data) x = bf16_to_f32(f32_to_bf16(nd(rng)));
     gpu->append_context(q, t);
     drafter_extend_context(cfg, w, ref[size_t(q)], t);
   }
-  const std::vector<int32_t> last = {5, 7, 11};
+  const std::vector<int32_t> last = {5, 7, 11, 13, 17, 19};
   const auto drafts = gpu->draft(last);
   for (int q = 0; q < n; ++q) {
     ASSERT_EQ(int64_t(drafts[size_t(q)].size()), B) << "sequence " << q;
