@@ -1069,7 +1069,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(Split k_s, Spl
 // chunk_state_kernel: warp w rows 16 w ..), while every thread stores the state before the chunk
 // and U, and warpgroup 1 puts the next u in shared memory. The same 3xBF16 products as
 // chunk_state_kernel. (The split of work between the barriers follows ncu's stall samples: the
-// warpgroup that waits at a barrier has work to take over; bench/results/2026-12-03_session19.md.)
+// warpgroup that waits at a barrier has work to take over; the report of commit abc5e5e (git history of bench/results).)
 
 constexpr int kSw = 64;           // bf16 columns of a 128-byte swizzle block
 constexpr int kUld = kSw + 8;     // fp32 row stride of the u tile (conflict-free float2 reads)

@@ -39,7 +39,7 @@ struct GemmCall {
 /// candidate there; so does a shape whose timing fails, e.g. for want of memory for a copy of C).
 /// Candidates are asked for the operands' actual alignment; a choice made for other pointers that
 /// these refuse (NOT_SUPPORTED, e.g. 2-byte aligned rows) is replaced by the first candidate for them.
-/// Measured on an H200 at its 700 W cap (bench/results/2026-12-02_session12.md): the 27B target
+/// Measured on an H200 at its 700 W cap (the report of commit f55bcba (git history of bench/results)): the 27B target
 /// forward +5.6 %, the 27B drafter step -2.6 % (timed alone, at full clock, the tuned algorithms win
 /// there too). Tuned choices can differ between processes (timing noise), and so can the last bits of
 /// their products; within one process every GPU of a kind shares them. kOff is bitwise reproducible across processes.
