@@ -299,7 +299,6 @@ void DrafterGpu::set_state(const DrafterWeights<float>& w, const std::vector<std
   DFLASH_CUDA_CHECK(cudaMemcpyAsync(I.m.data(), fm.data(), fm.size() * 4, cudaMemcpyHostToDevice, I.s));
   DFLASH_CUDA_CHECK(cudaMemcpyAsync(I.v.data(), fv.data(), fv.size() * 4, cudaMemcpyHostToDevice, I.s));
   cuda::f32_to_bf16(I.master.data(), I.wb.data(), I.n, I.s);
-  I.dspark_head_stale = true;
   DFLASH_CUDA_CHECK(cudaStreamSynchronize(I.s));
 }
 
@@ -319,7 +318,6 @@ ClipResult DrafterGpu::optimizer_step(const AdamWOptions& o, double lr, double m
   r.coef = double(I.coef.to_host(I.s)[0]);
   cuda::adamw_update(I.master.data(), grad, I.m.data(), I.v.data(), I.wb.data(), I.n,
                      cuda::adamw_scalars(lr, o.beta1, o.beta2, o.eps, o.weight_decay, t), I.coef.data(), I.s);
-  I.dspark_head_stale = true;
   return r;
 }
 

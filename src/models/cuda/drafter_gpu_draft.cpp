@@ -89,48 +89,30 @@ void DrafterGpu::extend_context(const bf16* taps, const std::vector<int64_t>& cu
 namespace {
 /// DSpark's greedy Markov walk over the blocks' final hidden states hn [na B, d] (block a = sequence
 /// act[a]), as dspark_greedy_drafts: token_k = argmax(lm_head h_k + W2 W1[prev]) is one argmax of
-/// [h_k ; W1[prev]] against [lm_head | W2] (V x (d + r), kept between drafts), prev = the anchor, then
-/// each drafted token. The B steps stay on the device (each step's argmax feeds the next gather); one
-/// copy to the host at the end.
+/// [h_k ; W1[prev]] against [lm_head | W2] (V x (d + r)), prev = the anchor, then each drafted token.
 std::vector<std::vector<int32_t>> dspark_walk(DrafterGpu::Impl& I, const DrafterConfig& c, const bf16* hn,
                                               const std::vector<int>& act, const std::vector<int32_t>& last,
                                               std::vector<std::vector<int32_t>> r) {
   cudaStream_t s = I.s;
   const int64_t d = c.hidden_size, rk = c.markov_rank, w = d + rk, V = I.V, B = c.block_size;
   const int64_t na = int64_t(act.size());
-  if (I.dspark_head_stale || I.dspark_head.size() != size_t(V * w)) {
-    if (I.dspark_head.size() != size_t(V * w)) I.dspark_head = cuda::DeviceArray<bf16>(size_t(V * w));
-    DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(I.dspark_head.data(), size_t(w) * 2, I.lm_head.data(), size_t(d) * 2,
-                                        size_t(d) * 2, size_t(V), cudaMemcpyDeviceToDevice, s));
-    DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(I.dspark_head.data() + d, size_t(w) * 2, I.W("markov_head.markov_w2.weight"),
-                                        size_t(rk) * 2, size_t(rk) * 2, size_t(V), cudaMemcpyDeviceToDevice, s));
-    I.dspark_head_stale = false;
-  }
-  std::vector<int32_t> first(static_cast<size_t>(na));
-  for (int64_t a = 0; a < na; ++a) first[size_t(a)] = last[size_t(act[size_t(a)])];
-  // tokens [B + 1, na]: row 0 the anchors, row k + 1 slot k's argmax (the next step's previous token)
-  StreamBuffer<int32_t> tokens(size_t((B + 1) * na), s), zeros(size_t(na), s);
-  DFLASH_CUDA_CHECK(cudaMemcpyAsync(tokens.data(), first.data(), size_t(na) * 4, cudaMemcpyHostToDevice, s));
-  DFLASH_CUDA_CHECK(cudaMemsetAsync(zeros.data(), 0, size_t(na) * 4, s));
-  StreamBuffer<bf16> hcat(size_t(na * w), s), e(size_t(na * rk), s);
-  const int64_t rc = cuda::cross_entropy_row_chunk(V, na);
-  StreamBuffer<char> ws(size_t(cuda::cross_entropy_workspace_bytes(rc, V, false)), s);
-  StreamBuffer<float> lse(size_t(na), s), tl(size_t(na), s);
+  StreamBuffer<bf16> wcat(size_t(V * w), s), hcat(size_t(na * w), s), e(size_t(na * rk), s);
+  DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(wcat.data(), size_t(w) * 2, I.lm_head.data(), size_t(d) * 2, size_t(d) * 2,
+                                      size_t(V), cudaMemcpyDeviceToDevice, s));
+  DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(wcat.data() + d, size_t(w) * 2, I.W("markov_head.markov_w2.weight"),
+                                      size_t(rk) * 2, size_t(rk) * 2, size_t(V), cudaMemcpyDeviceToDevice, s));
+  std::vector<int32_t> prev(static_cast<size_t>(na));
+  for (int64_t a = 0; a < na; ++a) prev[size_t(a)] = last[size_t(act[size_t(a)])];
   for (int64_t k = 0; k < B; ++k) {
-    cuda::embedding_gather(I.W("markov_head.markov_w1.weight"), V, rk, tokens.data() + k * na, na, e.data(), nullptr, s);
+    auto d_prev = cuda::upload(prev, s);
+    cuda::embedding_gather(I.W("markov_head.markov_w1.weight"), V, rk, d_prev.data(), na, e.data(), nullptr, s);
     DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(hcat.data(), size_t(w) * 2, hn + k * d, size_t(B * d) * 2, size_t(d) * 2,
                                         size_t(na), cudaMemcpyDeviceToDevice, s));
     DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(hcat.data() + d, size_t(w) * 2, e.data(), size_t(rk) * 2, size_t(rk) * 2,
                                         size_t(na), cudaMemcpyDeviceToDevice, s));
-    // (the row statistics against dummy targets: only the argmax is kept)
-    cuda::cross_entropy(I.gemm, hcat.data(), I.dspark_head.data(), na, w, V, zeros.data(), nullptr, rc, ws.data(),
-                        {lse.data(), tl.data(), tokens.data() + (k + 1) * na}, nullptr);
+    prev = cuda::lm_head_argmax(I.gemm, hcat.data(), wcat.data(), na, w, V);  // (synchronizes)
+    for (int64_t a = 0; a < na; ++a) r[size_t(act[size_t(a)])].push_back(prev[size_t(a)]);
   }
-  std::vector<int32_t> h(static_cast<size_t>((B + 1) * na));
-  DFLASH_CUDA_CHECK(cudaMemcpyAsync(h.data(), tokens.data(), h.size() * 4, cudaMemcpyDeviceToHost, s));
-  DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));
-  for (int64_t k = 0; k < B; ++k)
-    for (int64_t a = 0; a < na; ++a) r[size_t(act[size_t(a)])].push_back(h[size_t((k + 1) * na + a)]);
   return r;
 }
 }  // namespace

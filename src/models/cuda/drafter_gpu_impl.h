@@ -34,9 +34,6 @@ struct DrafterGpu::Impl {
   cuda::DeviceArray<double> inv_freq;             // RoPE [head_dim / 2], computed in double as the reference
   double rope_scale = 1.0;                        // cos / sin factor (yarn's attention factor)
   KvCache ctx;                                    // drafting: each layer's context keys / values per sequence
-  // DSpark drafting: [lm_head | markov_w2] (V x (d + r), bf16), rebuilt when the weights change.
-  cuda::DeviceArray<cuda::bf16> dspark_head;
-  bool dspark_head_stale = true;
 
   explicit Impl(cudaStream_t st) : s(st), gemm(st, kDrafterGemmWorkspaceBytes) {}
   const cuda::bf16* W(const std::string& name) const { return wb.data() + offset.at(name); }
