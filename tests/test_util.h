@@ -15,14 +15,14 @@ namespace dflash::test {
 /// CPU float32 reference vs transformers float32 goldens:
 inline constexpr double kTolF32 = 1e-5;
 
-/// ||a - b||_2 / ||b||_2 accumulated in double (0 when both are zero; infinite when b is zero and a
-/// is not, or on NaN/Inf; 1e30 when the sizes differ).
 /// d f / d h at 0 by the 4th-order central difference (8 (f(h) - f(-h)) - (f(2h) - f(-2h))) / (12 h).
 template <typename F>
 double central_difference(F f, double h) {
   return (8 * (f(h) - f(-h)) - (f(2 * h) - f(-2 * h))) / (12 * h);
 }
 
+/// ||a - b||_2 / ||b||_2 accumulated in double (0 when both are zero; infinite when b is zero and a
+/// is not, or on NaN/Inf; 1e30 when the sizes differ).
 template <typename A, typename B>
 double rel_l2(const std::vector<A>& a, const std::vector<B>& b) {
   if (a.size() != b.size()) return 1e30;

@@ -282,11 +282,15 @@ void read_dspark(const nlohmann::json& j, DrafterConfig& c, const std::string& w
     fail("a DSpark checkpoint in the speculators convention (slot j predicts anchor + j): SGLang refuses it, and "
          "this reader follows DeepSpec's (slot k predicts anchor + k + 1)");
   const nlohmann::json* type = find("markov_head_type");
+  const bool prefixed = j.contains("dspark_markov_rank") || j.contains("dspark_block_size");
+  if (!type && !prefixed) fail("markov_rank without markov_head_type: SGLang refuses it (it cannot tell the head)");
   if (type && !(type->is_string() && type->get<std::string>() == "vanilla"))
     fail("markov_head_type " + type->dump() + ": only the vanilla Markov head is supported");
-  for (const char* key : {"enable_confidence_head", "confidence_head_with_markov"})
-    if (j.contains(key) && !flag(j, key, where))
-      fail(std::string(key) + " false: this reader needs the confidence head on [hidden; W1[previous token]]");
+  for (const char* key : {"enable_confidence_head", "confidence_head_with_markov"}) {
+    const nlohmann::json* v = find(key);
+    if (v && !(v->is_boolean() && v->get<bool>()))
+      fail(std::string(key) + " " + v->dump() + ": this reader needs the confidence head on [hidden; W1[previous token]]");
+  }
 }
 }  // namespace
 

@@ -61,9 +61,20 @@ class CpuBackend final : public DrafterBackend {
     auto t0 = std::chrono::steady_clock::now();
     Tensor taps = taps_(s), final_hidden;
     r.target_ms = ms_since(t0);
+    // The captured rows, whole (the final hidden state of a DSpark drafter's too): their shape, NaN / Inf,
+    // and on the first micro-batches the numbers of every captured layer.
+    const std::vector<int64_t> layers = captured_layer_ids(cfg_);
+    const int64_t S = int64_t(s.ids.size()), width = int64_t(layers.size()) * cfg_.hidden_size;
+    if (taps.shape != std::vector<int64_t>{S, width})
+      throw std::invalid_argument("the target's taps have shape " + shape_str(taps.shape) + ", expected " +
+                                  shape_str({S, width}));
+    for (float x : taps.data) r.nonfinite_taps = r.nonfinite_taps || !std::isfinite(x);
+    if (taps_checked_ < kTapCheckedMicroBatches) {
+      ++taps_checked_;
+      r.tap_stats = tap_stats(taps.ptr(), S, layers, cfg_.hidden_size);
+    }
     if (cfg_.is_dspark()) {  // each captured row: [taps (K d) | the target's final hidden state (d)]
-      const int64_t S = taps.dim(0), d = cfg_.hidden_size, Kd = int64_t(cfg_.target_layer_ids.size()) * d;
-      if (taps.dim(1) != Kd + d) throw std::invalid_argument("cpu backend: DSpark captures without the final hidden state");
+      const int64_t d = cfg_.hidden_size, Kd = int64_t(cfg_.target_layer_ids.size()) * d;
       Tensor t({S, Kd});
       final_hidden = Tensor({S, d});
       for (int64_t i = 0; i < S; ++i) {
@@ -71,11 +82,6 @@ class CpuBackend final : public DrafterBackend {
         std::copy_n(taps.row(i) + Kd, d, final_hidden.row(i));
       }
       taps = std::move(t);
-    }
-    for (float x : taps.data) r.nonfinite_taps = r.nonfinite_taps || !std::isfinite(x);
-    if (taps_checked_ < kTapCheckedMicroBatches) {
-      ++taps_checked_;
-      r.tap_stats = tap_stats(taps.ptr(), taps.dim(0), captured_layer_ids(cfg_), cfg_.hidden_size);
     }
     t0 = std::chrono::steady_clock::now();
     DrafterSequence<float> seq;

@@ -242,6 +242,9 @@ TEST(DSpark, ConfigAsSGLangAndVllmReadIt) {
   nlohmann::json noconf = j;
   noconf["enable_confidence_head"] = false;
   refused(noconf, "enable_confidence_head");
+  nlohmann::json notype = j;
+  notype.erase("markov_head_type");
+  refused(notype, "without markov_head_type");
 }
 
 TEST(DSpark, CheckpointRoundTripWithItsHeads) {

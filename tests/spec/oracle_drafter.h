@@ -26,9 +26,10 @@ class OracleDrafter final : public BlockDrafter {
       const auto& st = streams_[s];
       const int64_t p = len_[s];
       EXPECT_EQ(st.at(size_t(p)), last[s]) << "the decoding loop fed a token the target did not choose";
-      for (int64_t k = 1; k < c_.block_size; ++k) r[s].push_back(st.at(size_t(p + k)));
+      // (DFlash: B - 1 drafts; DSpark: B)
+      for (int64_t k = 1; k <= c_.drafts_per_block(); ++k) r[s].push_back(st.at(size_t(p + k)));
       if (corrupt_) {
-        const size_t slot = size_t(step_++ % c_.block_size);  // slot B-1 means: none wrong
+        const size_t slot = size_t(step_++ % (c_.drafts_per_block() + 1));  // the last value means: none wrong
         if (slot < r[s].size()) r[s][slot] = (r[s][slot] + 1) % int32_t(c_.vocab_size);
       }
     }

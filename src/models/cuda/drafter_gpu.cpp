@@ -399,6 +399,7 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   StreamBuffer<int> bad(2, s);  // [mask token outside the embedding, non-finite taps]
   DFLASH_CUDA_CHECK(cudaMemsetAsync(bad.data(), 0, 2 * sizeof(int), s));
   cuda::flag_nonfinite(seq.taps, S * K * d, bad.data() + 1, s);
+  if (seq.target_hidden) cuda::flag_nonfinite(seq.target_hidden, S * d, bad.data() + 1, s);  // (DSpark)
   cuda::embedding_gather(I.embed.data(), I.V, d, d_ids.data(), Q, x.data(), bad.data(), s);
   // One draft layer's forward from a.x_in: fills every saved activation of `a`, returns the output.
   auto forward_layer = [&](int64_t i, Saved& a) {
