@@ -10,6 +10,8 @@
 #include "bench/presets.h"
 #include "bench/record.h"
 #include "cli/commands.h"
+#include "cli/spec_options.h"
+#include "models/target_dtype.h"
 #include "models/target.h"
 #ifdef DFLASH_HAVE_CUDA
 #include "bench/cuda/drafter_step_bench.h"
@@ -105,6 +107,8 @@ void add_bench_pipeline(CLI::App& bench, Runner& run) {
   cmd->add_option("--per-replica", per_replica, "Train path: samples per drafter replica per optimizer step")
       ->capture_default_str()
       ->check(CLI::Range(1, 64));
+  static TargetDtype dtype = TargetDtype::kBf16;
+  add_target_dtype_option(cmd, dtype);
   cmd->callback([&run] {
     run = [] {
       // Unknown presets and targets the GPU cannot run are refused with the reason in every build.
@@ -114,6 +118,7 @@ void add_bench_pipeline(CLI::App& bench, Runner& run) {
 #ifdef DFLASH_HAVE_CUDA
       PipelineBenchOptions po{preset, seq, anchors, steps, warmup, results, !no_record, {}, {}, per_replica};
       po.target_gpus = target_gpus;
+      po.target_dtype = dtype;
       po.drafter_gpus = gpus.empty() ? drafter_gpus : gpus;
       return run_pipeline_bench(po);
 #else
@@ -147,13 +152,16 @@ void add_bench(CLI::App& app, Runner& run) {
   tf->add_option("--device", device, "Device")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   tf->add_option("--results", results, "Directory of the JSONL records")->capture_default_str();
   tf->add_flag("--no-record", no_record, "Print only; append nothing to the results");
+  static TargetDtype tf_dtype = TargetDtype::kBf16;
+  add_target_dtype_option(tf, tf_dtype);
   tf->callback([&run] {
     run = [] {
       if (device == "cuda") {
         if (preset.empty() || !model.empty())
           throw std::invalid_argument("bench target-forward --device cuda: give --preset (random weights), not --model");
 #ifdef DFLASH_HAVE_CUDA
-        return run_target_forward_gpu_bench({preset, tokens ? tokens : 4096, layers, repeat, 2, results, !no_record});
+        return run_target_forward_gpu_bench(
+            {preset, tokens ? tokens : 4096, layers, repeat, 2, results, !no_record, tf_dtype});
 #else
         return no_cuda_backend("target-forward");
 #endif

@@ -9,7 +9,9 @@
 
 #include "cli/commands.h"
 #include "io/safetensors.h"
+#include "cli/spec_options.h"
 #include "models/target.h"
+#include "models/target_dtype.h"
 #ifdef DFLASH_HAVE_CUDA
 #include "models/cuda/target_gpu.h"
 #endif
@@ -51,6 +53,8 @@ void add_forward(CLI::App& app, Runner& run) {
       ->required()
       ->allow_extra_args(false);
   cmd->add_option("--device", device, "Device to run on")->check(CLI::IsMember({"cpu", "cuda"}));
+  static TargetDtype dtype = TargetDtype::kBf16;
+  add_target_dtype_option(cmd, dtype);
   cmd->add_option("--out", out, "Output .safetensors file")->required();
   cmd->add_flag("--no-logits", no_logits, "Skip the LM head (hidden states only)");
   cmd->callback([&run] {
@@ -70,6 +74,8 @@ void add_forward(CLI::App& app, Runner& run) {
         ids.insert(ids.end(), v.begin(), v.end());
         cu.push_back(int64_t(ids.size()));
       }
+      if (dtype != TargetDtype::kBf16 && device != "cuda")
+        throw std::runtime_error("--target-dtype fp8 runs on the GPU only: add --device cuda");
       auto target = TargetModel::load(model);
       const int L = int(target->spec().num_hidden_layers);
       ForwardOptions opt;
@@ -82,7 +88,7 @@ void add_forward(CLI::App& app, Runner& run) {
         cudaStream_t stream;
         DFLASH_CUDA_CHECK(cudaStreamCreate(&stream));
         {
-          TargetGpu gpu(*target, stream);  // throws, saying why, for a model the GPU backend cannot run
+          TargetGpu gpu(*target, stream, dtype);  // throws, saying why, for a model / dtype the GPU cannot run
           r = gpu.forward(ids, cu, opt);
         }
         cudaStreamDestroy(stream);
@@ -100,7 +106,7 @@ void add_forward(CLI::App& app, Runner& run) {
       }
       std::vector<std::pair<std::string, const Tensor*>> refs;
       for (auto& [n, t] : named) refs.emplace_back(n, &t);
-      write_safetensors(out, refs, {{"model", model}, {"device", device}});
+      write_safetensors(out, refs, {{"model", model}, {"device", device}, {"target_dtype", target_dtype_name(dtype)}});
       fmt::print("wrote {} ({} sequence{}, {} tokens, {} tensors)\n", out, cu.size() - 1, cu.size() == 2 ? "" : "s",
                  ids.size(), refs.size());
       return 0;

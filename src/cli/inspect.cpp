@@ -6,17 +6,22 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "cli/spec_options.h"
 #include "models/target.h"
+#include "models/target_dtype.h"
 #ifdef DFLASH_HAVE_CUDA
+#include "models/cuda/target_gpu.h"
 #include "ops/cuda/device_info.h"
+#include "ops/cuda/fp8.h"
 #include "ops/cuda/gemm.h"
+#include "ops/cuda/runtime.h"
 #endif
 
 namespace dflash::cli {
 
 namespace {
 
-nlohmann::json describe(const std::string& path) {
+nlohmann::json describe(const std::string& path, TargetDtype dtype) {
   OpenedModel m = open_model(path);
   const ModelSpec& s = m.spec;
   int64_t params = 0;
@@ -63,11 +68,17 @@ nlohmann::json describe(const std::string& path) {
   j["dtypes"] = dtypes;
   j["ignored_tensors"] = ignored;
   j["memory_bytes"] = {{"fp32_cpu_reference", params * 4}, {"bf16_gpu", params * 2}};
+#ifdef DFLASH_HAVE_CUDA
+  if (gpu_unsupported_reason(s).empty())  // as TargetGpu stores the weights (with its GEMM workspace)
+    j["memory_bytes"]["gpu_weights"] = {{"bf16", TargetGpu::weight_bytes(s, TargetDtype::kBf16)},
+                                        {"fp8", TargetGpu::weight_bytes(s, TargetDtype::kFp8)}};
+#endif
+  j["target_dtype"] = target_dtype_name(dtype);
   nlohmann::json layers = nlohmann::json::array();
   for (int64_t i = 0; i < s.num_hidden_layers; ++i) {
     nlohmann::json k = nlohmann::json::object();
     nlohmann::json refused = nlohmann::json::object();
-    for (const KernelChoice& c : layer_kernels(s, i)) {
+    for (const KernelChoice& c : layer_kernels(s, i, dtype)) {
       k[c.device] = c.kernel.empty() ? nlohmann::json(nullptr) : nlohmann::json(c.kernel);
       if (c.kernel.empty()) refused[c.device] = c.refused_because;
     }
@@ -78,8 +89,12 @@ nlohmann::json describe(const std::string& path) {
   nlohmann::json dev = {{"cpu", "available"}};
 #ifdef DFLASH_HAVE_CUDA
   nlohmann::json gpus = nlohmann::json::array();
-  for (const auto& d : cuda::devices())
-    gpus.push_back({{"index", d.index}, {"name", d.name}, {"sm", d.sm}, {"memory_bytes", d.total_memory}});
+  for (const auto& d : cuda::devices()) {
+    DFLASH_CUDA_CHECK(cudaSetDevice(d.index));
+    const std::string no_fp8 = cuda::fp8_unsupported_reason();
+    gpus.push_back({{"index", d.index}, {"name", d.name}, {"sm", d.sm}, {"memory_bytes", d.total_memory},
+                    {"fp8", no_fp8.empty() ? nlohmann::json("supported") : nlohmann::json("refused: " + no_fp8)}});
+  }
   const char* tune[] = {"auto (target forward: fastest of 8 candidates timed per shape; drafter: cuBLASLt's first)",
                         "off (cuBLASLt's first candidate)", "on (fastest of 8 candidates timed per shape)",
                         "on, logged"};
@@ -129,6 +144,10 @@ void print_text(const nlohmann::json& j) {
     fmt::print("ignored      {} tensors outside the text model (vision, mtp, ...)\n", j["ignored_tensors"].get<int64_t>());
   fmt::print("memory       {} as fp32 for the CPU reference, {} as bf16 on a GPU\n",
              gib(j["memory_bytes"]["fp32_cpu_reference"].get<int64_t>()), gib(j["memory_bytes"]["bf16_gpu"].get<int64_t>()));
+  if (j["memory_bytes"].contains("gpu_weights"))
+    fmt::print("GPU weights  {} with --target-dtype bf16, {} with fp8 (as stored on the GPU, with the GEMM workspace)\n",
+               gib(j["memory_bytes"]["gpu_weights"]["bf16"].get<int64_t>()),
+               gib(j["memory_bytes"]["gpu_weights"]["fp8"].get<int64_t>()));
   const auto& cuda = j["devices"]["cuda"];
   if (!cuda["built"].get<bool>()) {
     fmt::print("devices      cpu; CUDA backend not built\n");
@@ -147,13 +166,14 @@ void print_text(const nlohmann::json& j) {
       const std::string code = native ? fmt::format("native sm_{} code", sm)
                                : ptx ? fmt::format("PTX JIT from compute_{}", ptx)
                                      : std::string("no usable device code");
-      d += fmt::format("{}cuda:{} {} (sm_{}, {})", d.empty() ? "" : ", ", g["index"].get<int>(),
-                       g["name"].get<std::string>(), sm, code);
+      d += fmt::format("{}cuda:{} {} (sm_{}, {}; fp8 {})", d.empty() ? "" : ", ", g["index"].get<int>(),
+                       g["name"].get<std::string>(), sm, code, g["fp8"].get<std::string>());
     }
     fmt::print("devices      cpu; {}\n", d.empty() ? "CUDA built, no GPU visible" : d);
     fmt::print("gemm tune    {} (DFLASH_GEMM_TUNE)\n", cuda["gemm_tune"].get<std::string>());
   }
-  fmt::print("\n{:>5}  {:<32}  {}\n", "layer", "type", "kernels");
+  fmt::print("\nkernels with --target-dtype {}\n{:>5}  {:<32}  {}\n", j["target_dtype"].get<std::string>(), "layer",
+             "type", "kernels");
   for (const auto& l : j["layers"]) {
     std::string k;
     for (auto& [dev, name] : l["kernels"].items())
@@ -172,9 +192,11 @@ void add_inspect(CLI::App& app, Runner& run) {
   static bool json = false;
   cmd->add_option("model", path, "Checkpoint directory (config.json + safetensors) or .gguf file")->required();
   cmd->add_flag("--json", json, "Print JSON instead of a table");
+  static TargetDtype dtype = TargetDtype::kBf16;
+  add_target_dtype_option(cmd, dtype);
   cmd->callback([&run] {
     run = [] {
-      const nlohmann::json j = describe(path);
+      const nlohmann::json j = describe(path, dtype);
       if (json) fmt::print("{}\n", j.dump(2));
       else print_text(j);
       return 0;

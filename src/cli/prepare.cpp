@@ -48,6 +48,7 @@ void add_prepare(CLI::App& app, Runner& run) {
                 "Have --target answer every user turn first and train on its answers (written to OUT/regenerated.jsonl)");
   cmd->add_option("--target", eo.target, "Target checkpoint directory or .gguf (with --regenerate)");
   cmd->add_option("--device", eo.device, "Device to decode on (with --regenerate)")->capture_default_str()->check(CLI::IsMember({"cpu", "cuda"}));
+  add_target_dtype_option(cmd, eo.target_dtype);
   co.batch_size = 32;
   co.gen.max_new_tokens = 2048;
   add_chat_run_options(cmd, co, thinking);

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <map>
 #include <memory>
 
 namespace dflash::cli {
@@ -18,6 +19,16 @@ void add_engine_options(CLI::App* cmd, EngineOptions& o, bool drafter) {
                   "Template family: qwen3, qwen3.5 (= qwen3.6), qwen3.5-nothink, smollm2, chatml, llama3, llama3.1 "
                   "(default: detected)");
   cmd->add_option("--device", o.device, "Device to decode on")->capture_default_str()->check(CLI::IsMember({"cpu", "cuda"}));
+  add_target_dtype_option(cmd, o.target_dtype);
+}
+
+void add_target_dtype_option(CLI::App* cmd, TargetDtype& d) {
+  cmd->add_option("--target-dtype", d,
+                  "GPU: the target's projections in bf16, or fp8 (E4M3 weights with per-channel scales, activations "
+                  "with per-token scales)")
+      ->transform(CLI::CheckedTransformer(std::map<std::string, TargetDtype>{{"bf16", TargetDtype::kBf16},
+                                                                             {"fp8", TargetDtype::kFp8}}))
+      ->default_str("bf16");
 }
 
 void add_chat_run_options(CLI::App* cmd, ChatRunOptions& o, std::string& thinking) {

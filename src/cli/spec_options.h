@@ -11,6 +11,8 @@ namespace dflash::cli {
 
 /// Adds --target, --tokenizer, --chat-template, --device (and --drafter when `drafter`) to `cmd`.
 void add_engine_options(CLI::App* cmd, EngineOptions& o, bool drafter);
+/// Adds --target-dtype bf16|fp8 (models/target_dtype.h) to `cmd`, into `d`.
+void add_target_dtype_option(CLI::App* cmd, TargetDtype& d);
 /// Adds --max-new-tokens, --temperature, --seed, --batch-size, --thinking / --no-thinking.
 void add_chat_run_options(CLI::App* cmd, ChatRunOptions& o, std::string& thinking);
 /// A progress(done, total) callback printing "\r<what> done/total turns, rate, ETA" to stderr at

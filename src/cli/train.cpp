@@ -52,6 +52,10 @@ void add_train(CLI::App& app, Runner& run) {
       ->delimiter(',');
   cmd->add_option("--target-batch-tokens", c.target_batch_tokens,
                   "GPU: the target's forward packs consecutive samples (varlen) up to this many tokens")->capture_default_str();
+  cmd->add_option("--target-dtype", c.target_dtype,
+                  "GPU: the target's projections in bf16, or fp8 (E4M3, per-channel weight and per-token activation "
+                  "scales; an FP8 checkpoint is read as well)")
+      ->check(CLI::IsMember({"bf16", "fp8"}))->capture_default_str();
   cmd->add_option("--drafter-gpus", c.drafter_gpus, "GPUs of the drafter replicas (data parallel when several)")
       ->delimiter(',');
   cmd->add_option("--init-from", c.init_from, "Start from this DFlash checkpoint (published or ours)");

@@ -3,9 +3,12 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <optional>
 #include <stdexcept>
 
+#include "io/fp8_checkpoint.h"
 #include "io/gguf.h"
+#include "io/json_file.h"
 #include "io/hf_config.h"
 #include "io/safetensors.h"
 #include "ops/activation.h"
@@ -46,8 +49,13 @@ OpenedModel open_model(const std::string& path) {
       throw std::runtime_error(path + ": no config.json in this directory (a model directory holds config.json and "
                                "model.safetensors or model.safetensors.index.json + shards; or give a .gguf file)");
     m.spec = load_hf_config(cfg.string());
-    m.weights = SafetensorsCheckpoint::open(path);
+    const std::optional<Fp8Format> fp8 = read_fp8_format(read_json_file(cfg.string()), cfg.string());
+    m.weights = fp8_dequantizing(SafetensorsCheckpoint::open(path), fp8);
     m.format = "safetensors";
+    if (fp8)
+      m.format += fp8->block_n > 0 ? " (" + fp8->quant_method + ": F8_E4M3 weights, " + std::to_string(fp8->block_n) +
+                                         " x " + std::to_string(fp8->block_k) + " block scales, dequantized at load)"
+                                   : " (" + fp8->quant_method + ": F8_E4M3 weights, per-channel scales, dequantized at load)";
   } else if (fs::path(path).extension() == ".gguf") {
     auto g = std::make_shared<const GGUFFile>(path);
     m.spec = gguf_model_spec(*g);
@@ -263,7 +271,7 @@ std::string gpu_unsupported_reason(const ModelSpec& s) {
   return "";
 }
 
-std::vector<KernelChoice> layer_kernels(const ModelSpec& s, int64_t layer) {
+std::vector<KernelChoice> layer_kernels(const ModelSpec& s, int64_t layer, TargetDtype dtype) {
   const LayerKind kind = s.layer_types.at(size_t(layer));
   const bool moe = s.is_moe_layer(layer);
   std::vector<KernelChoice> r;
@@ -274,6 +282,10 @@ std::vector<KernelChoice> layer_kernels(const ModelSpec& s, int64_t layer) {
                ""});
 #ifdef DFLASH_HAVE_CUDA
   const std::string why = gpu_unsupported_reason(s);
+  const std::string gemms = dtype == TargetDtype::kFp8
+                                ? "cuBLASLt FP8 E4M3 GEMMs (weights: a scale per output channel; activations: a "
+                                  "scale per token, quantized before each product)"
+                                : "cuBLASLt bf16 GEMMs";
   if (why.empty())
     r.push_back({"cuda",
                  (kind == LayerKind::Attention
@@ -281,8 +293,8 @@ std::vector<KernelChoice> layer_kernels(const ModelSpec& s, int64_t layer) {
                             "> (causal varlen, " +
                             (cuda::masked_attention_uses_wgmma(int(s.head_dim)) ? "wgmma (sm_90a)" : "mma.sync") +
                             " bf16, fp32 softmax)" +
-                            (s.attn_output_gate() ? " + sigmoid output gate" : "") + " + cuBLASLt bf16 GEMMs"
-                      : std::string("cuBLASLt bf16 GEMMs (in_proj_qkv|z|b|a as one) + gated_delta_rule_chunked "
+                            (s.attn_output_gate() ? " + sigmoid output gate" : "") + " + " + gemms
+                      : gemms + std::string(" (in_proj_qkv|z|b|a as one) + gated_delta_rule_chunked "
                                     "(chunk 64, WY/UT form, fp32 state; conv1d + SiLU, q/k l2norm and gates in its "
                                     "chunk_prepare, cuda::causal_conv1d_silu with a decoding cache; chunk_state on " +
                                     std::string(cuda::runs_sm90a() ? "wgmma (sm_90a) at 64 state columns a block, else "
@@ -290,7 +302,7 @@ std::vector<KernelChoice> layer_kernels(const ModelSpec& s, int64_t layer) {
                                     "mma.sync, 3xBF16; on sm_90+ chunk_state beside chunk_prepare and chunk_out beside "
                                     "chunk_state; the gated RMSNorm fused into its output)")) +
                      (moe ? "; experts: cuda::moe_route (on-device top-k) + grouped_gemm (mma.sync bf16, no host sync)"
-                          : ""),
+                          : "; MLP: " + gemms),
                  ""});
   else
     r.push_back({"cuda", "", why});  // no fallback is offered

@@ -8,6 +8,7 @@
 
 #include "io/weights.h"
 #include "models/model_spec.h"
+#include "models/target_dtype.h"
 #include "tensor/tensor.h"
 
 namespace dflash {
@@ -163,7 +164,8 @@ class TargetModel {
 /// Kernels that run layer `layer` of model `s` (its mixer, and its FFN when that is a mixture of
 /// experts) on each device of this build (reference on CPU; with CUDA, the GPU kernels or the reason
 /// the GPU backend refuses the model).
-std::vector<KernelChoice> layer_kernels(const ModelSpec& s, int64_t layer);
+/// dtype: how the GPU's projections compute (the CPU reference is always fp32).
+std::vector<KernelChoice> layer_kernels(const ModelSpec& s, int64_t layer, TargetDtype dtype = TargetDtype::kBf16);
 
 /// Why the GPU backend cannot run model `s` ("" when it can): attention head_dim outside {64, 128,
 /// 256}, an odd rotary dimension, GatedDeltaNet head dims above 128 or a conv kernel above 8;
@@ -174,7 +176,7 @@ std::string gpu_unsupported_reason(const ModelSpec& s);
 struct OpenedModel {
   ModelSpec spec;
   std::unique_ptr<WeightSource> weights;
-  std::string format;  // "safetensors" or "gguf"
+  std::string format;  // "safetensors" (with how FP8 weights were scaled, for such a checkpoint) or "gguf"
 };
 OpenedModel open_model(const std::string& path);
 

@@ -12,6 +12,7 @@
 
 #include "models/drafter.h"
 #include "models/target.h"
+#include "models/target_dtype.h"
 #include "tensor/tensor.h"
 
 namespace dflash {
@@ -78,11 +79,11 @@ class BlockDrafter {
 std::unique_ptr<BlockDrafter> make_cpu_drafter(const DrafterConfig& cfg, DrafterWeights<float> weights,
                                                const Tensor& embed, const Tensor& lm_head);
 
-/// The GPU engine (CUDA builds; dense targets, the models TargetGpu runs): bf16 weights, a KV cache
-/// per layer, logits and taps returned as fp32 on the host. Throws std::invalid_argument, saying why,
-/// for a model the GPU backend does not run, std::runtime_error without that GPU.
+/// The GPU engine (CUDA builds; the models TargetGpu runs): bf16 weights (or FP8 projections, dtype),
+/// a KV cache per layer, logits and taps returned as fp32 on the host. Throws std::invalid_argument,
+/// saying why, for a model or dtype the GPU backend does not run, std::runtime_error without that GPU.
 std::unique_ptr<TargetDecoder> make_gpu_decoder(const TargetModel& model, std::vector<int64_t> tap_layer_ids,
-                                                int device);
+                                                int device, TargetDtype dtype = TargetDtype::kBf16);
 /// The GPU drafter (CUDA builds): DrafterGpu drafting from its context key / value cache, all
 /// sequences' blocks in one forward (DrafterGpu::draft). head_dim 64 or 128.
 std::unique_ptr<BlockDrafter> make_gpu_drafter(const DrafterConfig& cfg, const DrafterWeights<float>& weights,

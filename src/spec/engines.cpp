@@ -60,11 +60,13 @@ Engines open_engines(const EngineOptions& o) {
   std::vector<int64_t> taps = o.drafter.empty() ? std::vector<int64_t>{} : dc.target_layer_ids;
 #ifdef DFLASH_HAVE_CUDA
   if (o.device == "cuda") {
-    e.target = make_gpu_decoder(*e.model, std::move(taps), 0);
+    e.target = make_gpu_decoder(*e.model, std::move(taps), 0, o.target_dtype);
     if (!o.drafter.empty()) e.drafter = make_gpu_drafter(dc, dw, e.model->embed_tokens(), e.model->lm_head(), 0);
     return e;
   }
 #endif
+  if (o.target_dtype != TargetDtype::kBf16)
+    throw std::runtime_error("--target-dtype fp8 runs on the GPU only: add --device cuda");
   e.target = make_cpu_decoder(*e.model, std::move(taps));
   if (!o.drafter.empty())
     e.drafter = make_cpu_drafter(dc, std::move(dw), e.model->embed_tokens(), e.model->lm_head());

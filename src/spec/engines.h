@@ -4,6 +4,7 @@
 #include <memory>
 #include <string>
 
+#include "models/target_dtype.h"
 #include "spec/decoder.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
@@ -16,6 +17,7 @@ struct EngineOptions {
   std::string chat_template;  // "" = detected from the tokenizer
   std::string drafter;        // "" = none; a DFlash checkpoint directory or a `dflash train --out` directory
   std::string device = "cpu";
+  TargetDtype target_dtype = TargetDtype::kBf16;  // --target-dtype: fp8 with device cuda only
 };
 
 struct Engines {

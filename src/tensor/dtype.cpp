@@ -1,5 +1,6 @@
 #include "tensor/dtype.h"
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 
@@ -10,7 +11,7 @@ std::size_t dtype_size(DType t) {
     case DType::F64: case DType::I64: return 8;
     case DType::F32: case DType::I32: return 4;
     case DType::F16: case DType::BF16: case DType::I16: return 2;
-    case DType::I8: case DType::U8: case DType::BOOL: return 1;
+    case DType::I8: case DType::U8: case DType::BOOL: case DType::F8_E4M3: return 1;
   }
   throw std::logic_error("dtype_size: bad dtype");
 }
@@ -27,6 +28,7 @@ std::string dtype_name(DType t) {
     case DType::I8: return "I8";
     case DType::U8: return "U8";
     case DType::BOOL: return "BOOL";
+    case DType::F8_E4M3: return "F8_E4M3";
   }
   throw std::logic_error("dtype_name: bad dtype");
 }
@@ -42,8 +44,30 @@ DType dtype_from_name(std::string_view n, const std::string& what) {
   if (n == "I8") return DType::I8;
   if (n == "U8") return DType::U8;
   if (n == "BOOL") return DType::BOOL;
+  if (n == "F8_E4M3") return DType::F8_E4M3;
   throw std::runtime_error(what + ": unsupported dtype '" + std::string(n) +
-                           "' (supported: F32, F16, BF16, F64, I64, I32, I16, I8, U8, BOOL)");
+                           "' (supported: F32, F16, BF16, F64, I64, I32, I16, I8, U8, BOOL, F8_E4M3)");
+}
+
+float fp8_e4m3_to_f32(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  if (e == 15 && m == 7) return NAN;
+  const float v = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(float(8 + m), e - 10);  // subnormal: m/8 2^-6
+  return (b & 0x80) ? -v : v;
+}
+
+uint8_t f32_to_fp8_e4m3(float f) {
+  if (std::isnan(f)) return 0x7f;
+  const uint8_t sign = std::signbit(f) ? 0x80 : 0;
+  const float a = std::fabs(f);
+  if (a >= kFp8E4M3Max) return uint8_t(sign | 0x7e);  // saturated (infinities too)
+  if (a < 0.015625f) return uint8_t(sign | int(std::nearbyint(a * 512.f)));  // subnormals; 8 is 2^-6
+  int ex = 0;
+  const float fr = std::frexp(a, &ex);  // a = fr 2^ex, fr in [0.5, 1)
+  int e = ex - 1, m = int(std::nearbyint((2.f * fr - 1.f) * 8.f));  // a = (1 + m/8) 2^e, nearest even
+  if (m == 8) m = 0, ++e;
+  const int code = std::min((e + 7) << 3 | m, 0x7e);
+  return uint8_t(sign | code);
 }
 
 float f16_to_f32(uint16_t h) {
@@ -89,6 +113,7 @@ void convert_to_f32(DType t, const void* src, float* dst, std::size_t n) {
       case DType::I16: { int16_t v; std::memcpy(&v, b + 2 * i, 2); dst[i] = float(v); break; }
       case DType::I8: dst[i] = float(static_cast<const int8_t*>(src)[i]); break;
       case DType::U8: case DType::BOOL: dst[i] = float(b[i]); break;
+      case DType::F8_E4M3: dst[i] = fp8_e4m3_to_f32(b[i]); break;
     }
   }
 }

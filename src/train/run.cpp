@@ -18,6 +18,7 @@
 #include "io/temp_files.h"
 #include "models/drafter_config.h"
 #include "models/target.h"
+#include "models/target_dtype.h"
 #include "text/packed.h"
 #include "text/tokenizer.h"
 #include "models/drafter_checkpoint.h"
@@ -324,7 +325,8 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
     // One GPU for both, one process: the target's forward and the drafter's steps take turns there.
     const bool one_gpu = c.target_devices() == c.drafter_devices() && c.drafter_devices().size() == 1 && pg.world == 1;
     const MemoryPlan mp = plan_memory(dc, target->spec(), longest, c.num_anchors, c.recompute, c.target_batch_tokens,
-                                      c.target_batch_tokens / std::max<int64_t>(1, shortest) + 1, one_gpu);
+                                      c.target_batch_tokens / std::max<int64_t>(1, shortest) + 1, one_gpu,
+                                      parse_target_dtype(c.target_dtype));
     // Each GPU holds a target replica, a drafter replica, or both (colocated).
     std::vector<int> all = c.target_devices();
     for (int g : c.drafter_devices())
@@ -338,8 +340,8 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
       DFLASH_CUDA_CHECK(cudaMemGetInfo(&fb, &tb));
       const std::string have = fmt::format("{:.1f} GB free of {:.1f} GB", double(fb) / 1e9, double(tb) / 1e9);
       std::string parts;
-      if (tg) parts += fmt::format("target {:.1f} GB + its forward {:.1f} GB | ", mp.target_weights / 1e9,
-                                   mp.target_forward / 1e9);
+      if (tg) parts += fmt::format("target ({}) {:.1f} GB + its forward {:.1f} GB | ", c.target_dtype,
+                                   mp.target_weights / 1e9, mp.target_forward / 1e9);
       if (dg) parts += fmt::format("drafter state {:.1f} GB + its step {:.1f} GB (longest sample {}, {} anchors x {}) | ",
                                    mp.drafter_state / 1e9, mp.drafter_step / 1e9, longest, c.num_anchors, dc.block_size);
       fmt::print("train: memory plan (cuda:{}, {}): {}total ~{:.1f} GB\n", g, have, parts, need_b / 1e9);
@@ -362,7 +364,7 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
   } else {
 #ifdef DFLASH_HAVE_CUDA
     backend = make_gpu_backend(dc, w0, *target, c.target_devices(), c.drafter_devices(),
-                               GpuTrainOptions{c.recompute, c.target_batch_tokens, pg});
+                               GpuTrainOptions{c.recompute, c.target_batch_tokens, parse_target_dtype(c.target_dtype), pg});
 #else
     throw std::runtime_error("--device cuda: this build has no CUDA backend (it was configured with -DDFLASH_CUDA=OFF or without nvcc; reconfigure on a machine with the CUDA toolkit)");
 #endif
@@ -373,7 +375,8 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
     if (!tok) throw std::runtime_error("--eval-data: the target has no tokenizer to encode the prompts with; pass --tokenizer");
     const std::string tok_path = c.tokenizer.empty() ? c.target : c.tokenizer;
     eval.emplace(*target, *tok, chat_family_for(*tok, c.chat_template, tok_path), c.eval_data, c.eval_limit,
-                 c.eval_max_new_tokens, int(c.eval_batch_size), c.device, c.drafter_devices().at(0));
+                 c.eval_max_new_tokens, int(c.eval_batch_size), c.device, c.drafter_devices().at(0),
+                 parse_target_dtype(c.target_dtype));
     fmt::print("train: real acceptance of {} held-out conversations ({}) {}\n", eval->conversations(),
                fmt::format("{}", fmt::join(c.eval_data, ", ")),
                c.eval_every > 0 ? fmt::format("every {} steps and at the end", c.eval_every) : std::string("at the end"));

@@ -65,6 +65,8 @@ void TrainConfig::validate_values() const {
   need(max_steps >= 0, "max_steps must be >= 0");
   need(grad_accum >= 1, "grad_accum must be >= 1");
   need(target_batch_tokens >= 1, "target_batch_tokens must be >= 1");
+  need(target_dtype == "bf16" || target_dtype == "fp8", "target_dtype must be bf16 or fp8 (got " + target_dtype + ")");
+  need(target_dtype == "bf16" || device == "cuda", "target_dtype fp8 runs on the GPU only (device cuda)");
   need(num_anchors >= 1, "num_anchors must be >= 1");
   need(lr > 0 && std::isfinite(lr), "lr must be > 0");
   need(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1, "beta1 and beta2 must be in [0, 1)");
@@ -126,6 +128,7 @@ nlohmann::json to_json(const TrainConfig& c) {
           {"target_gpus", c.target_gpus},
           {"drafter_gpus", c.drafter_gpus},
           {"target_batch_tokens", c.target_batch_tokens},
+          {"target_dtype", c.target_dtype},
           {"init_from", c.init_from},
           {"max_length", c.max_length},
           {"shuffle", c.shuffle},
@@ -213,7 +216,7 @@ TrainConfig train_config_from_json(const nlohmann::json& j, const std::string& w
     c.target = all["target"], c.data = all["data"].get<std::vector<std::string>>(), c.out = all["out"];
     c.tokenizer = all["tokenizer"], c.chat_template = all["chat_template"], c.device = all["device"];
     c.gpus = all["gpus"].get<std::vector<int>>();
-    c.target_batch_tokens = all["target_batch_tokens"];
+    c.target_batch_tokens = all["target_batch_tokens"], c.target_dtype = all["target_dtype"];
     c.target_gpus = all["target_gpus"].get<std::vector<int>>(), c.drafter_gpus = all["drafter_gpus"].get<std::vector<int>>();
     c.init_from = all["init_from"], c.max_length = all["max_length"];
     c.shuffle = all["shuffle"], c.seed = all["seed"], c.num_draft_layers = all["num_draft_layers"];

@@ -20,6 +20,7 @@ struct TrainConfig {
   std::vector<int> gpus = {0};     // CUDA devices, colocated: a target + a drafter replica on each
   std::vector<int> target_gpus, drafter_gpus;  // disaggregated placement (both or neither; replace gpus)
   int64_t target_batch_tokens = 8192;          // GPU: a target forward packs samples up to this many tokens
+  std::string target_dtype = "bf16";           // GPU: the target's projections in "bf16" or "fp8" (models/target_dtype.h)
   std::string init_from;           // a DFlash checkpoint to start from (z-lab / SpecForge / ours)
   // data
   int64_t max_length = 3072;

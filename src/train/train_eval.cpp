@@ -10,8 +10,8 @@ namespace dflash {
 
 TrainEval::TrainEval(const TargetModel& model, const Tokenizer& tok, ChatFamily family,
                      const std::vector<std::string>& files, int64_t limit, int64_t max_new_tokens, int batch_size,
-                     std::string device, int gpu)
-    : model_(model), tok_(tok), family_(family), device_(std::move(device)), gpu_(gpu) {
+                     std::string device, int gpu, TargetDtype target_dtype)
+    : model_(model), tok_(tok), family_(family), device_(std::move(device)), gpu_(gpu), target_dtype_(target_dtype) {
   std::vector<SkippedRecord> skipped;
   convs_ = load_prompts(files, limit, &skipped);
   opt_.gen.max_new_tokens = max_new_tokens;
@@ -25,7 +25,7 @@ TrainEvalResult TrainEval::run(const DrafterConfig& cfg, const DrafterWeights<fl
   std::unique_ptr<BlockDrafter> drafter;
   if (device_ == "cuda") {
 #ifdef DFLASH_HAVE_CUDA
-    target = make_gpu_decoder(model_, cfg.target_layer_ids, gpu_);
+    target = make_gpu_decoder(model_, cfg.target_layer_ids, gpu_, target_dtype_);
     drafter = make_gpu_drafter(cfg, w, model_.embed_tokens(), model_.lm_head(), gpu_);
 #else
     throw std::runtime_error("train eval: this build has no CUDA backend");

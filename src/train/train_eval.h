@@ -9,6 +9,7 @@
 
 #include "models/drafter.h"
 #include "models/target.h"
+#include "models/target_dtype.h"
 #include "spec/eval.h"
 
 namespace dflash {
@@ -25,8 +26,10 @@ class TrainEval {
   /// `model` and `tok` must outlive it. device "cpu" or "cuda" (GPU `gpu`: a decoding engine of the
   /// target is built there for each run and freed after it). Throws std::runtime_error when no
   /// prompt loads from `files` (load_prompts).
+  /// target_dtype: the training target's (the GPU engine then decodes with the same projections).
   TrainEval(const TargetModel& model, const Tokenizer& tok, ChatFamily family, const std::vector<std::string>& files,
-            int64_t limit, int64_t max_new_tokens, int batch_size, std::string device, int gpu);
+            int64_t limit, int64_t max_new_tokens, int batch_size, std::string device, int gpu,
+            TargetDtype target_dtype = TargetDtype::kBf16);
   /// Greedy speculative decoding of every prompt with drafter (cfg, w). Throws what the engines throw.
   TrainEvalResult run(const DrafterConfig& cfg, const DrafterWeights<float>& w) const;
   int64_t conversations() const { return int64_t(convs_.size()); }
@@ -39,6 +42,7 @@ class TrainEval {
   ChatRunOptions opt_;
   std::string device_;
   int gpu_;
+  TargetDtype target_dtype_;
 };
 
 }  // namespace dflash

@@ -12,6 +12,7 @@
 #include "bench/record.h"
 #include "ops/cuda/device_info.h"
 #include "ops/cuda/elementwise.h"
+#include "ops/cuda/fp8.h"
 #include "ops/cuda/gemm.h"
 #include "train/anchors.h"
 
@@ -160,12 +161,12 @@ nlohmann::json power_json(const PowerSummary& p) {
 }
 
 SustainedGemms sustained_gemms(const std::vector<cuda::GemmCall>& calls, bool tuned, cudaStream_t s, double min_ms) {
-  using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool, bool, bool>;
+  using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool, bool, bool, bool>;
   std::map<Key, int> count;
   int64_t a_max = 0, b_max = 0, c_max = 0;
   for (const cuda::GemmCall& c : calls) {
     const cuda::GemmShape& g = c.shape;
-    ++count[{g.M, g.N, g.K, g.trans_a, g.trans_b, c.c_is_f32, c.accumulate}];
+    ++count[{g.M, g.N, g.K, g.trans_a, g.trans_b, c.c_is_f32, c.accumulate, c.fp8}];
     a_max = std::max(a_max, g.M * g.K), b_max = std::max(b_max, g.K * g.N);
     c_max = std::max(c_max, g.M * g.N * (c.c_is_f32 ? 2 : 1));  // in bf16 elements
   }
@@ -174,13 +175,25 @@ SustainedGemms sustained_gemms(const std::vector<cuda::GemmCall>& calls, bool tu
   cuda::DeviceArray<cuda::bf16> a{size_t(a_max)}, b{size_t(b_max)}, c{size_t(c_max)};
   cuda::fill_normal(a.data(), a_max, 11, 0.f, 1.f, s);
   cuda::fill_normal(b.data(), b_max, 12, 0.f, 0.02f, s);
+  const bool any_fp8 = std::any_of(calls.begin(), calls.end(), [](const cuda::GemmCall& c) { return c.fp8; });
+  const int64_t rows_max = any_fp8 ? std::max(a_max, b_max) : 0;  // scales: one per row (M or N)
+  cuda::DeviceArray<cuda::fp8> a8{size_t(any_fp8 ? a_max : 0)}, b8{size_t(any_fp8 ? b_max : 0)};
+  cuda::DeviceArray<float> a8s{size_t(rows_max)}, b8s{size_t(rows_max)};
   cuda::GemmContext g(s, size_t(32) << 20, tuned);
   for (const auto& [key, n] : count) {
     const int64_t M = std::get<0>(key), N = std::get<1>(key), K = std::get<2>(key);
     const bool ta = std::get<3>(key), tb = std::get<4>(key), f32 = std::get<5>(key), acc = std::get<6>(key);
+    const bool f8 = std::get<7>(key);
     DFLASH_CUDA_CHECK(cudaMemsetAsync(c.data(), 0, size_t(M * N) * (f32 ? 4 : 2), s));
+    if (f8) {  // the operands quantized as the target quantizes them
+      cuda::quantize_rows_fp8(a.data(), M, K, a8.data(), a8s.data(), s);
+      cuda::quantize_rows_fp8(b.data(), N, K, b8.data(), b8s.data(), s);
+    }
     auto run = [&] {
-      if (f32) g.gemm({M, N, K, ta, tb}, a.data(), b.data(), reinterpret_cast<float*>(c.data()), 1.f, acc ? 1.f : 0.f);
+      if (f8 && f32) g.gemm_fp8({M, N, K, ta, tb}, a8.data(), a8s.data(), b8.data(), b8s.data(),
+                                reinterpret_cast<float*>(c.data()), acc ? 1.f : 0.f);
+      else if (f8) g.gemm_fp8({M, N, K, ta, tb}, a8.data(), a8s.data(), b8.data(), b8s.data(), c.data(), acc ? 1.f : 0.f);
+      else if (f32) g.gemm({M, N, K, ta, tb}, a.data(), b.data(), reinterpret_cast<float*>(c.data()), 1.f, acc ? 1.f : 0.f);
       else g.gemm({M, N, K, ta, tb}, a.data(), b.data(), c.data(), 1.f, acc ? 1.f : 0.f);
     };
     const double once = time_runs(s, 1, 1, run)[0];  // after the tuning call

@@ -39,7 +39,8 @@ struct SustainedGemms {
   double tflop = 0;  // their FLOPs (2 M N K each), 1e12
   int shapes = 0;    // distinct products timed
 };
-/// Times every distinct product of `calls` (shape, output type, beta 0 or 1) on a new GemmContext on
+/// Times every distinct product of `calls` (shape, output type, beta 0 or 1, bf16 or FP8 operands:
+/// FP8 ones quantized from the bf16 operands below) on a new GemmContext on
 /// `s` that tunes as `tuned` (GemmContext's tune_by_default), one after the other: one call
 /// (warm-up; it tunes the shape where no context of the process has), then back to back for at least `min_ms` (~100 ms: the GPU settles at its power cap, as in
 /// a long run), its mean time counted once per call. Operands: A ~ N(0, 1) (activations), B ~ N(0, 0.02)

@@ -151,7 +151,7 @@ int run_target_forward_gpu_bench(const TargetForwardGpuOptions& o) {
   std::vector<cuda::GemmCall> calls;  // the products of one forward with the LM head
   bool tuned = false;
   {
-    TargetGpu gpu(spec, 7, s);
+    TargetGpu gpu(spec, 7, s, o.dtype);
     cuda::DeviceArray<cuda::bf16> tap_out(size_t(T * int64_t(taps.size()) * spec.hidden_size));
     mem.static_done(s);
     std::mt19937 rng(1234);
@@ -202,12 +202,15 @@ int run_target_forward_gpu_bench(const TargetForwardGpuOptions& o) {
       {"gemm_sustained_ms", sg.ms}, {"gemm_sustained_tflop", sg.tflop}, {"gemm_sustained_shapes", sg.shapes},
       {"peak_gb", peak_gb}, {"device_kind", "cuda"}, {"stage_ms", stages}, {"taps_stage_ms", taps_stages},
       {"power", power_json(power)},
-      {"path", "TargetGpu bf16: cuBLASLt GEMMs, masked_attention_forward, gated_delta_rule_chunked; random weights"}};
+      {"target_dtype", target_dtype_name(o.dtype)},
+      {"path", std::string("TargetGpu ") + target_dtype_name(o.dtype) +
+                   ": cuBLASLt GEMMs, masked_attention_forward, gated_delta_rule_chunked; random weights"}};
   // A bound from the products only where they are all of the model's (no experts: those run grouped
   // GEMMs outside cuBLASLt).
   if (spec.num_experts == 0 && sg.ms > 0) extra["tokens_per_s_gemm_bound"] = double(T) / (sg.ms * 1e-3);
   fmt::print("bench target-forward: the GPU during the timed forwards: {}\n", power.words());
-  const std::string preset = o.preset + (o.layers > 0 ? "-" + std::to_string(L) + "layers" : "") + "-cuda";
+  const std::string preset = o.preset + (o.layers > 0 ? "-" + std::to_string(L) + "layers" : "") +
+                             (o.dtype == TargetDtype::kFp8 ? "-fp8" : "") + "-cuda";
   emit_bench_records("target-forward", preset,
                      {{"tokens_per_s", double(T) / (with_head_ms * 1e-3), "tokens/s"},
                       {"tokens_per_s_taps", double(T) / (taps_ms * 1e-3), "tokens/s"}},

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <string>
 
+#include "models/target_dtype.h"
+
 namespace dflash {
 
 struct GdnBenchOptions {
@@ -26,6 +28,7 @@ struct TargetForwardGpuOptions {
   int repeat = 5, warmup = 2;
   std::string results = "bench/results";
   bool record = true;
+  TargetDtype dtype = TargetDtype::kBf16;  // the target's projections (the preset name gets "-fp8")
 };
 
 /// Times the preset's target (random weights) on GPU 0: forward with the LM head (argmax on the GPU;

@@ -25,6 +25,11 @@ void record_pipeline(const PipelineBenchOptions& o, const std::string& preset, d
                      extra, o.results, o.record);
 }
 
+/// The preset as recorded: "-fp8" appended for an FP8 target.
+std::string preset_name(const PipelineBenchOptions& o) {
+  return o.preset + (o.target_dtype == TargetDtype::kFp8 ? "-fp8" : "");
+}
+
 std::string gpu_list(const std::vector<int>& g) {
   std::string r;
   for (size_t i = 0; i < g.size(); ++i) r += (i ? "," : "") + std::to_string(g[i]);
@@ -43,7 +48,7 @@ int run_training_path(const PipelineBenchOptions& o, const PipelineBenchPreset& 
   DFLASH_CUDA_CHECK(cudaSetDevice(dg[0]));
   PeakMemory mem;  // (device 0 of the process: GPU 0 of the lists when they start there)
   GpuReplicaFactory f;
-  f.target = [&](cudaStream_t s) { return std::make_unique<TargetGpu>(p.target, 4321, s); };
+  f.target = [&](cudaStream_t s) { return std::make_unique<TargetGpu>(p.target, 4321, s, o.target_dtype); };
   f.drafter = [&](cudaStream_t s) { return std::make_unique<DrafterGpu>(c, p.drafter.V, 1234, s); };
   const DrafterGpuSequence seq = bench_sequence(c, S, o.anchors, nullptr);
   TrainSample sample;
@@ -53,7 +58,7 @@ int run_training_path(const PipelineBenchOptions& o, const PipelineBenchPreset& 
   to.num_anchors = o.anchors;
   to.grad_accum = int64_t(o.per_replica) * int64_t(dg.size());
   to.schedule = {6e-4, o.warmup + o.steps, 0.0};
-  DrafterTrainer tr(c, make_gpu_backend(c, f, tg, dg, GpuTrainOptions{false, S, ProcessGroup{}}), 1000, to);
+  DrafterTrainer tr(c, make_gpu_backend(c, f, tg, dg, GpuTrainOptions{false, S, o.target_dtype, ProcessGroup{}}), 1000, to);
   mem.static_done(nullptr);
   std::vector<double> step_ms;
   double target_ms = 0, drafter_ms = 0, queue_ms = 0, optimizer_ms = 0, loss = 0;
@@ -78,7 +83,7 @@ int run_training_path(const PipelineBenchOptions& o, const PipelineBenchPreset& 
       {"what", "the dflash train path (DrafterTrainer + GPU backend): samples per optimizer step / median step wall "
                "time; stages: wall ms per step per replica; peak_gb: GPU " + std::to_string(dg[0])}};
   const std::string where = tg == dg ? "gpus=" + gpu_list(dg) : "target=" + gpu_list(tg) + ",drafter=" + gpu_list(dg);
-  record_pipeline(o, o.preset + "/" + where, samples_per_s, S, mem.peak_gb(), extra);
+  record_pipeline(o, preset_name(o) + "/" + where, samples_per_s, S, mem.peak_gb(), extra);
   return 0;
 }
 
@@ -95,7 +100,7 @@ int run_pipeline_bench(const PipelineBenchOptions& o) {
   const int64_t S = o.seq > 0 ? o.seq : p.drafter.S, K = int64_t(c.target_layer_ids.size());
   cuda::require_device("bench pipeline");
   DrafterGpuSequence seq = bench_sequence(c, S, o.anchors, nullptr);  // (host only: the taps come below)
-  const MemoryPlan plan = plan_memory(c, p.target, S, seq.num_blocks, false, S, 1, true);
+  const MemoryPlan plan = plan_memory(c, p.target, S, seq.num_blocks, false, S, 1, true, o.target_dtype);
   {  // what cannot fit is refused up front, as dflash train does, not found out of memory half-way
     int dev = 0;
     size_t free_b = 0, total_b = 0;
@@ -108,7 +113,7 @@ int run_pipeline_bench(const PipelineBenchOptions& o) {
   DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
 
   PeakMemory mem;
-  TargetGpu target(p.target, 4321, s);
+  TargetGpu target(p.target, 4321, s, o.target_dtype);
   // The drafter's embed_tokens / lm_head are its own random ones, not the target's: DrafterGpu owns
   // its copy (sharing would need a DrafterGpu constructor over the target's device arrays). Same
   // shapes, so the same work; and dflash train's GPU backend holds two copies as well, so the peak
@@ -157,10 +162,10 @@ int run_pipeline_bench(const PipelineBenchOptions& o) {
       {"min_sample_ms", *std::min_element(sample_ms.begin(), sample_ms.end())},
       {"max_sample_ms", *std::max_element(sample_ms.begin(), sample_ms.end())}, {"target_ms", median(target_ms)},
       {"drafter_ms", median(drafter_ms)}, {"loss", loss}, {"stage_ms", stages}, {"peak_parts", mem.parts()},
-      {"planned_gb", plan.on_gpu(true, true) / 1e9},
+      {"planned_gb", plan.on_gpu(true, true) / 1e9}, {"target_dtype", target_dtype_name(o.target_dtype)},
       {"what", "one sample: target forward_taps + drafter zero_grads + forward + backward + clip + AdamW, "
                "colocated on one GPU (wall time; stage_ms: GPU time of one more sample)"}};
-  record_pipeline(o, o.preset, samples_per_s, S, peak_gb, extra);
+  record_pipeline(o, preset_name(o), samples_per_s, S, peak_gb, extra);
   DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
   return 0;
 }

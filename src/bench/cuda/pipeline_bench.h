@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "models/target_dtype.h"
+
 namespace dflash {
 
 struct PipelineBenchOptions {
@@ -21,6 +23,7 @@ struct PipelineBenchOptions {
   // optimizer step. Empty target_gpus: the drafter GPUs (colocated).
   std::vector<int> target_gpus, drafter_gpus;
   int per_replica = 2;
+  TargetDtype target_dtype = TargetDtype::kBf16;  // the target's projections (the preset name gets "-fp8")
 };
 
 /// Runs the benchmark on GPU 0 (or, with GPU lists, the training path over those GPUs: samples/s

@@ -14,6 +14,7 @@
 #include "ops/cuda/cross_entropy.h"
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/gated_delta_rule.h"
+#include "ops/cuda/fp8.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/masked_attention.h"
 #include "ops/cuda/moe.h"
@@ -63,15 +64,36 @@ DeviceArray<bf16> rows_to_bf16(const Tensor& t, int64_t period, int64_t first, i
   return to_bf16(r, s);
 }
 
+/// One projection's weight [N, K] (nn.Linear layout) as the products read it: bf16 (w), or, under
+/// TargetDtype::kFp8, E4M3 (q) with one fp32 scale per output channel (scale [N]).
+struct LinearGpu {
+  DeviceArray<bf16> w;
+  DeviceArray<cuda::fp8> q;
+  DeviceArray<float> scale;
+  size_t size() const { return w.size() + q.size(); }  // elements of the matrix
+  /// `w` [rows, size / rows] kept as it is, or quantized (per row) and dropped.
+  static LinearGpu of(DeviceArray<bf16> w, int64_t rows, TargetDtype dtype, cudaStream_t s) {
+    LinearGpu l;
+    if (dtype == TargetDtype::kBf16) {
+      l.w = std::move(w);
+      return l;
+    }
+    l.q = DeviceArray<cuda::fp8>(w.size()), l.scale = DeviceArray<float>(size_t(rows));
+    cuda::quantize_rows_fp8(w.data(), rows, int64_t(w.size()) / rows, l.q.data(), l.scale.data(), s);
+    DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));  // before w is freed
+    return l;
+  }
+};
+
 struct LayerGpu {
   LayerKind kind = LayerKind::Attention;
-  DeviceArray<bf16> q, q_gate, k, v, o;  // attention (q, q_gate: [H*Dh, D])
-  DeviceArray<bf16> gate_up, down;       // MLP: gate_proj then up_proj rows [2 Im, D] (one GEMM), down_proj
+  LinearGpu q, q_gate, k, v, o;  // attention (q, q_gate: [H*Dh, D])
+  LinearGpu gate_up, down;       // MLP: gate_proj then up_proj rows [2 Im, D] (one GEMM), down_proj
   DeviceArray<float> q_norm, k_norm, in_ln, post_ln;
   // GatedDeltaNet: in_proj [C + Hv*dv + 2 Hv, D] (the rows of in_proj_qkv [C, D], in_proj_z
-  // [Hv*dv, D], in_proj_b and in_proj_a [Hv, D]: one GEMM), out_proj [D, Hv*dv] bf16; conv1d [C, K],
+  // [Hv*dv, D], in_proj_b and in_proj_a [Hv, D]: one GEMM), out_proj [D, Hv*dv]; conv1d [C, K],
   // A_log / dt_bias [Hv], norm [dv] fp32.
-  DeviceArray<bf16> in_proj, out;
+  LinearGpu in_proj, out;
   DeviceArray<float> conv, A_log, dt_bias, gnorm;
   // Mixture of experts (instead of gate / up / down): see cuda::MoeWeightsGpu.
   bool moe = false;
@@ -81,15 +103,18 @@ struct LayerGpu {
   }
 };
 
-/// Elements of one layer's device arrays (LayerGpu) as both constructors allocate them: bf16
-/// matrices, fp32 vectors. Zero for what the layer has not.
+/// Elements of one layer's device arrays (LayerGpu) as both constructors allocate them: matrices
+/// (the projections bf16 or E4M3, LinearGpu; the experts bf16), fp32 vectors. Zero for what the layer
+/// has not. linear_rows: the output channels of the projections (their scales under kFp8).
 struct LayerSizes {
-  int64_t q = 0, q_gate = 0, k = 0, v = 0, o = 0, gate_up = 0, down = 0, in_proj = 0, out = 0;  // bf16
+  int64_t q = 0, q_gate = 0, k = 0, v = 0, o = 0, gate_up = 0, down = 0, in_proj = 0, out = 0;  // LinearGpu
   int64_t router = 0, experts_gate_up = 0, experts_down = 0, shared_gate_up = 0, shared_down = 0;  // bf16
   int64_t q_norm = 0, k_norm = 0, in_ln = 0, post_ln = 0, conv = 0, A_log = 0, dt_bias = 0, gnorm = 0;  // f32
-  int64_t bytes() const {
-    return 2 * (q + q_gate + k + v + o + gate_up + down + in_proj + out + router + experts_gate_up + experts_down +
-                shared_gate_up + shared_down) +
+  int64_t linear_rows = 0;
+  int64_t bytes(TargetDtype dtype) const {
+    const int64_t linear = q + q_gate + k + v + o + gate_up + down + in_proj + out;
+    const int64_t linear_bytes = dtype == TargetDtype::kFp8 ? linear + 4 * linear_rows : 2 * linear;
+    return linear_bytes + 2 * (router + experts_gate_up + experts_down + shared_gate_up + shared_down) +
            4 * (q_norm + k_norm + in_ln + post_ln + conv + A_log + dt_bias + gnorm);
   }
 };
@@ -102,10 +127,12 @@ LayerSizes layer_sizes(const ModelSpec& sp, int64_t i) {
   if (sp.layer_types[size_t(i)] == LayerKind::GatedDeltaNet) {
     z.in_proj = (C + Hv * dv + 2 * Hv) * D, z.out = D * Hv * dv;
     z.conv = C * sp.linear_conv_kernel_dim, z.A_log = Hv, z.dt_bias = Hv, z.gnorm = dv;
+    z.linear_rows = C + Hv * dv + 2 * Hv + D;
   } else {
     z.q = H * Dh * D, z.k = Hkv * Dh * D, z.v = Hkv * Dh * D, z.o = D * H * Dh;
     if (sp.attn_output_gate()) z.q_gate = H * Dh * D;
     if (sp.has_qk_norm()) z.q_norm = Dh, z.k_norm = Dh;
+    z.linear_rows = (sp.attn_output_gate() ? 2 : 1) * H * Dh + 2 * Hkv * Dh + D;
   }
   if (sp.is_moe_layer(i)) {
     const int64_t E = sp.num_experts, Em = sp.moe_intermediate_size, Es = sp.shared_expert_intermediate_size;
@@ -113,6 +140,7 @@ LayerSizes layer_sizes(const ModelSpec& sp, int64_t i) {
     if (Es > 0) z.shared_gate_up = 2 * Es * D, z.shared_down = D * Es;
   } else {
     z.gate_up = 2 * sp.intermediate_size * D, z.down = D * sp.intermediate_size;
+    z.linear_rows += 2 * sp.intermediate_size + D;
   }
   z.in_ln = D, z.post_ln = D;
   return z;
@@ -153,6 +181,7 @@ std::vector<float> host_f32(const StreamBuffer<bf16>& b, int64_t n, cudaStream_t
 
 struct TargetGpu::Impl {
   cudaStream_t s;
+  TargetDtype dtype = TargetDtype::kBf16;
   cuda::GemmContext gemm;
   std::vector<LayerGpu> layers;
   DeviceArray<bf16> embed, lm_head;
@@ -171,41 +200,58 @@ struct TargetGpu::Impl {
   std::vector<int64_t> rollback_cu;    // that forward's cu_seqlens (rows of hist and inputs)
   std::vector<int64_t> replay;         // per sequence: accepted tokens of that forward still to replay
   std::unique_ptr<cuda::StageTimer> timer;  // while time_stages(true)
-  explicit Impl(cudaStream_t st) : s(st), gemm(st, kTargetGemmWorkspaceBytes, true) {}  // tuned GEMMs (GemmTune::kAuto)
+  Impl(cudaStream_t st, TargetDtype d) : s(st), dtype(d), gemm(st, kTargetGemmWorkspaceBytes, true) {}  // tuned GEMMs (GemmTune::kAuto)
   void stage(const char* name) {
     if (timer) timer->next(name);
   }
 };
 
 namespace {
-void require_gpu_support(const ModelSpec& s) {
+void require_gpu_support(const ModelSpec& s, TargetDtype dtype) {
   const std::string why = gpu_unsupported_reason(s);
   if (!why.empty()) throw std::invalid_argument("this model cannot run with --device cuda: " + why);
+  if (dtype != TargetDtype::kFp8) return;
+  const std::string no_fp8 = cuda::fp8_unsupported_reason();
+  if (!no_fp8.empty()) throw std::invalid_argument("--target-dtype fp8 cannot run on this GPU: " + no_fp8);
+  const auto in_features_ok = [](int64_t k) { return k % 16 == 0; };
+  const int64_t Im = s.intermediate_size, HDh = s.num_attention_heads * s.head_dim;
+  const int64_t HvDv = s.linear_num_value_heads * s.linear_value_head_dim;
+  if (!in_features_ok(s.hidden_size) || !in_features_ok(HDh) || (Im > 0 && !in_features_ok(Im)) || !in_features_ok(HvDv))
+    throw std::invalid_argument("--target-dtype fp8: every projection's input size (hidden_size " +
+                                std::to_string(s.hidden_size) + ", heads x head_dim " + std::to_string(HDh) +
+                                ", intermediate_size " + std::to_string(Im) + ", GatedDeltaNet values " +
+                                std::to_string(HvDv) + ") must be a multiple of 16 (FP8 tensor-core products)");
 }
 }  // namespace
 
-TargetGpu::TargetGpu(const TargetModel& m, cudaStream_t stream) : impl_(new Impl(stream)), spec_(m.spec()) {
-  require_gpu_support(spec_);
+TargetGpu::TargetGpu(const TargetModel& m, cudaStream_t stream, TargetDtype dtype)
+    : impl_(new Impl(stream, dtype)), spec_(m.spec()) {
+  require_gpu_support(spec_, dtype);
   Impl& I = *impl_;
+  const int64_t D = spec_.hidden_size;
+  auto linear = [&](DeviceArray<bf16> w, int64_t in_features) {
+    const int64_t rows = int64_t(w.size()) / in_features;
+    return LinearGpu::of(std::move(w), rows, dtype, stream);
+  };
   for (const LayerWeights& l : m.layers()) {
     LayerGpu g;
     g.kind = l.kind;
     if (l.kind == LayerKind::GatedDeltaNet) {
       const GatedDeltaNetWeights& w = l.gdn;
-      g.in_proj = to_bf16({&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a}, stream);
-      g.out = to_bf16(w.out_proj, stream);
+      g.in_proj = linear(to_bf16({&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a}, stream), D);
+      g.out = linear(to_bf16(w.out_proj, stream), w.out_proj.dim(1));
       g.conv = DeviceArray<float>(w.conv1d.data, stream), g.A_log = DeviceArray<float>(w.A_log.data, stream);
       g.dt_bias = DeviceArray<float>(w.dt_bias.data, stream), g.gnorm = DeviceArray<float>(w.norm.data, stream);
     } else {
       if (spec_.attn_output_gate()) {  // q_proj holds per head the query, then the output gate: two matrices
         const int64_t Dh = spec_.head_dim;
-        g.q = rows_to_bf16(l.attn.q_proj, 2 * Dh, 0, Dh, stream);
-        g.q_gate = rows_to_bf16(l.attn.q_proj, 2 * Dh, Dh, Dh, stream);
+        g.q = linear(rows_to_bf16(l.attn.q_proj, 2 * Dh, 0, Dh, stream), D);
+        g.q_gate = linear(rows_to_bf16(l.attn.q_proj, 2 * Dh, Dh, Dh, stream), D);
       } else {
-        g.q = to_bf16(l.attn.q_proj, stream);
+        g.q = linear(to_bf16(l.attn.q_proj, stream), D);
       }
-      g.k = to_bf16(l.attn.k_proj, stream), g.v = to_bf16(l.attn.v_proj, stream);
-      g.o = to_bf16(l.attn.o_proj, stream);
+      g.k = linear(to_bf16(l.attn.k_proj, stream), D), g.v = linear(to_bf16(l.attn.v_proj, stream), D);
+      g.o = linear(to_bf16(l.attn.o_proj, stream), l.attn.o_proj.dim(1));
       if (spec_.has_qk_norm()) {
         g.q_norm = DeviceArray<float>(l.attn.q_norm.data, stream);
         g.k_norm = DeviceArray<float>(l.attn.k_norm.data, stream);
@@ -225,8 +271,8 @@ TargetGpu::TargetGpu(const TargetModel& m, cudaStream_t stream) : impl_(new Impl
         g.shared_down = to_bf16(w.shared.down_proj, stream);
       }
     } else {
-      g.gate_up = to_bf16({&l.mlp.gate_proj, &l.mlp.up_proj}, stream);
-      g.down = to_bf16(l.mlp.down_proj, stream);
+      g.gate_up = linear(to_bf16({&l.mlp.gate_proj, &l.mlp.up_proj}, stream), D);
+      g.down = linear(to_bf16(l.mlp.down_proj, stream), l.mlp.down_proj.dim(1));
     }
     g.in_ln = DeviceArray<float>(l.input_layernorm.data, stream);
     g.post_ln = DeviceArray<float>(l.post_attention_layernorm.data, stream);
@@ -239,9 +285,10 @@ TargetGpu::TargetGpu(const TargetModel& m, cudaStream_t stream) : impl_(new Impl
   I.inv_freq = DeviceArray<double>(std::vector<double>(m.inv_freq().begin(), m.inv_freq().end()), stream);
 }
 
-TargetGpu::TargetGpu(const ModelSpec& spec, uint64_t seed, cudaStream_t stream) : impl_(new Impl(stream)), spec_(spec) {
+TargetGpu::TargetGpu(const ModelSpec& spec, uint64_t seed, cudaStream_t stream, TargetDtype dtype)
+    : impl_(new Impl(stream, dtype)), spec_(spec) {
   spec_.validate("TargetGpu");
-  require_gpu_support(spec_);
+  require_gpu_support(spec_, dtype);
   Impl& I = *impl_;
   const int64_t D = spec_.hidden_size, V = spec_.vocab_size;
   uint64_t k = 0;
@@ -255,6 +302,9 @@ TargetGpu::TargetGpu(const ModelSpec& spec, uint64_t seed, cudaStream_t stream) 
     cuda::fill_normal(w.data(), n, seed * 1000003 + ++k, mean, std, stream);
     return w;
   };
+  auto linear = [&](int64_t n, int64_t in_features) { return LinearGpu::of(matrix(n), n / in_features, dtype, stream); };
+  const int64_t HDh = spec_.num_attention_heads * spec_.head_dim;
+  const int64_t HvDv = spec_.linear_num_value_heads * spec_.linear_value_head_dim;
   auto ones = [&](int64_t n) {
     DeviceArray<float> w(static_cast<size_t>(n));
     cuda::fill_normal(w.data(), n, 0, 1.f, 0.f, stream);
@@ -266,13 +316,13 @@ TargetGpu::TargetGpu(const ModelSpec& spec, uint64_t seed, cudaStream_t stream) 
     g.kind = spec_.layer_types[size_t(i)];
     if (g.kind == LayerKind::GatedDeltaNet) {
       // A_log ~ N(0, 0.5), dt_bias 0: decays exp(-exp(A_log) softplus(a)) spread around exp(-0.7).
-      g.in_proj = matrix(z.in_proj), g.out = matrix(z.out);
+      g.in_proj = linear(z.in_proj, D), g.out = linear(z.out, HvDv);
       g.conv = normal(z.conv, 0.f, 0.3f), g.A_log = normal(z.A_log, 0.f, 0.5f);
       g.dt_bias = normal(z.dt_bias, 0.f, 0.f), g.gnorm = ones(z.gnorm);
     } else {
-      g.q = matrix(z.q), g.k = matrix(z.k), g.v = matrix(z.v);
-      if (z.q_gate) g.q_gate = matrix(z.q_gate);
-      g.o = matrix(z.o);
+      g.q = linear(z.q, D), g.k = linear(z.k, D), g.v = linear(z.v, D);
+      if (z.q_gate) g.q_gate = linear(z.q_gate, D);
+      g.o = linear(z.o, HDh);
       if (z.q_norm) g.q_norm = ones(z.q_norm), g.k_norm = ones(z.k_norm);
     }
     g.moe = spec_.is_moe_layer(i);
@@ -280,7 +330,7 @@ TargetGpu::TargetGpu(const ModelSpec& spec, uint64_t seed, cudaStream_t stream) 
       g.router = matrix(z.router), g.experts_gate_up = matrix(z.experts_gate_up), g.experts_down = matrix(z.experts_down);
       if (z.shared_gate_up) g.shared_gate_up = matrix(z.shared_gate_up), g.shared_down = matrix(z.shared_down);
     } else {
-      g.gate_up = matrix(z.gate_up), g.down = matrix(z.down);
+      g.gate_up = linear(z.gate_up, D), g.down = linear(z.down, spec_.intermediate_size);
     }
     g.in_ln = ones(z.in_ln), g.post_ln = ones(z.post_ln);
     I.layers.push_back(std::move(g));
@@ -299,9 +349,9 @@ TargetGpu::TargetGpu(const ModelSpec& spec, uint64_t seed, cudaStream_t stream) 
 
 TargetGpu::~TargetGpu() = default;
 
-int64_t TargetGpu::weight_bytes(const ModelSpec& spec) {
+int64_t TargetGpu::weight_bytes(const ModelSpec& spec, TargetDtype dtype) {
   int64_t b = 0;
-  for (int64_t i = 0; i < spec.num_hidden_layers; ++i) b += layer_sizes(spec, i).bytes();
+  for (int64_t i = 0; i < spec.num_hidden_layers; ++i) b += layer_sizes(spec, i).bytes(dtype);
   return b + 2 * (2 * spec.vocab_size * spec.hidden_size) + 4 * spec.hidden_size + 8 * (spec.rotary_dim() / 2) +
          int64_t(kTargetGemmWorkspaceBytes);
 }
@@ -327,16 +377,20 @@ struct ForwardSizes {
   int64_t h = 0, q = 0, k = 0, v = 0, o = 0, gu = 0, act = 0, qpad = 0, opad = 0, og = 0;  // bf16
   int64_t gin = 0, gnormed = 0;                                                         // bf16 (GatedDeltaNet)
   int64_t gconv = 0, gq = 0, gk = 0, gv = 0, go = 0, gg = 0, gbeta = 0;                  // f32 (GatedDeltaNet)
+  int64_t aq = 0, as = 0;  // TargetDtype::kFp8: a product's input in E4M3 (bytes) and its per-token scales (f32)
   int64_t bytes() const {
-    return 4 * (cs + sn + x + gconv + gq + gk + gv + go + gg + gbeta) +
-           2 * (h + q + k + v + o + gu + act + qpad + opad + og + gin + gnormed);
+    return 4 * (cs + sn + x + gconv + gq + gk + gv + go + gg + gbeta + as) +
+           2 * (h + q + k + v + o + gu + act + qpad + opad + og + gin + gnormed) + aq;
   }
 };
 
-ForwardSizes forward_sizes(const ModelSpec& sp, int64_t T, int64_t Tq, bool cached, bool v_copy, bool token_by_token) {
+ForwardSizes forward_sizes(const ModelSpec& sp, TargetDtype dtype, int64_t T, int64_t Tq, bool cached, bool v_copy,
+                           bool token_by_token) {
   const int64_t D = sp.hidden_size, H = sp.num_attention_heads, Hkv = sp.num_key_value_heads, Dh = sp.head_dim;
   const int64_t Im = sp.intermediate_size, rot = sp.rotary_dim();
   ForwardSizes z;
+  if (dtype == TargetDtype::kFp8)
+    z.aq = T * std::max({D, H * Dh, Im, sp.linear_num_value_heads * sp.linear_value_head_dim}), z.as = T;
   z.cs = z.sn = T * rot / 2, z.x = T * D;
   z.h = T * D, z.q = T * H * Dh, z.k = z.v = T * Hkv * Dh, z.o = T * H * Dh, z.gu = T * 2 * Im, z.act = T * Im;
   if (cached) z.qpad = z.opad = Tq * H * Dh;
@@ -362,8 +416,8 @@ void check_batch(const ModelSpec& sp, const std::vector<int32_t>& ids, const std
 }
 }  // namespace
 
-int64_t TargetGpu::forward_taps_bytes(const ModelSpec& sp, int64_t T, int64_t nseq, int64_t last) {
-  const ForwardSizes z = forward_sizes(sp, T, 0, false, false, false);
+int64_t TargetGpu::forward_taps_bytes(const ModelSpec& sp, int64_t T, int64_t nseq, int64_t last, TargetDtype dtype) {
+  const ForwardSizes z = forward_sizes(sp, dtype, T, 0, false, false, false);
   const bool hybrid = has_gated_deltanet(sp);
   // uploads: positions, ids, the causal ranges, each token's sequence start and the chunk list (hybrids)
   int64_t b = z.bytes() + 8 * T + 4 * T + int64_t(sizeof(cuda::KvRange32)) * T;
@@ -445,7 +499,7 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
   // The chunked rule reads the values in place from the conv output (row stride Cg); the
   // token-by-token path and the rollback copy take them copied into gv.
   const bool v_copy = token_by_token || (cached && keep_rollback);
-  const ForwardSizes z = forward_sizes(sp, T, Tq, cached, v_copy, token_by_token);
+  const ForwardSizes z = forward_sizes(sp, I.dtype, T, Tq, cached, v_copy, token_by_token);
   StreamBuffer<bf16> qpad(size_t(z.qpad), s), opad(size_t(z.opad), s);
   if (cached) DFLASH_CUDA_CHECK(cudaMemsetAsync(qpad.data(), 0, qpad.size() * 2, s));  // padding rows: defined
   StreamBuffer<float> cs(size_t(z.cs), s), sn(size_t(z.sn), s);
@@ -459,9 +513,18 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
   cuda::bf16_to_f32(h.data(), x.data(), T * D, s);
   on_hidden(0, x.data());
   const float scale = float(1.0 / std::sqrt(double(Dh)));
-  auto linear = [&](const bf16* in, int64_t out_f, int64_t in_f, const DeviceArray<bf16>& w, auto* y, float beta) {
+  // y [T, out_f] (+)= in [T, in_f] @ w^T. Under kFp8 `in` is first quantized per token into aq / as,
+  // unless `same_input`: the caller's promise that the previous product read this very input, unchanged.
+  StreamBuffer<cuda::fp8> aq(size_t(z.aq), s);
+  StreamBuffer<float> as(size_t(z.as), s);
+  const bf16* quantized = nullptr;
+  auto linear = [&](const bf16* in, int64_t out_f, int64_t in_f, const LinearGpu& w, auto* y, float beta,
+                    bool same_input = false) {
     I.stage("gemm");
-    I.gemm.gemm({T, out_f, in_f, false, true}, in, w.data(), y, 1.f, beta);
+    if (I.dtype == TargetDtype::kBf16) return I.gemm.gemm({T, out_f, in_f, false, true}, in, w.w.data(), y, 1.f, beta);
+    if (!same_input || quantized != in) cuda::quantize_rows_fp8(in, T, in_f, aq.data(), as.data(), s);
+    quantized = in;
+    I.gemm.gemm_fp8({T, out_f, in_f, false, true}, aq.data(), as.data(), w.q.data(), w.scale.data(), y, beta);
   };
   // GatedDeltaNet buffers (hybrids): C = q | k | v channels; in_proj's output row: q | k | v | z | b | a.
   const int64_t Hk = sp.linear_num_key_heads, Hv = sp.linear_num_value_heads, dk = sp.linear_key_head_dim;
@@ -546,9 +609,9 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
       linear(gnormed.data(), D, Hv * dv, l.out, x.data(), 1.f);  // x += out_proj(o)
     } else {
       linear(h.data(), H * Dh, D, l.q, q.data(), 0.f);
-      if (gated) linear(h.data(), H * Dh, D, l.q_gate, og.data(), 0.f);
-      linear(h.data(), Hkv * Dh, D, l.k, k.data(), 0.f);
-      linear(h.data(), Hkv * Dh, D, l.v, v.data(), 0.f);
+      if (gated) linear(h.data(), H * Dh, D, l.q_gate, og.data(), 0.f, true);
+      linear(h.data(), Hkv * Dh, D, l.k, k.data(), 0.f, true);
+      linear(h.data(), Hkv * Dh, D, l.v, v.data(), 0.f, true);
       I.stage("attention");
       if (sp.has_qk_norm()) {
         cuda::rms_norm_forward(q.data(), l.q_norm.data(), q.data(), nullptr, T * H, Dh, sp.rms_norm_eps, zc, s);
@@ -777,6 +840,7 @@ void TargetGpu::forward_taps(const std::vector<int32_t>& ids, const std::vector<
 }
 
 cuda::GemmContext& TargetGpu::gemm() { return impl_->gemm; }
+TargetDtype TargetGpu::dtype() const { return impl_->dtype; }
 
 void TargetGpu::time_stages(bool on) {
   impl_->timer = on ? std::make_unique<cuda::StageTimer>(impl_->s, true) : nullptr;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "models/target.h"
+#include "models/target_dtype.h"
 #include "ops/cuda/runtime.h"
 
 namespace dflash {
@@ -20,18 +21,20 @@ class GemmContext;
 
 class TargetGpu {
  public:
-  /// Uploads `m`'s weights (matrices bf16; norm weights, conv1d, A_log, dt_bias fp32). Throws
-  /// std::invalid_argument naming the reason for a model the GPU backend does not run
-  /// (gpu_unsupported_reason: e.g. head_dim outside {64, 128, 256}).
-  TargetGpu(const TargetModel& m, cudaStream_t stream);
+  /// Uploads `m`'s weights (matrices bf16, or the projections in E4M3 with per-channel scales under
+  /// TargetDtype::kFp8; norm weights, conv1d, A_log, dt_bias fp32). Throws std::invalid_argument
+  /// naming the reason for a model the GPU backend does not run (gpu_unsupported_reason: e.g. head_dim
+  /// outside {64, 128, 256}) and, for kFp8, a GPU without FP8 products (cuda::fp8_unsupported_reason)
+  /// or a projection input size that is not a multiple of 16: never a silent bf16 run.
+  TargetGpu(const TargetModel& m, cudaStream_t stream, TargetDtype dtype = TargetDtype::kBf16);
   /// Random weights made on the device, from `seed` (benchmarks: no host copy of the model). Shapes
   /// of `spec` as TargetModel::load gives them, stored as the constructor above stores them:
   /// embed_tokens / lm_head [V, D] and every projection bf16 ~ N(0, 0.02^2) (lm_head a copy of
   /// embed_tokens when spec.tie_word_embeddings), norm weights fp32 1; GatedDeltaNet conv1d
-  /// ~ N(0, 0.3^2), A_log ~ N(0, 0.5^2), dt_bias 0. Throws std::runtime_error
-  /// for an inconsistent spec (ModelSpec::validate) or on CUDA errors (out of memory), and
-  /// std::invalid_argument, as above, for a model the GPU backend does not run.
-  TargetGpu(const ModelSpec& spec, uint64_t seed, cudaStream_t stream);
+  /// ~ N(0, 0.3^2), A_log ~ N(0, 0.5^2), dt_bias 0 (kFp8: the same bf16 weights, quantized). Throws
+  /// std::runtime_error for an inconsistent spec (ModelSpec::validate) or on CUDA errors (out of
+  /// memory), and std::invalid_argument, as above, for a model or dtype the GPU does not run.
+  TargetGpu(const ModelSpec& spec, uint64_t seed, cudaStream_t stream, TargetDtype dtype = TargetDtype::kBf16);
   ~TargetGpu();
 
   /// As TargetModel::forward (packed batch, cu_seqlens); results copied to the host as float32.
@@ -48,17 +51,20 @@ class TargetGpu {
                     const std::vector<int64_t>& layer_ids, cuda::bf16* out);
 
   const ModelSpec& spec() const { return spec_; }
+  TargetDtype dtype() const;
 
-  /// Device bytes the constructors allocate for `spec`: every layer's arrays as stored here (bf16
-  /// matrices, fp32 vectors; layer_sizes), embed_tokens and lm_head, the final norm, the RoPE table
-  /// and the cuBLASLt workspace. The memory plan of a GPU run (src/train/cuda/memory_plan.h).
-  static int64_t weight_bytes(const ModelSpec& spec);
+  /// Device bytes the constructors allocate for `spec`: every layer's arrays as stored here (bf16 or,
+  /// under kFp8, E4M3 projections with fp32 scales, fp32 vectors; layer_sizes), embed_tokens and
+  /// lm_head, the final norm, the RoPE table and the cuBLASLt workspace. The memory plan of a GPU run
+  /// (src/train/cuda/memory_plan.h).
+  static int64_t weight_bytes(const ModelSpec& spec, TargetDtype dtype = TargetDtype::kBf16);
   /// The most one forward_taps of `tokens` tokens in `sequences` packed sequences, through layer
   /// `last`, allocates on the stream beyond the weights: run_layers' buffers (forward_sizes), its
   /// uploads, the largest temporary of a layer's kernels (the chunked GatedDeltaNet's, the experts',
-  /// the GEMM tuning's scratch copy of the residual stream) and the bf16 staging of the taps. The
-  /// taps themselves are the caller's.
-  static int64_t forward_taps_bytes(const ModelSpec& spec, int64_t tokens, int64_t sequences, int64_t last);
+  /// the GEMM tuning's scratch copy of the residual stream) and the bf16 staging of the taps (kFp8: and
+  /// the quantized input of a product). The taps themselves are the caller's.
+  static int64_t forward_taps_bytes(const ModelSpec& spec, int64_t tokens, int64_t sequences, int64_t last,
+                                    TargetDtype dtype = TargetDtype::kBf16);
 
   /// With `on`, every later forward / forward_taps / forward_cached records CUDA events around its
   /// stages (gemm, gated_deltanet, attention, moe, other: norms, SwiGLU, embedding, taps; lm_head:

@@ -24,9 +24,9 @@ void lt_check(cublasStatus_t s, const char* what) {
     throw std::runtime_error(std::string("cuBLASLt: ") + what + " failed with status " + std::to_string(int(s)));
 }
 
-// (M, N, K, trans_a, trans_b, out f32, beta != 0, tuned, device kind): devices of one kind share a
-// choice, so that the GPUs of one process compute bitwise alike.
-using AlgoKey = std::tuple<int64_t, int64_t, int64_t, bool, bool, bool, bool, bool, int>;
+// (M, N, K, trans_a, trans_b, out f32, beta != 0, tuned, device kind, fp8 operands): devices of one
+// kind share a choice, so that the GPUs of one process compute bitwise alike.
+using AlgoKey = std::tuple<int64_t, int64_t, int64_t, bool, bool, bool, bool, bool, int, bool>;
 std::mutex g_algo_mutex;
 std::map<AlgoKey, cublasLtMatmulAlgo_t> g_algos;   // every shape's choice
 std::map<AlgoKey, cublasLtMatmulAlgo_t> g_tuned;   // tuned choices by M bucket (key's M = m_bucket(M))
@@ -158,18 +158,39 @@ size_t GemmContext::cached_algorithms() {
 bool GemmContext::tunes_by_default() const { return impl_->tune_by_default; }
 
 void GemmContext::gemm(const GemmShape& s, const bf16* A, const bf16* B, float* C, float alpha, float beta) {
-  run(s, A, B, C, true, alpha, beta);
+  run(s, {A, B, nullptr, nullptr}, C, true, alpha, beta);
 }
 void GemmContext::gemm(const GemmShape& s, const bf16* A, const bf16* B, bf16* C, float alpha, float beta) {
-  run(s, A, B, C, false, alpha, beta);
+  run(s, {A, B, nullptr, nullptr}, C, false, alpha, beta);
 }
 
-void GemmContext::run(const GemmShape& s, const bf16* A, const bf16* B, void* C, bool c_f32, float alpha,
-                      float beta) {
+namespace {
+void check_fp8_shape(const GemmShape& s) {
+  if (s.trans_a || !s.trans_b)
+    throw std::invalid_argument("gemm_fp8: only y = x @ W^T (trans_a false, trans_b true) runs in FP8");
+  if (s.K % 16 != 0)
+    throw std::invalid_argument("gemm_fp8: K " + std::to_string(s.K) + " is not a multiple of 16 (cuBLASLt's FP8 rule)");
+}
+}  // namespace
+
+void GemmContext::gemm_fp8(const GemmShape& s, const fp8* A, const float* a_scale, const fp8* B, const float* b_scale,
+                           float* C, float beta) {
+  check_fp8_shape(s);
+  run(s, {A, B, a_scale, b_scale}, C, true, 1.f, beta);
+}
+void GemmContext::gemm_fp8(const GemmShape& s, const fp8* A, const float* a_scale, const fp8* B, const float* b_scale,
+                           bf16* C, float beta) {
+  check_fp8_shape(s);
+  run(s, {A, B, a_scale, b_scale}, C, false, 1.f, beta);
+}
+
+void GemmContext::run(const GemmShape& s, const Operands& ops, void* C, bool c_f32, float alpha, float beta) {
   if (s.M <= 0 || s.N <= 0 || s.K <= 0)
     throw std::invalid_argument("gemm: sizes must be positive (M " + std::to_string(s.M) + ", N " +
                                 std::to_string(s.N) + ", K " + std::to_string(s.K) + ")");
-  if (log_) log_->push_back({s, c_f32, beta != 0.f});
+  const void *A = ops.A, *B = ops.B;
+  const bool fp8 = ops.a_scale != nullptr;
+  if (log_) log_->push_back({s, c_f32, beta != 0.f, fp8});
   // Row-major C[M,N] = op(A) op(B) is column-major C^T[N,M] = op(B)^T op(A)^T: cuBLAS sees
   // "A" = our B (m = N), "B" = our A (n = M).
   const cublasOperation_t opa = s.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -177,6 +198,7 @@ void GemmContext::run(const GemmShape& s, const bf16* A, const bf16* B, void* C,
   const uint64_t a_rows = s.trans_b ? s.K : s.N, a_cols = s.trans_b ? s.N : s.K;  // column-major storage of B
   const uint64_t b_rows = s.trans_a ? s.M : s.K, b_cols = s.trans_a ? s.K : s.M;  // column-major storage of A
   const cudaDataType_t ct = c_f32 ? CUDA_R_32F : CUDA_R_16BF;
+  const cudaDataType_t abt = fp8 ? CUDA_R_8F_E4M3 : CUDA_R_16BF;
 
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
@@ -192,14 +214,23 @@ void GemmContext::run(const GemmShape& s, const bf16* A, const bf16* B, void* C,
     lt_check(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "MatmulDescCreate");
     lt_check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)), "set TRANSA");
     lt_check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)), "set TRANSB");
-    lt_check(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, a_rows, a_cols, int64_t(a_rows)), "layout A");
-    lt_check(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, b_rows, b_cols, int64_t(b_rows)), "layout B");
+    if (fp8) {  // scale vectors along cuBLAS's rows of "A" (our B's rows: N) and columns of "B" (our A's rows: M)
+      const int32_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+      lt_check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode, sizeof(mode)), "A scale mode");
+      lt_check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode, sizeof(mode)), "B scale mode");
+      lt_check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ops.b_scale, sizeof(void*)),
+               "A scale pointer");
+      lt_check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &ops.a_scale, sizeof(void*)),
+               "B scale pointer");
+    }
+    lt_check(cublasLtMatrixLayoutCreate(&la, abt, a_rows, a_cols, int64_t(a_rows)), "layout A");
+    lt_check(cublasLtMatrixLayoutCreate(&lb, abt, b_rows, b_cols, int64_t(b_rows)), "layout B");
     lt_check(cublasLtMatrixLayoutCreate(&lc, ct, uint64_t(s.N), uint64_t(s.M), s.N), "layout C");
 
     const GemmTune mode = gemm_tune_mode();
     const bool tune = s.M >= kTuneMinRows && (mode == GemmTune::kOn || mode == GemmTune::kLog ||
                                                (mode == GemmTune::kAuto && impl_->tune_by_default));
-    const AlgoKey key{s.M, s.N, s.K, s.trans_a, s.trans_b, c_f32, beta != 0.f, tune, device_kind()};
+    const AlgoKey key{s.M, s.N, s.K, s.trans_a, s.trans_b, c_f32, beta != 0.f, tune, device_kind(), fp8};
     cublasLtMatmulAlgo_t algo{};
     bool found = false;
     {
@@ -235,7 +266,7 @@ void GemmContext::run(const GemmShape& s, const bf16* A, const bf16* B, void* C,
     };
     if (!found) {
       // Tuned: a choice already made for this M bucket, where cuBLASLt confirms it fits this M.
-      const AlgoKey bucket{m_bucket(s.M), s.N, s.K, s.trans_a, s.trans_b, c_f32, beta != 0.f, true, std::get<8>(key)};
+      const AlgoKey bucket{m_bucket(s.M), s.N, s.K, s.trans_a, s.trans_b, c_f32, beta != 0.f, true, std::get<8>(key), fp8};
       bool have = false;
       if (tune) {
         std::lock_guard<std::mutex> lk(g_algo_mutex);
@@ -258,9 +289,10 @@ void GemmContext::run(const GemmShape& s, const bf16* A, const bf16* B, void* C,
                                    impl_->workspace, impl_->workspace_bytes, stream_, ms);
           if (mode == GemmTune::kLog && pick >= 0)
             std::fprintf(stderr,
-                         "dflash gemm tune: M %ld N %ld K %ld trans_a %d trans_b %d %s beta %g: candidate %d of %d, "
+                         "dflash gemm tune: %sM %ld N %ld K %ld trans_a %d trans_b %d %s beta %g: candidate %d of %d, "
                          "%.1f us (heuristic's first %.1f us)\n",
-                         long(s.M), long(s.N), long(s.K), int(s.trans_a), int(s.trans_b), c_f32 ? "fp32" : "bf16",
+                         fp8 ? "fp8 " : "", long(s.M), long(s.N), long(s.K), int(s.trans_a), int(s.trans_b),
+                         c_f32 ? "fp32" : "bf16",
                          double(beta), pick, n, 1e3 * double(ms[pick]), 1e3 * double(ms[0]));
         }
         algo = h[std::max(pick, 0)].algo;

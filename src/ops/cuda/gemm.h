@@ -8,6 +8,8 @@
 
 namespace dflash::cuda {
 
+using fp8 = uint8_t;  // one E4M3 byte (ops/cuda/fp8.h)
+
 /// Row-major product, PyTorch shape order:
 ///   C [M, N] = alpha * op(A) @ op(B) + beta * C
 /// A is stored [M, K] (trans_a = false) or [K, M] (trans_a = true); B is stored [K, N] or, with
@@ -24,6 +26,7 @@ struct GemmShape {
 struct GemmCall {
   GemmShape shape;
   bool c_is_f32 = false, accumulate = false;
+  bool fp8 = false;  // E4M3 operands with per-row scales (GemmContext::gemm_fp8)
 };
 
 /// How GemmContext chooses a shape's cuBLASLt algorithm, from env DFLASH_GEMM_TUNE:
@@ -73,11 +76,29 @@ class GemmContext {
   /// C bf16 (fp32 accumulation, rounded once at the end).
   void gemm(const GemmShape& s, const bf16* A, const bf16* B, bf16* C, float alpha = 1.f, float beta = 0.f);
 
+  /// FP8 product with per-row scales (the target's linears under --target-dtype fp8):
+  ///   C [M, N] = beta * C + a_scale[m] * b_scale[n] * sum_k A[m, k] B[n, k]
+  /// A [M, K] (activations, a scale per row: per token), B [N, K] (an nn.Linear weight, a scale per
+  /// output channel), both E4M3 (ops/cuda/fp8.h quantize_rows_fp8), scales fp32 on the device; fp32
+  /// accumulation (cuBLASLt's outer-vector scaling, CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F). The
+  /// shape must be {M, N, K, false, true} with K a multiple of 16 (std::invalid_argument otherwise);
+  /// std::runtime_error when cuBLASLt has no such product on this GPU (fp8_unsupported_reason tells
+  /// before). Algorithms are chosen and tuned as for gemm().
+  void gemm_fp8(const GemmShape& s, const fp8* A, const float* a_scale, const fp8* B, const float* b_scale, float* C,
+                float beta = 0.f);
+  void gemm_fp8(const GemmShape& s, const fp8* A, const float* a_scale, const fp8* B, const float* b_scale, bf16* C,
+                float beta = 0.f);
+
   /// The cuBLASLt version and the number of shapes in the algorithm cache (for `dflash inspect`).
   static size_t cached_algorithms();
 
  private:
-  void run(const GemmShape& s, const bf16* A, const bf16* B, void* C, bool c_is_f32, float alpha, float beta);
+  /// Operands of one product: bf16 A, B (scales null) or E4M3 with per-row scales.
+  struct Operands {
+    const void *A, *B;
+    const float *a_scale, *b_scale;
+  };
+  void run(const GemmShape& s, const Operands& ops, void* C, bool c_is_f32, float alpha, float beta);
   struct Impl;
   std::unique_ptr<Impl> impl_;
   cudaStream_t stream_;

@@ -28,8 +28,8 @@ struct OwnedStream {
 
 class GpuDecoder final : public TargetDecoder {
  public:
-  GpuDecoder(const TargetModel& m, std::vector<int64_t> taps, int device)
-      : s_(device), gpu_(m, s_.s), taps_(std::move(taps)) {
+  GpuDecoder(const TargetModel& m, std::vector<int64_t> taps, int device, TargetDtype dtype)
+      : s_(device), gpu_(m, s_.s, dtype), taps_(std::move(taps)) {
     check_tap_layer_ids(m.spec(), taps_);
     gpu_.reset_cache(0);
   }
@@ -116,8 +116,8 @@ class GpuDrafter final : public BlockDrafter {
 }  // namespace
 
 std::unique_ptr<TargetDecoder> make_gpu_decoder(const TargetModel& model, std::vector<int64_t> tap_layer_ids,
-                                                int device) {
-  return std::make_unique<GpuDecoder>(model, std::move(tap_layer_ids), device);
+                                                int device, TargetDtype dtype) {
+  return std::make_unique<GpuDecoder>(model, std::move(tap_layer_ids), device, dtype);
 }
 
 std::unique_ptr<BlockDrafter> make_gpu_drafter(const DrafterConfig& cfg, const DrafterWeights<float>& weights,

@@ -573,7 +573,7 @@ std::unique_ptr<DrafterBackend> make_gpu_backend(const DrafterConfig& cfg, const
                                                  const TargetModel& target, const std::vector<int>& target_devices,
                                                  const std::vector<int>& drafter_devices, const GpuTrainOptions& opt) {
   GpuReplicaFactory f;
-  f.target = [&](cudaStream_t s) { return std::make_unique<TargetGpu>(target, s); };
+  f.target = [&](cudaStream_t s) { return std::make_unique<TargetGpu>(target, s, opt.target_dtype); };
   f.drafter = [&](cudaStream_t s) {
     return std::make_unique<DrafterGpu>(cfg, weights, target.embed_tokens(), target.lm_head(), s);
   };

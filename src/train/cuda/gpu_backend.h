@@ -5,6 +5,7 @@
 #include <memory>
 #include <vector>
 
+#include "models/target_dtype.h"
 #include "ops/cuda/runtime.h"
 #include "train/backend.h"
 #include "train/distributed.h"
@@ -19,6 +20,7 @@ class DrafterGpu;
 struct GpuTrainOptions {
   bool recompute = false;               // activation recomputation in the drafter step
   int64_t target_batch_tokens = 8192;   // a target forward packs consecutive samples up to this many tokens
+  TargetDtype target_dtype = TargetDtype::kBf16;  // how the target replicas' projections compute
   ProcessGroup pg;                      // several processes: their drafter replicas form one NCCL group
 };
 

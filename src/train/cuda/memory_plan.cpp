@@ -11,14 +11,15 @@
 namespace dflash {
 
 MemoryPlan plan_memory(const DrafterConfig& dc, const ModelSpec& ts, int64_t S, int64_t anchors, bool recompute,
-                       int64_t pack_tokens, int64_t pack_sequences, bool take_turns) {
+                       int64_t pack_tokens, int64_t pack_sequences, bool take_turns, TargetDtype target_dtype) {
   MemoryPlan p;
   // The captured layers (DSpark adds the target's final hidden states, from its last layer).
   const std::vector<int64_t> cap = captured_layer_ids(dc);
   const int64_t T = std::max(S, pack_tokens), K = int64_t(cap.size());
   const int64_t last = *std::max_element(cap.begin(), cap.end());
-  p.target_weights = double(TargetGpu::weight_bytes(ts));
-  p.target_forward = double(TargetGpu::forward_taps_bytes(ts, T, std::max<int64_t>(1, pack_sequences), last));
+  p.target_weights = double(TargetGpu::weight_bytes(ts, target_dtype));
+  p.target_forward =
+      double(TargetGpu::forward_taps_bytes(ts, T, std::max<int64_t>(1, pack_sequences), last, target_dtype));
   p.drafter_state = double(DrafterGpu::state_bytes(dc, ts.vocab_size));
   p.drafter_step = double(DrafterGpu::step_bytes(dc, ts.vocab_size, S, anchors, recompute));
   p.taps = 2.0 * double(T * K * dc.hidden_size);

@@ -8,12 +8,13 @@
 
 #include "models/drafter_config.h"
 #include "models/model_spec.h"
+#include "models/target_dtype.h"
 
 namespace dflash {
 
 /// Bytes per part (decimal GB in the log).
 struct MemoryPlan {
-  double target_weights = 0;  // the target's weights as TargetGpu stores them (bf16), its GEMM workspace
+  double target_weights = 0;  // the target's weights as TargetGpu stores them (bf16 or fp8), its GEMM workspace
   double target_forward = 0;  // the most one packed forward_taps holds beyond them
   double drafter_state = 0;   // fp32 masters, gradients, AdamW moments, bf16 copy; embed + lm_head (bf16)
   double drafter_step = 0;    // the most one training step holds: saved activations, cross entropy, backward
@@ -34,9 +35,10 @@ double pool_reserved(double bytes);
 
 /// The plan for samples of up to S tokens, `anchors` blocks of dc.block_size, the target packed up to
 /// pack_tokens tokens per forward in at most pack_sequences sequences; recompute: only each draft
-/// layer's input is kept; take_turns: MemoryPlan::take_turns.
+/// layer's input is kept; take_turns: MemoryPlan::take_turns; target_dtype: how the target is stored.
 MemoryPlan plan_memory(const DrafterConfig& dc, const ModelSpec& ts, int64_t S, int64_t anchors, bool recompute,
-                       int64_t pack_tokens, int64_t pack_sequences, bool take_turns);
+                       int64_t pack_tokens, int64_t pack_sequences, bool take_turns,
+                       TargetDtype target_dtype = TargetDtype::kBf16);
 
 /// "" when the GPU's part fits within 95 % of free_b on cuda:gpu, else the refusal: the bytes needed
 /// and free, and the knob that helps. target_here / drafter_here: what the GPU holds (both:
