@@ -14,6 +14,7 @@
 #include "models/target_dtype.h"
 #include "models/target.h"
 #ifdef DFLASH_HAVE_CUDA
+#include "bench/cuda/decode_bench.h"
 #include "bench/cuda/drafter_step_bench.h"
 #include "bench/cuda/forward_bench.h"
 #include "bench/cuda/pipeline_bench.h"
@@ -49,6 +50,37 @@ void add_bench_gdn(CLI::App& bench, Runner& run) {
       return run_gdn_bench({steps, warmup, results, !no_record});
 #else
       return no_cuda_backend("gdn");
+#endif
+    };
+  });
+}
+
+void add_bench_decode(CLI::App& bench, Runner& run) {
+  auto* cmd = bench.add_subcommand("decode",
+                                   "Time batch decoding on GPU 0 (random weights, real shapes) beside the memory-bandwidth "
+                                   "bound");
+  static std::string preset, results = "bench/results";
+  static std::vector<int64_t> batches = {1, 16, 64, 256};
+  static int64_t prompt_tokens = 128, new_tokens = 512;
+  static bool no_record = false;
+  static TargetDtype dtype = TargetDtype::kBf16;
+  cmd->add_option("--preset", preset, "qwen3.6-27b | qwen3-8b | qwen3.6-35b-a3b | tiny")->required();
+  cmd->add_option("--batch", batches, "Batch sizes (sequences decoded together)")
+      ->delimiter(',')->capture_default_str()->check(CLI::Range(int64_t(1), int64_t(4096)));
+  cmd->add_option("--prompt-tokens", prompt_tokens, "Prompt length of every sequence")
+      ->capture_default_str()->check(CLI::Range(int64_t(1), int64_t(1) << 16));
+  cmd->add_option("--new-tokens", new_tokens, "Tokens decoded per sequence")
+      ->capture_default_str()->check(CLI::Range(int64_t(1), int64_t(1) << 16));
+  cmd->add_option("--results", results, "Directory of the JSONL records")->capture_default_str();
+  cmd->add_flag("--no-record", no_record, "Print only; append nothing to the results");
+  add_target_dtype_option(cmd, dtype);
+  cmd->callback([&run] {
+    run = [] {
+      pipeline_bench_preset(preset);  // an unknown preset is refused in every build
+#ifdef DFLASH_HAVE_CUDA
+      return run_decode_bench({preset, batches, prompt_tokens, new_tokens, dtype, results, !no_record});
+#else
+      return no_cuda_backend("decode");
 #endif
     };
   });
@@ -138,6 +170,7 @@ void add_bench(CLI::App& app, Runner& run) {
   add_bench_drafter_step(*bench, run);
   add_bench_pipeline(*bench, run);
   add_bench_gdn(*bench, run);
+  add_bench_decode(*bench, run);
   static std::string model, preset, results = "bench/results", device = "cpu";
   static int64_t tokens = 0, layers = 0;
   static int repeat = 3;

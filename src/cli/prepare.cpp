@@ -1,4 +1,5 @@
 // `dflash prepare`: chat data files -> a packed, memory-mapped training directory (src/text/packed.h).
+#include <chrono>
 #include <fmt/core.h>
 #include <signal.h>
 #include <unistd.h>
@@ -89,13 +90,16 @@ void add_prepare(CLI::App& app, Runner& run) {
           const auto convs = load_prompts(data, 0, &skipped);
           fmt::print(stderr, "prepare: {} answers {} conversations ({}, max {} new tokens, batch {})\n", eo.target,
                      convs.size(), engines->target->describe(), co.gen.max_new_tokens, co.batch_size);
+          const auto t_regen = std::chrono::steady_clock::now();
           const RegenerateReport rr =
               regenerate_to_jsonl(*engines->target, *tok, family, convs, co, regen,
                                   progress_printer("prepare: regenerated", [] {
                                     if (g_interrupted) throw std::runtime_error("interrupted");
                                   }));
+          const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_regen).count();
           fmt::print(stderr, "prepare: regenerated {} turns of {} conversations ({} tokens; {} cut at --max-new-tokens, "
-                     "{} skipped)\n", rr.turns, rr.conversations, rr.tokens, rr.cut, rr.skipped.size() + skipped.size());
+                     "{} skipped) in {:.1f} s: {:.0f} answer tokens/s\n", rr.turns, rr.conversations, rr.tokens, rr.cut,
+                     rr.skipped.size() + skipped.size(), secs, secs > 0 ? double(rr.tokens) / secs : 0.0);
           files = {regen};
         }
         rep = write_prepared(*tok, family, {files, max_length, strict, tok_path.empty() ? eo.target : tok_path}, tmp,

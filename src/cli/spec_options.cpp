@@ -27,7 +27,9 @@ void add_target_dtype_option(CLI::App* cmd, TargetDtype& d) {
                   "GPU: the target's projections in bf16, or fp8 (E4M3 weights with per-channel scales, activations "
                   "with per-token scales)")
       ->transform(CLI::CheckedTransformer(std::map<std::string, TargetDtype>{{"bf16", TargetDtype::kBf16},
-                                                                             {"fp8", TargetDtype::kFp8}}))
+                                                                             {"fp8", TargetDtype::kFp8}})
+                      .description("{bf16,fp8}"))
+      ->type_name("TEXT")
       ->default_str("bf16");
 }
 

@@ -56,6 +56,24 @@ TEST(MemoryPlan, EveryPresetWithinTenPercentOfItsMeasuredPeak) {
   }
 }
 
+// The colocated 27B pair of `dflash bench pipeline --preset qwen3.6-27b`: ~100 GB with a bf16 target, so
+// no 80 GB GPU holds it; with --target-dtype fp8 (E4M3 projections, fp32 scales) the plan is under the
+// 76 GB an H100 leaves usable.
+TEST(MemoryPlan, Fp8TargetPutsThe27bPairOnAn80GbGpu) {
+  const PipelineBenchPreset p = pipeline_bench_preset("qwen3.6-27b");
+  auto plan = [&](TargetDtype d) {
+    return plan_memory(p.drafter.cfg, p.target, p.drafter.S, bench_blocks(p.drafter), false, p.drafter.S, 1, true, d);
+  };
+  const MemoryPlan bf = plan(TargetDtype::kBf16), f8 = plan(TargetDtype::kFp8);
+  std::printf("[memory plan] qwen3.6-27b pipeline: bf16 target %.2f GB (weights %.2f), fp8 target %.2f GB (weights %.2f)\n",
+              bf.on_gpu(true, true) / 1e9, bf.target_weights / 1e9, f8.on_gpu(true, true) / 1e9, f8.target_weights / 1e9);
+  EXPECT_GT(bf.on_gpu(true, true), 80e9);
+  EXPECT_LT(f8.on_gpu(true, true), 76e9);
+  // the projections halve; embed_tokens and lm_head (2 x V x D bf16) and the rest stay
+  const double embed_head = 2.0 * 2.0 * double(p.target.vocab_size * p.target.hidden_size);
+  EXPECT_NEAR(f8.target_weights - embed_head, (bf.target_weights - embed_head) / 2, 0.01 * bf.target_weights);
+}
+
 TEST(MemoryPlan, PartsAddUpByPlacement) {
   const MemoryPlan m = pipeline_plan("qwen3.6-27b");
   // The hybrid's weights as stored (48 GatedDeltaNet + 16 attention layers, bf16): ~54 GB.
