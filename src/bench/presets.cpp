@@ -29,7 +29,7 @@ ModelSpec qwen3_spec(int64_t layers, int64_t D, int64_t I, int64_t H, int64_t Hk
   return s;
 }
 
-/// Qwen3.6-27B (../shared/docs/qwen35.md): 48 GatedDeltaNet + 16 gated attention layers.
+/// Qwen3.6-27B (docs/targets.md): 48 GatedDeltaNet + 16 gated attention layers.
 ModelSpec qwen3_6_27b_spec() {
   ModelSpec s;
   s.arch = Arch::Qwen3_5;
@@ -70,7 +70,7 @@ DrafterBenchPreset drafter_bench_preset(const std::string& name, const std::stri
   DrafterBenchPreset p;
   DrafterConfig& c = p.cfg;
   c.num_hidden_layers = 5, c.block_size = 16, c.head_dim = 128, c.num_attention_heads = 32, c.num_key_value_heads = 8;
-  if (name == "qwen3-8b") {  // ../shared/docs/anchors.md: d 4096, vocab 151936, S 3072
+  if (name == "qwen3-8b") {  // Qwen3-8B (docs/targets.md): d 4096, vocab 151936, S 3072
     c.hidden_size = 4096, c.intermediate_size = 12288, c.rope.theta = 1e6, c.num_target_layers = 36;
     p.V = 151936, p.S = 3072, c.mask_token_id = 151669;
   } else if (name == "qwen3.6-27b") {  // d 5120, vocab 248320, S 4096

@@ -1,5 +1,5 @@
 // `dflash eval`: a drafter's acceptance length on held-out prompts, and the speedup of speculative
-// decoding against the same engine without the drafter (../shared/docs/dflash.md "Serving loop").
+// decoding against the same engine without the drafter (docs/dflash.md "Serving loop").
 #include <fmt/core.h>
 
 #include <filesystem>

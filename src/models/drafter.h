@@ -1,5 +1,5 @@
 // The DFlash drafter on the CPU: weights (published checkpoint layout), and the forward + hand-written
-// backward of one training sequence (../shared/docs/dflash.md "Training"; conventions as
+// backward of one training sequence (docs/dflash.md "Training"; conventions as
 // scripts/dflash_reference.py, the PyTorch reference the golden tests/fixtures/drafter was made with).
 #pragma once
 #include <cstdint>
@@ -138,7 +138,7 @@ template <typename T>
 DrafterStepResult<T> drafter_step(const DrafterConfig& cfg, const DrafterWeights<T>& w, const DrafterSequence<T>& seq,
                                   const DrafterStepOptions& opt = {});
 
-/// Drafting with a cache of context features (../shared/docs/dflash.md "Serving loop"): for each draft
+/// Drafting with a cache of context features (docs/dflash.md "Serving loop"): for each draft
 /// layer the keys (k_proj, k_norm, RoPE at their positions) and values of the context rows, grown as
 /// tokens are committed, so a draft projects only its own block.
 struct DrafterContextCache {

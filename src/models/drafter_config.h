@@ -1,4 +1,4 @@
-// The DFlash drafter's configuration: derived from a target (../shared/docs/dflash.md, "Drafter
+// The DFlash drafter's configuration: derived from a target (docs/dflash.md, "Drafter
 // architecture"), overridable, and written / read as the DFlash checkpoint's config.json.
 #pragma once
 #include <cstdint>

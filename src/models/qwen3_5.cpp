@@ -1,4 +1,4 @@
-// Qwen3.5 / Qwen3.6 hybrid (transformers models/qwen3_5/modeling_qwen3_5.py; ../shared/docs/qwen35.md):
+// Qwen3.5 / Qwen3.6 hybrid (transformers models/qwen3_5/modeling_qwen3_5.py; docs/targets.md):
 // GatedDeltaNet ("linear_attention") and gated full-attention layers, zero-centered RMSNorm,
 // partial RoPE. Text-only Qwen3_5ForCausalLM and the multimodal Qwen3_5ForConditionalGeneration
 // wrapper (text fields in text_config, weights under model.language_model.*, visual/mtp ignored).

@@ -3,7 +3,7 @@
 // - TargetDecoder: a frozen target with its caches (attention KV, GatedDeltaNet conv / recurrent
 //   state) for a batch of sequences, fed token by token or block by block, rolled back after a verify;
 // - BlockDrafter: a DFlash drafter with its context features, drafting block_size - 1 tokens in one
-//   forward (../shared/docs/dflash.md "Serving loop").
+//   forward (docs/dflash.md "Serving loop").
 #pragma once
 #include <cstdint>
 #include <memory>

@@ -1,6 +1,6 @@
 // `dflash eval` and `dflash prepare --regenerate`: chat prompts through the decoding engine.
 // Eval measures a drafter (acceptance length tau, its histogram, per-slot acceptance, TTFT, TPOT
-// and the speedup against the same engine without the drafter, ../shared/docs/dflash.md "Serving
+// and the speedup against the same engine without the drafter, docs/dflash.md "Serving
 // loop"); regeneration has the target answer a dataset's prompts, as the published recipe trains on
 // the target's own responses.
 #pragma once

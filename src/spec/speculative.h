@@ -1,4 +1,4 @@
-// DFlash speculative decoding and plain decoding over the same engine (../shared/docs/dflash.md,
+// DFlash speculative decoding and plain decoding over the same engine (docs/dflash.md,
 // "Serving loop"): prefill, then per step one drafter forward drafts block_size - 1 tokens after the
 // last committed one, one target forward verifies the block, the longest prefix the target agrees
 // with plus the target's own next token is committed, and the target caches roll back to the commit
@@ -52,7 +52,7 @@ struct GenerateResult {
 GenerateResult generate(TargetDecoder& target, BlockDrafter* drafter, const std::vector<std::vector<int32_t>>& prompts,
                         const GenerateOptions& o);
 
-/// Acceptance statistics over verify steps (../shared/docs/dflash.md): tau = mean(accepted + 1).
+/// Acceptance statistics over verify steps (docs/dflash.md): tau = mean(accepted + 1).
 /// B = the most tokens one verify step commits: the drafts plus one (DrafterConfig::drafts_per_block
 /// + 1: DFlash's block_size, DSpark's block_size + 1).
 struct AcceptanceStats {

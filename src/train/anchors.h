@@ -1,4 +1,4 @@
-// Anchor sampling for DFlash training (../shared/docs/dflash.md, "Training", step 2).
+// Anchor sampling for DFlash training (docs/dflash.md, "Training", step 2).
 #pragma once
 #include <cstdint>
 #include <random>

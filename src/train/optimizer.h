@@ -1,5 +1,5 @@
 // AdamW with fp32 (or fp64) master weights, global-norm gradient clipping and gradient accumulation,
-// for the drafter trainer (../shared/docs/dflash.md "Training", step 6: AdamW, fp32 master weights,
+// for the drafter trainer (docs/dflash.md "Training", step 6: AdamW, fp32 master weights,
 // weight decay 0, grad clip 1.0). Semantics follow torch.optim.AdamW and
 // torch.nn.utils.clip_grad_norm_, as scripts/dflash_reference.py implements them explicitly.
 #pragma once

@@ -1,4 +1,4 @@
-// Learning-rate schedule of the drafter recipe (../shared/docs/dflash.md "Training", step 6:
+// Learning-rate schedule of the drafter recipe (docs/dflash.md "Training", step 6:
 // lr 6e-4, warmup 4% then cosine).
 #pragma once
 #include <cstdint>

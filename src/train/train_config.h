@@ -1,4 +1,4 @@
-// Everything `dflash train` takes: defaults = the published recipe (../shared/docs/dflash.md
+// Everything `dflash train` takes: defaults = the published recipe (docs/dflash.md
 // "Training", step 6). Read from / written to JSON (the --config file and DIR/train_config.json).
 #pragma once
 #include <cstdint>

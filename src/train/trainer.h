@@ -1,6 +1,6 @@
 // The drafter training loop: data order, anchors, gradient accumulation, clipping, schedule, AdamW
 // (through a DrafterBackend), and checkpoints with a training state for exact resume
-// (../shared/docs/dflash.md "Training").
+// (docs/dflash.md "Training").
 #pragma once
 #include <cstdint>
 #include <functional>

@@ -145,8 +145,11 @@ TEST(CudaFp8, ScaledProductMatchesTheDequantizedOperands) {
     std::vector<float> ref32(ref.begin(), ref.end());
     const double e16 = test::rel_l2(test::to_host_f32(cb, s), ref32);
     std::printf("[fp8 gemm] M %ld N %ld K %ld: rel L2 fp32 out %.2e, bf16 out %.2e\n", long(M), long(N), long(K), e32, e16);
-    EXPECT_LT(e32, 1e-5);   // exact products, fp32 sums
-    EXPECT_LT(e16, 4e-3);   // and one bf16 rounding (2^-9 relative)
+    // Products of E4M3 values are exact, but Hopper's FP8 tensor cores add them with a narrower
+    // accumulator than fp32 (about 14 bits: DeepSeek-V3 technical report, section 3.3.2); measured on
+    // an H100 1e-4 at K 512 with fp32 output. Bound: 2^-12, the accumulator's step over 4x headroom.
+    EXPECT_LT(e32, 2.5e-4);
+    EXPECT_LT(e16, 4e-3);  // and one bf16 rounding (2^-9 relative)
   }
   cuda::GemmContext g(s);
   EXPECT_THROW(g.gemm_fp8({16, 16, 24, false, true}, nullptr, nullptr, nullptr, nullptr, static_cast<float*>(nullptr)),

@@ -85,7 +85,7 @@ class DrafterGpu {
   /// Replaces masters (and their bf16 copy) and moments (resume). Throws std::invalid_argument on sizes.
   void set_state(const DrafterWeights<float>& w, const std::vector<std::vector<float>>& exp_avg,
                  const std::vector<std::vector<float>>& exp_avg_sq);
-  // Drafting (src/spec/decoder.h; ../shared/docs/dflash.md "Serving loop"): for each of n sequences
+  // Drafting (src/spec/decoder.h; docs/dflash.md "Serving loop"): for each of n sequences
   // a device cache of every draft layer's context keys (k_proj, k_norm, RoPE at their positions) and
   // values, as the CPU DrafterContextCache (src/models/drafter.h), so a draft projects only its block.
   /// Drops any earlier context cache and starts n empty sequences.

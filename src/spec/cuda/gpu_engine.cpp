@@ -52,7 +52,9 @@ class GpuDecoder final : public TargetDecoder {
   int64_t length(int s) const override { return gpu_.cached_length(s); }
   std::string describe() const override {
     const bool gdn = std::count(spec().layer_types.begin(), spec().layer_types.end(), LayerKind::GatedDeltaNet) > 0;
-    return "cuda (bf16 weights, KV cache, masked_attention_forward<head_dim " + std::to_string(gpu_.spec().head_dim) +
+    const std::string weights = gpu_.dtype() == TargetDtype::kFp8 ? "fp8 projections (E4M3, per-channel x per-token scales)"
+                                                                  : "bf16 weights";
+    return "cuda (" + weights + ", KV cache, masked_attention_forward<head_dim " + std::to_string(gpu_.spec().head_dim) +
            ">, cuBLASLt" + (gdn ? ", GatedDeltaNet conv windows and states (recurrent kernel when verifying)" : "") + ")";
   }
 
