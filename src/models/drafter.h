@@ -84,7 +84,7 @@ struct LossWeighting {
   bool dpace = false;
 };
 
-/// D-PACE's slot weights (variants.md section 4; arXiv 2605.18810), detached from the graph: per block
+/// D-PACE's slot weights (docs/dflash.md "Variants trained here"; arXiv 2605.18810), detached from the graph: per block
 /// of B rows (row = b B + k), q_k = exp(-CE_k), q~_k = (q_k + 1) / 2, P_k = prod_{1 <= i <= k} q~_i and
 /// w_k = sum_{m >= k} P_m; a row without a label (valid false: slot 0, padding, a prompt or
 /// past-the-end label) weighs 0 and counts q~ = 1. ce, valid [N B]. Throws std::invalid_argument on sizes.

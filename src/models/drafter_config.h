@@ -32,7 +32,7 @@ struct DrafterConfig {
   /// Causal attention inside the block for every layer (config.json `is_causal`, else
   /// `dflash_config.causal`, as vLLM reads them); unset: full layers see their whole block (dflash.md).
   std::optional<bool> causal;
-  /// DSpark (variants.md section 1; src/models/dspark.h): the rank r of its low-rank Markov head
+  /// DSpark (docs/dflash.md "Variants trained here"; src/models/dspark.h): the rank r of its low-rank Markov head
   /// (vanilla: logits += W2 W1[previous token]) beside a confidence head; 0 for a DFlash drafter.
   int64_t markov_rank = 0;
 

@@ -1,4 +1,4 @@
-// DSpark (variants.md section 1; arXiv 2607.05147; DeepSpec deepspec/modeling/dspark): a DFlash
+// DSpark (docs/dflash.md "Variants trained here"; arXiv 2607.05147; DeepSpec deepspec/modeling/dspark): a DFlash
 // backbone whose every block slot predicts (slot k -> token anchor + k + 1), with a low-rank Markov head
 // on the previous token and a confidence head. The CPU reference of its loss (forward and hand-written
 // backward) and of its greedy drafting; the backbone is drafter.cpp's.

@@ -17,7 +17,7 @@ namespace dflash {
 
 namespace {
 
-/// Model FLOPs of one training step (the count anchors.md uses): every drafter GEMM forward +
+/// Model FLOPs of one training step (counted as the PyTorch measurement of the same step counts them): every drafter GEMM forward +
 /// input gradient + weight gradient (fc: no input gradient), the LM head forward + input gradient,
 /// attention over the visible keys only (backward = 2.5 x forward).
 double step_flops(const DrafterConfig& c, int64_t V, int64_t S, int64_t Q, double visible_keys) {
