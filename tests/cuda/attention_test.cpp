@@ -14,6 +14,7 @@
 #include "ops/dflash_attention.h"
 #include "tensor/dtype.h"
 #include "cuda_test_util.h"
+#include "cuda/cuda_test_util.h"
 #include "test_util.h"
 
 using namespace dflash;
@@ -131,11 +132,8 @@ Case dflash_case(const std::string& name, int64_t S, std::vector<int64_t> anchor
 
 }  // namespace
 
-#define REQUIRE_GPU() \
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)"
-
 TEST(CudaMaskedAttention, DflashMasksFullSlidingAndPadding) {
-  REQUIRE_GPU();
+  DFLASH_REQUIRE_GPU();
   for (int D : {64, 128}) {
     // anchor 35 of S = 37: its block's positions run past the context; block 4 is padding
     run_case(dflash_case("dflash full S37", 37, {2, 9, 15, 35}, 5, 4, 0, 4, 2, D), 10 + D);
@@ -164,7 +162,7 @@ TEST(CudaMaskedAttention, DflashMasksFullSlidingAndPadding) {
 }
 
 TEST(CudaMaskedAttention, CausalVarlenAndOverlappingRows) {
-  REQUIRE_GPU();
+  DFLASH_REQUIRE_GPU();
   const std::vector<int64_t> cu = {0, 70, 71, 200};
   for (int D : {64, 128, 256}) {
     Case c;
@@ -212,7 +210,7 @@ TEST(CudaMaskedAttention, CausalVarlenAndOverlappingRows) {
 }
 
 TEST(CudaMaskedAttention, RefusesUnsupportedHeadDims) {
-  REQUIRE_GPU();
+  DFLASH_REQUIRE_GPU();
   EXPECT_THROW(cuda::masked_attention_forward(nullptr, nullptr, nullptr, nullptr, 4, 4, 2, 2, 96, 1.f, nullptr,
                                               nullptr, nullptr),
                std::invalid_argument);
@@ -238,7 +236,7 @@ TEST(CudaMaskedAttention, RefusesScalesThatAreNotPositive) {
 }
 
 TEST(CudaMaskedAttention, BackwardWithoutKeysZeroesDq) {
-  REQUIRE_GPU();
+  DFLASH_REQUIRE_GPU();
   // No key at all: every row sees nothing, so dq is 0 (written, not left as it was).
   const int64_t Nq = 70, H = 4, D = 64;
   cudaStream_t s = nullptr;

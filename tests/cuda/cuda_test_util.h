@@ -6,10 +6,29 @@
 #include <random>
 #include <vector>
 
+#include <gtest/gtest.h>
+
 #include "ops/cuda/runtime.h"
 #include "tensor/dtype.h"
 
+/// Skips the calling test, saying where GPU tests run, when no CUDA device is visible (CI has none).
+#define DFLASH_REQUIRE_GPU() \
+  if (!::dflash::cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)"
+
 namespace dflash::test {
+
+/// The fixture of GPU test suites: each test is skipped without a device (DFLASH_REQUIRE_GPU). A
+/// suite names it, `using CudaGdn = test::GpuTest;`, and its tests are TEST_F(CudaGdn, ...).
+class GpuTest : public ::testing::Test {
+ protected:
+  void SetUp() override { DFLASH_REQUIRE_GPU(); }
+};
+/// The same for parameterized suites (TEST_P).
+template <typename P>
+class GpuTestWithParam : public ::testing::TestWithParam<P> {
+ protected:
+  void SetUp() override { DFLASH_REQUIRE_GPU(); }
+};
 
 /// n values ~ N(0, scale^2), each exactly representable in bf16 (CPU and GPU see the same inputs).
 inline std::vector<float> rand_bf16_values(size_t n, std::mt19937_64& rng, float scale = 1.f) {

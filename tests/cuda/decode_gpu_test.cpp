@@ -11,10 +11,13 @@
 #include "models/dspark.h"
 #include "spec/oracle_drafter.h"
 #include "spec/speculative.h"
+#include "cuda/cuda_test_util.h"
 #include "test_util.h"
 #include "train/trainer.h"
 
 using namespace dflash;
+
+using CudaDecode = test::GpuTest;
 
 namespace {
 constexpr double kTolBf16Target = 1e-2;  // as target_gpu_test: bf16 weights and GEMM inputs
@@ -47,10 +50,9 @@ DrafterConfig drafter_for(const ModelSpec& t) {
 
 // A dense target, a Qwen3.5 hybrid (GatedDeltaNet conv windows and states in the cache) and a
 // hybrid with mixture-of-experts FFNs.
-class CudaDecodeTargets : public ::testing::TestWithParam<std::string> {};
+class CudaDecodeTargets : public test::GpuTestWithParam<std::string> {};
 
 TEST_P(CudaDecodeTargets, CachedForwardEqualsFullForward) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
   const auto m = hd64(GetParam());
   const int64_t V = m->spec().vocab_size;
   const bool hybrid = m->spec().linear_num_value_heads > 0;
@@ -124,7 +126,6 @@ TEST_P(CudaDecodeTargets, CachedForwardEqualsFullForward) {
 }
 
 TEST_P(CudaDecodeTargets, SpeculativeEqualsPlainGreedyOnTheGpuEngine) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
   const auto m = hd64(GetParam());
   const DrafterConfig cfg = drafter_for(m->spec());
   auto dec = make_gpu_decoder(*m, cfg.target_layer_ids, 0);
@@ -169,8 +170,7 @@ INSTANTIATE_TEST_SUITE_P(Targets, CudaDecodeTargets,
 // more than the bf16 error could bridge. Contexts arrive in pieces, one sequence is idle, layer 0
 // is a sliding-window layer (window 6, shorter than most contexts), and a context is cleared and
 // regrown; with the default RoPE and full layers, and with yarn RoPE and causal layers.
-TEST(CudaDecode, GpuDrafterDraftsAsTheReference) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+TEST_F(CudaDecode, GpuDrafterDraftsAsTheReference) {
   const auto m = hd64();
   DrafterOverrides ov;
   ov.num_hidden_layers = 2;
@@ -244,8 +244,7 @@ TEST(CudaDecode, GpuDrafterDraftsAsTheReference) {
 // DSpark's Markov walk on the GPU (every slot drafts; each token feeds the next slot's Markov head)
 // against the CPU reference: each drafted token is the argmax of the reference's corrected logits
 // given the GPU's own earlier tokens (a near tie may go either way in bf16, and then the walks part).
-TEST(CudaDecode, GpuDsparkDrafterWalksAsTheReference) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+TEST_F(CudaDecode, GpuDsparkDrafterWalksAsTheReference) {
   const auto m = hd64();
   DrafterOverrides ov;
   ov.num_hidden_layers = 2;

@@ -12,10 +12,13 @@
 #include "ops/cuda/cross_entropy.h"
 #include "models/drafter.h"
 #include "tensor/dtype.h"
+#include "cuda/cuda_test_util.h"
 #include "test_util.h"
 #include "train/trainer.h"
 
 using namespace dflash;
+
+using CudaDrafter = test::GpuTest;
 
 namespace {
 
@@ -150,8 +153,7 @@ void expect_step_matches_the_cpu(const Tiny& t) {
 }
 }  // namespace
 
-TEST(CudaDrafter, YarnAndCausalLayersMatchTheCpuReference) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+TEST_F(CudaDrafter, YarnAndCausalLayersMatchTheCpuReference) {
   const Tiny t(true), plain;
   // (The reference itself changes with both: the yarn frequencies and cos / sin scale, the block mask.)
   EXPECT_GT(std::abs(double(drafter_step(t.cfg, t.w, t.seq).loss) - double(drafter_step(plain.cfg, plain.w, plain.seq).loss)),
@@ -159,8 +161,7 @@ TEST(CudaDrafter, YarnAndCausalLayersMatchTheCpuReference) {
   expect_step_matches_the_cpu(t);
 }
 
-TEST(CudaDrafter, DsparkStepMatchesTheCpuReference) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+TEST_F(CudaDrafter, DsparkStepMatchesTheCpuReference) {
   const Tiny t(false, true);
   ASSERT_TRUE(t.cfg.is_dspark());
   expect_step_matches_the_cpu(t);
@@ -176,15 +177,13 @@ TEST(CudaDrafter, DsparkStepMatchesTheCpuReference) {
   DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
 }
 
-TEST(CudaDrafter, DpaceStepMatchesTheCpuReference) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+TEST_F(CudaDrafter, DpaceStepMatchesTheCpuReference) {
   Tiny t;
   t.seq.dpace = true;
   expect_step_matches_the_cpu(t);
 }
 
-TEST(CudaDrafter, StepMatchesTheCpuReference) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+TEST_F(CudaDrafter, StepMatchesTheCpuReference) {
   Tiny t;
   const DrafterStepResult<float> ref = drafter_step(t.cfg, t.w, t.seq);
   cudaStream_t s;
@@ -292,8 +291,7 @@ TEST(CudaDrafter, StepMatchesTheCpuReference) {
 
 // NaN / Inf in the taps is flagged by the step itself (the trainer then skips the step naming the
 // example), for a NaN and an Inf anywhere in the taps, and never for finite taps.
-TEST(CudaDrafter, FlagsNonFiniteTaps) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+TEST_F(CudaDrafter, FlagsNonFiniteTaps) {
   Tiny t;
   cudaStream_t s;
   DFLASH_CUDA_CHECK(cudaStreamCreate(&s));

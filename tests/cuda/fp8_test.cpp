@@ -19,12 +19,16 @@ using namespace dflash;
 
 namespace {
 
-bool skip_without_fp8(std::string* why) {
-  if (!cuda::has_device()) return *why = "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)", true;
-  const std::string r = cuda::fp8_unsupported_reason();
-  if (!r.empty()) return *why = "this GPU has no FP8 products: " + r, true;
-  return false;
-}
+/// The fixture of the FP8 tests: skipped without a device, or on a GPU without FP8 products.
+class CudaFp8 : public test::GpuTest {
+ protected:
+  void SetUp() override {
+    test::GpuTest::SetUp();
+    if (IsSkipped()) return;
+    const std::string r = cuda::fp8_unsupported_reason();
+    if (!r.empty()) GTEST_SKIP() << "this GPU has no FP8 products: " << r;
+  }
+};
 
 /// CPU reference of quantize_rows_fp8 for x [rows, cols] (bf16 values): scales and codes.
 void quantize_rows_reference(const std::vector<float>& x, int64_t rows, int64_t cols, std::vector<uint8_t>* q,
@@ -73,9 +77,7 @@ class Fp8RoundedWeights : public WeightSource {
 
 }  // namespace
 
-TEST(CudaFp8, QuantizeRowsMatchesTheCpuReferenceBitForBit) {
-  std::string why;
-  if (skip_without_fp8(&why)) GTEST_SKIP() << why;
+TEST_F(CudaFp8, QuantizeRowsMatchesTheCpuReferenceBitForBit) {
   const int64_t rows = 37, cols = 300;
   std::mt19937_64 rng(3);
   std::vector<float> x = test::rand_bf16_values(size_t(rows * cols), rng, 2.f);
@@ -107,9 +109,7 @@ TEST(CudaFp8, QuantizeRowsMatchesTheCpuReferenceBitForBit) {
 
 // C = beta C + a_scale[m] b_scale[n] sum_k A[m,k] B[n,k], fp32 and bf16 outputs, row counts that are
 // not tile multiples: against the same sum over the dequantized E4M3 operands in double.
-TEST(CudaFp8, ScaledProductMatchesTheDequantizedOperands) {
-  std::string why;
-  if (skip_without_fp8(&why)) GTEST_SKIP() << why;
+TEST_F(CudaFp8, ScaledProductMatchesTheDequantizedOperands) {
   cudaStream_t s;
   DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
   for (const auto& [M, N, K] : {std::tuple<int64_t, int64_t, int64_t>{37, 48, 64}, {1, 80, 160}, {600, 96, 512}}) {
@@ -165,9 +165,7 @@ TEST(CudaFp8, ScaledProductMatchesTheDequantizedOperands) {
 // fixture run by the bf16 GPU path); the per-token activations have the same 3-bit mantissa, an error
 // of the same size and independent, so the FP8 target stays within 2 e_w (sqrt(2) e_w expected).
 // Also: the decoding path (cached forward) gives the uncached FP8 forward's logits.
-TEST(CudaFp8, TargetTapsAndLogitsStayNearTheBf16Target) {
-  std::string why;
-  if (skip_without_fp8(&why)) GTEST_SKIP() << why;
+TEST_F(CudaFp8, TargetTapsAndLogitsStayNearTheBf16Target) {
   cudaStream_t s;
   DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
   for (const char* name : {"qwen3_hd64", "qwen3_5_hd64"}) {

@@ -17,9 +17,12 @@
 #include "ops/cuda/gated_delta_rule.h"
 #include "ops/gated_delta_rule.h"
 #include "ops/norm.h"
+#include "cuda/cuda_test_util.h"
 #include "test_util.h"
 
 using namespace dflash;
+
+using CudaGdn = test::GpuTest;
 
 namespace {
 // Same inputs on both sides. fp32 outputs: only fp32 summation order (and fast exp) differ.
@@ -83,8 +86,7 @@ std::vector<int64_t> cu_of(const std::vector<int64_t>& lens) {
 }
 }  // namespace
 
-TEST(CudaGdn, Conv1dSiluMatchesTheReference) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+TEST_F(CudaGdn, Conv1dSiluMatchesTheReference) {
   std::mt19937_64 rng(1);
   // (C, row stride): one channel per thread (C odd; a row stride of 2 mod 4, as an odd Hv makes), four
   // (C and the stride multiples of 4; 2052 channels: three blocks, the last partial).
@@ -112,8 +114,7 @@ TEST(CudaGdn, Conv1dSiluMatchesTheReference) {
                std::invalid_argument);  // row stride 3 < 4 channels
 }
 
-TEST(CudaGdn, Conv1dSiluWithQueryKeyNormMatchesTheReference) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+TEST_F(CudaGdn, Conv1dSiluWithQueryKeyNormMatchesTheReference) {
   std::mt19937_64 rng(4);
   // (Hk, dk, Hv, dv, row stride past C): normalized in the conv kernel with heads of 32 lanes (the
   // real dims; one query head, the last warp's lanes past C idle), 2 lanes (the fixtures' dk 8), 1
@@ -155,8 +156,7 @@ TEST(CudaGdn, Conv1dSiluWithQueryKeyNormMatchesTheReference) {
                std::invalid_argument);  // 2 Hk dk = 48 > 40 channels (and no q / k)
 }
 
-TEST(CudaGdn, PrepareMatchesTheReference) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+TEST_F(CudaGdn, PrepareMatchesTheReference) {
   std::mt19937_64 rng(2);
   for (auto [Hk, Hv, dk, dv] : {std::array<int64_t, 4>{2, 6, 40, 24}, std::array<int64_t, 4>{16, 48, 128, 128}}) {
     const int64_t T = 70, C = 2 * Hk * dk + Hv * dv;
@@ -389,8 +389,7 @@ void check_from_projections(const std::vector<int64_t>& lens, int Hk, int Hv, in
 }
 }  // namespace
 
-TEST(CudaGdn, ChunkedFromTheProjectionsMatchesTheKernelsApart) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+TEST_F(CudaGdn, ChunkedFromTheProjectionsMatchesTheKernelsApart) {
   uint64_t seed = 60;
   // Fused into chunk_prepare (K 4, dk a power of two, rows a multiple of 4): chunks continuing their
   // sequence's conv window, sequences starting inside the chunk list, an empty one, short last chunks.
@@ -433,8 +432,7 @@ TEST(CudaGdn, ChunkedFromTheProjectionsMatchesTheKernelsApart) {
                  std::invalid_argument);
 }
 
-TEST(CudaGdn, NoTokensPassTheInitialStateThrough) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+TEST_F(CudaGdn, NoTokensPassTheInitialStateThrough) {
   const int Hv = 2, dk = 8, dv = 12;
   std::vector<float> s0(size_t(2 * Hv * dk * dv));
   for (size_t i = 0; i < s0.size(); ++i) s0[i] = float(i) * 0.01f;
@@ -445,8 +443,7 @@ TEST(CudaGdn, NoTokensPassTheInitialStateThrough) {
   EXPECT_EQ(host_f32(fs), s0);
 }
 
-TEST(CudaGdn, ChunkedMatchesTheRecurrence) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+TEST_F(CudaGdn, ChunkedMatchesTheRecurrence) {
   uint64_t seed = 10;
   for (int64_t T : {1, 63, 64, 65, 127}) check_chunked({T}, 2, 6, 32, 48, true, ++seed);
   check_chunked({3, 64, 1, 65, 130, 0, 7}, 2, 4, 24, 40, true, ++seed);  // packed, one empty sequence
@@ -470,8 +467,7 @@ TEST(CudaGdn, ChunkedMatchesTheRecurrence) {
   check_chunked({300}, 16, 48, 128, 128, true, ++seed, false, 0, false, 2 * 16 * 128);
 }
 
-TEST(CudaGdn, ChunkedWithTheGatedNormMatchesTheReference) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+TEST_F(CudaGdn, ChunkedWithTheGatedNormMatchesTheReference) {
   uint64_t seed = 40;
   for (int norm : {kNormStaged, kNormDirect}) {
     // One pass of columns; an empty sequence.
@@ -496,8 +492,7 @@ TEST(CudaGdn, ChunkedWithTheGatedNormMatchesTheReference) {
 // Less shared memory per block than the tensor-core chunk_state needs (A100: 163 KB, against ~177 KB
 // at dk 128 and 32 state columns; 48 KB against ~66 KB at dk 24) takes the SIMT chunk_state: the same
 // checks.
-TEST(CudaGdn, ChunkedWithLessSharedMemoryMatchesTheRecurrence) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+TEST_F(CudaGdn, ChunkedWithLessSharedMemoryMatchesTheRecurrence) {
   uint64_t seed = 30;
   check_chunked({4097}, 1, 2, 128, 128, true, ++seed, false, 163 * 1024);
   check_chunked({3, 64, 1, 65, 130, 0, 7}, 2, 4, 24, 40, true, ++seed, false, 48 * 1024);
@@ -511,8 +506,7 @@ TEST(CudaGdn, ChunkedWithLessSharedMemoryMatchesTheRecurrence) {
 // blocks fill a wave): sequences ending at and around chunk edges, packed, long, one empty (its
 // initial state passes through); padded keys (dk 120, 116) with partial second column blocks (dv
 // 100, 68), no initial state and mild decays; with the gated RMSNorm; one sequence of 48 heads.
-TEST(CudaGdn, ChunkStateOnWarpgroupMmasMatchesTheRecurrence) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+TEST_F(CudaGdn, ChunkStateOnWarpgroupMmasMatchesTheRecurrence) {
   if (!cuda::runs_sm90a()) GTEST_SKIP() << "no Hopper GPU running sm_90a code: the warpgroup-MMA chunk_state does not run here";
   uint64_t seed = 60;
   // Each case checks first that its shapes take the warpgroup-MMA kernel.
@@ -529,8 +523,7 @@ TEST(CudaGdn, ChunkStateOnWarpgroupMmasMatchesTheRecurrence) {
 }
 
 // The token-by-token kernel of decoding / verification: outputs, final state and every token's state.
-TEST(CudaGdn, RecurrentMatchesTheReference) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+TEST_F(CudaGdn, RecurrentMatchesTheReference) {
   uint64_t seed = 40;
   check_chunked({1}, 2, 6, 32, 48, true, ++seed, true);
   check_chunked({5, 0, 16, 1}, 2, 4, 24, 40, true, ++seed, true);  // packed, an idle sequence, partial column block
@@ -544,8 +537,7 @@ TEST(CudaGdn, RecurrentMatchesTheReference) {
 // A rollback's replay (TargetGpu::truncate_cache): the first counts[s] tokens of each sequence from the
 // same initial state give, bit for bit, the state the full run had after them; a count of 0 leaves
 // the state alone; a count past a sequence's length is refused.
-TEST(CudaGdn, RecurrentReplaysPrefixesExactly) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+TEST_F(CudaGdn, RecurrentReplaysPrefixesExactly) {
   std::mt19937_64 rng(50);
   std::uniform_real_distribution<float> uni(0.f, 1.f);
   const int Hk = 2, Hv = 4, dk = 32, dv = 40;
@@ -580,8 +572,7 @@ TEST(CudaGdn, RecurrentReplaysPrefixesExactly) {
 
 // The conv continuing cached windows, and the windows moved past the new tokens, against the CPU
 // reference's window form (cpu::causal_conv1d_silu with a window, TargetCache's history).
-TEST(CudaGdn, Conv1dWithWindowsMatchesTheReference) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+TEST_F(CudaGdn, Conv1dWithWindowsMatchesTheReference) {
   std::mt19937_64 rng(3);
   const int64_t C = 20;
   for (int K : {4, 2, 8, 1}) {
@@ -629,8 +620,7 @@ TEST(CudaGdn, Conv1dWithWindowsMatchesTheReference) {
                std::invalid_argument);
 }
 
-TEST(CudaGdn, GatedRmsNormAndOutputGateMatchTheReference) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+TEST_F(CudaGdn, GatedRmsNormAndOutputGateMatchTheReference) {
   std::mt19937_64 rng(3);
   const int64_t rows = 301;
   Tensor x, z;

@@ -7,14 +7,16 @@
 #include <chrono>
 
 #include "bench/cuda/bench_util.h"
+#include "cuda/cuda_test_util.h"
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/runtime.h"
 
 using namespace dflash;
 
-TEST(CudaGpuPower, SamplesTheBusyGpu) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+using CudaGpuPower = test::GpuTest;
+
+TEST_F(CudaGpuPower, SamplesTheBusyGpu) {
   cudaStream_t s;
   ASSERT_EQ(cudaStreamCreate(&s), cudaSuccess);
   const int64_t n = 4096;

@@ -22,6 +22,7 @@
 #include "ops/rope.h"
 #include "tensor/dtype.h"
 #include "cuda_test_util.h"
+#include "cuda/cuda_test_util.h"
 #include "test_util.h"
 #include "train/optimizer.h"
 
@@ -40,9 +41,6 @@ namespace {
 constexpr double kTolBf16Out = 4e-3;
 // fp32 outputs (fp32 accumulation of bf16 products) vs the fp64 reference on the same inputs.
 constexpr double kTolF32Out = 1e-5;
-
-#define REQUIRE_GPU() \
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)"
 
 struct Stream {
   cudaStream_t s{};
@@ -90,7 +88,7 @@ TEST(CudaRuntime, OutOfMemoryMessageGivesTheNumbers) {
 }
 
 TEST(CudaRuntime, RefusedAllocationsThrowTheMessageAndLeaveTheDeviceUsable) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  DFLASH_REQUIRE_GPU();
   size_t free = 0, total = 0;
   DFLASH_CUDA_CHECK(cudaMemGetInfo(&free, &total));
   const size_t too_many = total / 2 + 1;  // floats: twice the device's memory
@@ -118,7 +116,7 @@ TEST(CudaRuntime, RefusedAllocationsThrowTheMessageAndLeaveTheDeviceUsable) {
 }
 
 TEST(CudaGemm, AllTransposesOddSizesAccumulateAndBf16Output) {
-  REQUIRE_GPU();
+  DFLASH_REQUIRE_GPU();
   Stream st;
   cuda::GemmContext ctx(st.s);
   std::mt19937_64 rng(1);
@@ -175,7 +173,7 @@ TEST(CudaGemm, TuneModesFromTheEnvironment) {
 TEST(CudaGemm, TunedAndHeuristicChoicesComputeTheProductOnce) {
   // Tuning runs the candidates on the caller's operands: with beta = 1 it must leave C to the one
   // product that counts, and a shape's later calls reuse its choice (bitwise the same result).
-  REQUIRE_GPU();
+  DFLASH_REQUIRE_GPU();
   TuneEnv env;
   Stream st;
   cuda::GemmContext plain(st.s), tuning(st.s, size_t(32) << 20, true);
@@ -218,7 +216,7 @@ TEST(CudaGemm, TunedAndHeuristicChoicesComputeTheProductOnce) {
 TEST(CudaGemm, TunedChoiceServesEveryRowCountOfItsBucket) {
   // A packed forward's token count changes every batch: the first row count of a power-of-two bucket
   // is timed, the others take its choice (no timing, nothing printed) and still compute the product.
-  REQUIRE_GPU();
+  DFLASH_REQUIRE_GPU();
   TuneEnv env;
   env.set("log");
   Stream st;
@@ -247,7 +245,7 @@ TEST(CudaGemm, TunedChoiceRefusedForMisalignedOperandsFallsBack) {
   // A choice tuned on 16-byte aligned operands may be refused (NOT_SUPPORTED) for operands 2 bytes
   // off (TMA-based kernels need 16-byte addresses): the same shape, and another row count of its
   // bucket, must then run cuBLASLt's first candidate for them and still compute the product.
-  REQUIRE_GPU();
+  DFLASH_REQUIRE_GPU();
   TuneEnv env;
   env.set("1");
   Stream st;
@@ -275,7 +273,7 @@ TEST(CudaGemm, TunedChoiceRefusedForMisalignedOperandsFallsBack) {
 TEST(CudaGemm, ManyThreadsOwnStreamsAtOnce) {
   // The PyTorch stack's torch.compile race is what users hit: here every thread has its own stream
   // and context and shares the algorithm cache.
-  REQUIRE_GPU();
+  DFLASH_REQUIRE_GPU();
   std::vector<std::thread> th;
   std::vector<double> err(8, 1.0);
   for (int w = 0; w < 8; ++w)
@@ -295,7 +293,7 @@ TEST(CudaGemm, ManyThreadsOwnStreamsAtOnce) {
 }
 
 TEST(CudaRmsNorm, ForwardBackwardPlainAndZeroCentered) {
-  REQUIRE_GPU();
+  DFLASH_REQUIRE_GPU();
   Stream st;
   std::mt19937_64 rng(2);
   // Row lengths for every kernel (norm.cu): vectorized block rows with 1, 2, 3 (a partial last
@@ -354,7 +352,7 @@ TEST(CudaRmsNorm, ForwardBackwardPlainAndZeroCentered) {
 }
 
 TEST(CudaRope, FullAndPartialForwardAndInverse) {
-  REQUIRE_GPU();
+  DFLASH_REQUIRE_GPU();
   Stream st;
   std::mt19937_64 rng(3);
   // (rot / 2 % 4 == 0: the kernel of 4 pairs per thread; 12: the pair-by-pair one)
@@ -384,7 +382,7 @@ TEST(CudaRope, FullAndPartialForwardAndInverse) {
 }
 
 TEST(CudaElementwise, SwigluGatherAdd) {
-  REQUIRE_GPU();
+  DFLASH_REQUIRE_GPU();
   Stream st;
   std::mt19937_64 rng(4);
   // gate_up rows of 2 I: I % 8 == 0 and aligned takes 16-byte accesses; I odd or a misaligned start
@@ -472,7 +470,7 @@ TEST(CudaElementwise, SwigluGatherAdd) {
 }
 
 TEST(CudaAdamW, ClipAndThreeStepsBitwiseLikeTheCpu) {
-  REQUIRE_GPU();
+  DFLASH_REQUIRE_GPU();
   Stream st;
   std::mt19937_64 rng(5);
   std::normal_distribution<float> nd;

@@ -12,9 +12,12 @@
 #include "cuda_test_util.h"
 #include "models/target.h"
 #include "ops/cuda/moe.h"
+#include "cuda/cuda_test_util.h"
 #include "test_util.h"
 
 using namespace dflash;
+
+using CudaMoe = test::GpuTest;
 
 namespace {
 
@@ -38,8 +41,7 @@ Tensor rand_tensor(int64_t rows, int64_t cols, std::mt19937_64& rng, float scale
 
 }  // namespace
 
-TEST(CudaMoe, RouterPicksWhatTheReferencePicks) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+TEST_F(CudaMoe, RouterPicksWhatTheReferencePicks) {
   Stream st;
   std::mt19937_64 rng(7);
   struct Case {
@@ -94,8 +96,7 @@ TEST(CudaMoe, RouterPicksWhatTheReferencePicks) {
 
 // The permutation and the grouped GEMM on ragged groups: experts with 0, 1, 63, 64, 65 and 130 rows,
 // A rows gathered, N = 272 (3 column tiles, the last partial), K = 264 (9 steps of 32, the last partial).
-TEST(CudaMoe, GroupedGemmMatchesTheReferenceOnRaggedGroups) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+TEST_F(CudaMoe, GroupedGemmMatchesTheReferenceOnRaggedGroups) {
   Stream st;
   std::mt19937_64 rng(11);
   const int E = 7, k = 2;
@@ -158,8 +159,7 @@ TEST(CudaMoe, GroupedGemmMatchesTheReferenceOnRaggedGroups) {
 
 // The whole FFN against moe_forward on the same bf16 input and weights: the GPU rounds only the
 // experts' SwiGLU output to bf16 (and accumulates in another order).
-TEST(CudaMoe, FfnMatchesTheCpuReference) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+TEST_F(CudaMoe, FfnMatchesTheCpuReference) {
   Stream st;
   cuda::GemmContext gemm(st.s);
   std::mt19937_64 rng(5);

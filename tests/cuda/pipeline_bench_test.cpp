@@ -19,12 +19,14 @@
 #include "cuda_test_util.h"
 #include "models/cuda/target_gpu.h"
 #include "ops/cuda/elementwise.h"
+#include "cuda/cuda_test_util.h"
 #include "test_util.h"
 
 using namespace dflash;
 
-TEST(CudaBench, RandomTargetIsSeededAndItsTapsMatchItsForward) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+using CudaBench = test::GpuTest;
+
+TEST_F(CudaBench, RandomTargetIsSeededAndItsTapsMatchItsForward) {
   const ModelSpec spec = pipeline_bench_preset("tiny").target;
   const int64_t T = 96, D = spec.hidden_size;
   std::mt19937_64 rng(3);
@@ -88,8 +90,7 @@ std::map<std::string, nlohmann::json> tiny_records(const std::string& bench, int
 }
 }  // namespace
 
-TEST(CudaBench, PipelineTinyRecordsSamplesTokensAndPeakMemory) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+TEST_F(CudaBench, PipelineTinyRecordsSamplesTokensAndPeakMemory) {
   const auto by_metric = tiny_records("pipeline", &run_pipeline_bench);
   ASSERT_EQ(by_metric.size(), 3u);
   const double sps = by_metric.at("samples_per_s")["value"].get<double>();
@@ -106,8 +107,7 @@ TEST(CudaBench, PipelineTinyRecordsSamplesTokensAndPeakMemory) {
     EXPECT_GT(x["stage_ms"][stage].get<double>(), 0) << stage;
 }
 
-TEST(CudaBench, SustainedGemmsTimeEachRecordedProductOncePerCall) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+TEST_F(CudaBench, SustainedGemmsTimeEachRecordedProductOncePerCall) {
   cudaStream_t s;
   DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
   {
@@ -143,8 +143,7 @@ TEST(CudaBench, SustainedGemmsTimeEachRecordedProductOncePerCall) {
   DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
 }
 
-TEST(CudaBench, DrafterStepTinyRecordsItsProductsTimedAlone) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+TEST_F(CudaBench, DrafterStepTinyRecordsItsProductsTimedAlone) {
   const auto by_metric = tiny_records("drafter-step", &run_drafter_step_bench);
   ASSERT_EQ(by_metric.count("step_ms"), 1u);
   const nlohmann::json& x = by_metric.at("step_ms")["extra"];

@@ -13,6 +13,7 @@
 
 #include "models/cuda/target_gpu.h"
 #include "tensor/dtype.h"
+#include "cuda/cuda_test_util.h"
 #include "test_util.h"
 
 using namespace dflash;
@@ -68,7 +69,7 @@ double check_against_golden(const std::string& name, TargetGpu& gpu, const Targe
 }  // namespace
 
 TEST(CudaTarget, Qwen3MatchesTransformersInBf16) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  DFLASH_REQUIRE_GPU();
   const auto dir = test::fixtures_dir() / "qwen3_hd64";
   const test::TargetGolden g = test::load_target_golden(dir);
   const auto model = TargetModel::load(dir.string());
@@ -107,7 +108,7 @@ TEST(CudaTarget, Qwen3MatchesTransformersInBf16) {
 // These fixtures' linear layers have half gain: at full gain, even a CPU emulation of bf16 GEMM inputs
 // is 1.6% off on them (scripts/make_fixtures.py, BF16_LINEAR_GAIN).
 TEST(CudaTarget, Qwen3_5HybridsMatchTransformersInBf16) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  DFLASH_REQUIRE_GPU();
   cudaStream_t s;
   DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
   for (const char* name : {"qwen3_5_text_hd64", "qwen3_5_hd64"}) {
@@ -121,7 +122,7 @@ TEST(CudaTarget, Qwen3_5HybridsMatchTransformersInBf16) {
 // Mixture-of-experts targets (Qwen3.5-MoE wrapper: every layer sparse, renormalized top 3 of 8, a shared
 // expert; Qwen3-Next: fused projections, a dense layer, no renormalization), same method as above.
 TEST(CudaTarget, MixtureOfExpertsMatchTransformersInBf16) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  DFLASH_REQUIRE_GPU();
   cudaStream_t s;
   DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
   for (const char* name : {"qwen3_5_moe_hd64", "qwen3_next_hd64"}) {
@@ -146,7 +147,7 @@ TEST(CudaTarget, MixtureOfExpertsMatchTransformersInBf16) {
 // Stage timing (bench target-forward's breakdown) names each kind of work the model has, with a positive
 // GPU time, and leaves the results bit for bit as they were; off, it reports nothing.
 TEST(CudaTarget, StageTimingNamesEachKindOfWorkAndChangesNoResult) {
-  if (!cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";
+  DFLASH_REQUIRE_GPU();
   cudaStream_t s;
   DFLASH_CUDA_CHECK(cudaStreamCreate(&s));
   const std::vector<int32_t> ids{5, 17, 3, 99, 42, 7, 150, 8, 1};
