@@ -78,13 +78,22 @@ __global__ void __launch_bounds__(128) recurrent_kernel(const float* __restrict_
                                                         float* __restrict__ token_states, float* __restrict__ o) {
   __shared__ float red[4][kRecCols];
   __shared__ float kv[kRecCols], out[kRecCols];
+  // The block's 128 x 16 slice of the state moves through shared memory, so that consecutive threads
+  // read / write consecutive columns (whole sectors); one row per thread in registers (padded rows:
+  // no bank conflicts).
+  __shared__ float tile[128][kRecCols + 1];
   const int s = blockIdx.x, h = blockIdx.y, c0 = blockIdx.z * kRecCols, kh = h / (Hv / Hk), m = threadIdx.x;
   const bool row = m < dk;
   const int ncol = min(kRecCols, dv - c0);
   float* st = state + (int64_t(s) * Hv + h) * dk * dv;
+  for (int i = threadIdx.x; i < dk * kRecCols; i += blockDim.x) {
+    const int r = i / kRecCols, c = i % kRecCols;
+    tile[r][c] = c < ncol ? st[int64_t(r) * dv + c0 + c] : 0.f;
+  }
+  __syncthreads();
   float S[kRecCols];
 #pragma unroll
-  for (int c = 0; c < kRecCols; ++c) S[c] = row && c < ncol ? st[int64_t(m) * dv + c0 + c] : 0.f;
+  for (int c = 0; c < kRecCols; ++c) S[c] = row ? tile[m][c] : 0.f;
   for (int64_t t = bounds[2 * s]; t < bounds[2 * s + 1]; ++t) {
     const float decay = expf(g[t * Hv + h]), b = beta[t * Hv + h];
     const float km = row ? k[(t * Hk + kh) * dk + m] : 0.f, qm = row ? q[(t * Hk + kh) * dk + m] : 0.f;
@@ -110,8 +119,12 @@ __global__ void __launch_bounds__(128) recurrent_kernel(const float* __restrict_
   }
   if (row)
 #pragma unroll
-    for (int c = 0; c < kRecCols; ++c)
-      if (c < ncol) st[int64_t(m) * dv + c0 + c] = S[c];
+    for (int c = 0; c < kRecCols; ++c) tile[m][c] = S[c];
+  __syncthreads();
+  for (int i = threadIdx.x; i < dk * kRecCols; i += blockDim.x) {
+    const int r = i / kRecCols, c = i % kRecCols;
+    if (c < ncol) st[int64_t(r) * dv + c0 + c] = tile[r][c];
+  }
 }
 
 void check_conv(int K, int64_t C, int64_t x_stride, const char* what) {
