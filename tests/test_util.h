@@ -11,9 +11,34 @@
 
 namespace dflash::test {
 
-/// The one tolerance table of the project (normalized error ||a - b|| / ||b||).
-/// CPU float32 reference vs transformers float32 goldens:
+/// The one tolerance table of the project (normalized error ||a - b|| / ||b||), each bound with
+/// what it covers and why. Tests use these names, not numbers of their own.
+/// float32 against float32 / float64 of the same math (transformers' float32 goldens, the fp32 GPU
+/// kernels): only the summation order (and fast exp) differ.
 inline constexpr double kTolF32 = 1e-5;
+/// float64 analytic gradients against central differences.
+inline constexpr double kTolFiniteDifference = 1e-6;
+/// The chunked GatedDeltaNet against the token recurrence: another fp32 summation order over up to
+/// 4097 steps (output and final state).
+inline constexpr double kTolGdnChunked = 1e-4;
+/// One bf16 rounding of an fp32 result (2^-9 relative at most, ~1.1e-3 on random data) plus
+/// fp32-vs-fp64 noise: GEMM and FP8 product outputs in bf16.
+inline constexpr double kTolBf16Out = 4e-3;
+/// The GatedDeltaNet kernels' bf16 outputs (fp32 recurrence with fast exp, then one bf16 rounding).
+inline constexpr double kTolBf16OutGdn = 5e-3;
+/// The GPU attention (bf16 inputs and outputs, probabilities rounded to bf16 before the P.V / dS
+/// products, as every flash-attention kernel does) against float64 on the same inputs.
+inline constexpr double kTolBf16Attention = 1e-2;
+/// A whole target forward on the GPU (bf16 weights and GEMM inputs through 2 layers, fp32
+/// accumulation and residual) against transformers.
+inline constexpr double kTolBf16Target = 1e-2;
+/// A whole drafter training step in bf16 (activations and gradients rounded at every op) against
+/// fp32: a few bf16 unit roundoffs through 2 layers.
+inline constexpr double kTolBf16DrafterStep = 3e-2;
+/// E4M3 products with fp32 output against the exact sum of the dequantized operands: Hopper's FP8
+/// tensor cores add with an accumulator of about 14 bits (DeepSeek-V3 technical report, 3.3.2);
+/// 2^-12 (1e-4 measured at K 512 on an H100).
+inline constexpr double kTolFp8Accumulate = 2.5e-4;
 
 /// d f / d h at 0 by the 4th-order central difference (8 (f(h) - f(-h)) - (f(2h) - f(-2h))) / (12 h).
 template <typename F>

@@ -89,12 +89,16 @@ nlohmann::json describe(const std::string& path, TargetDtype dtype) {
   nlohmann::json dev = {{"cpu", "available"}};
 #ifdef DFLASH_HAVE_CUDA
   nlohmann::json gpus = nlohmann::json::array();
+  int current = 0;
+  const bool have_current = cudaGetDevice(&current) == cudaSuccess;
   for (const auto& d : cuda::devices()) {
-    DFLASH_CUDA_CHECK(cudaSetDevice(d.index));
-    const std::string no_fp8 = cuda::fp8_unsupported_reason();
+    // (a device that cannot be made current says so instead of stopping the listing)
+    const std::string no_fp8 =
+        cudaSetDevice(d.index) == cudaSuccess ? cuda::fp8_unsupported_reason() : (cudaGetLastError(), "not usable");
     gpus.push_back({{"index", d.index}, {"name", d.name}, {"sm", d.sm}, {"memory_bytes", d.total_memory},
                     {"fp8", no_fp8.empty() ? nlohmann::json("supported") : nlohmann::json("refused: " + no_fp8)}});
   }
+  if (have_current) cudaSetDevice(current);
   const char* tune[] = {"auto (target forward: fastest of 8 candidates timed per shape; drafter: cuBLASLt's first)",
                         "off (cuBLASLt's first candidate)", "on (fastest of 8 candidates timed per shape)",
                         "on, logged"};

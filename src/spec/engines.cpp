@@ -35,6 +35,8 @@ std::string resolve_drafter_dir(const std::string& path) {
 
 Engines open_engines(const EngineOptions& o) {
   Engines e;
+  if (o.target_dtype != TargetDtype::kBf16 && o.device != "cuda")
+    throw std::runtime_error("--target-dtype fp8 runs on the GPU only: add --device cuda");
 #ifndef DFLASH_HAVE_CUDA
   if (o.device != "cpu")
     throw std::runtime_error("--device " + o.device + ": this build has no CUDA backend (it was configured with -DDFLASH_CUDA=OFF or without nvcc; reconfigure on a machine with the CUDA toolkit)");
@@ -65,8 +67,6 @@ Engines open_engines(const EngineOptions& o) {
     return e;
   }
 #endif
-  if (o.target_dtype != TargetDtype::kBf16)
-    throw std::runtime_error("--target-dtype fp8 runs on the GPU only: add --device cuda");
   e.target = make_cpu_decoder(*e.model, std::move(taps));
   if (!o.drafter.empty())
     e.drafter = make_cpu_drafter(dc, std::move(dw), e.model->embed_tokens(), e.model->lm_head());

@@ -210,6 +210,13 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
   }
   if (c.resume && existing.empty())
     throw std::runtime_error("--resume: no checkpoint in " + ckdir.string() + " to continue from");
+  if (c.resume && fs::exists(out / "train_config.json")) {  // the taps come from the target as that run ran it
+    const nlohmann::json was = read_json_file((out / "train_config.json").string());
+    const std::string dt = was.value("target_dtype", std::string("bf16"));
+    if (dt != c.target_dtype)
+      throw std::runtime_error("--resume: the run in " + c.out + " was trained with --target-dtype " + dt +
+                               ", not " + c.target_dtype + ": pass --target-dtype " + dt + " (or start a new --out)");
+  }
 
   // Tokenizer and data first (quick to check), then the target.
   const ModelSpec spec = open_model(c.target).spec;

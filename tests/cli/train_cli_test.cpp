@@ -362,6 +362,22 @@ TEST(TrainCli, CorruptedCheckpointIsRefused) {
   EXPECT_FALSE(fs::exists(out / "final"));
 }
 
+// The taps come from the target as the run computed them: resuming with another --target-dtype is
+// refused, naming the one to pass (the run's train_config.json records it).
+TEST(TrainCli, ResumeKeepsTheTargetDtype) {
+  TinyTrain r;
+  const fs::path out = r.tmp / "out";
+  std::string log;
+  ASSERT_EQ(r.train(out, "--max-steps 30 --steps-this-run 10", &log), 0) << log;
+  nlohmann::json cfg = read_json_file((out / "train_config.json").string());
+  EXPECT_EQ(cfg.value("target_dtype", ""), "bf16");
+  cfg["target_dtype"] = "fp8";  // as an FP8 run on a GPU would have written it
+  test::write_file(out / "train_config.json", cfg.dump());
+  EXPECT_EQ(r.train(out, "--max-steps 30 --resume", &log), 1);
+  EXPECT_NE(log.find("was trained with --target-dtype fp8, not bf16"), std::string::npos) << log;
+  EXPECT_FALSE(fs::exists(out / "final"));
+}
+
 TEST(TrainCli, ConfigFileFlagsAndDump) {
   TinyTrain r;
   test::write_file(r.tmp / "cfg.json", R"({"lr": 0.001, "num_anchors": 64, "epochs": 2})");

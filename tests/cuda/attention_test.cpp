@@ -23,9 +23,6 @@ using cuda::DeviceArray;
 
 namespace {
 
-// bf16 inputs, bf16 outputs, probabilities rounded to bf16 before the P.V / dS products (as every
-// flash-attention kernel does): relative L2 error against float64 on the same inputs.
-constexpr double kTolBf16Attention = 1e-2;
 
 struct Case {
   std::string name;
@@ -69,7 +66,7 @@ void run_case(const Case& c, uint64_t seed) {
     const auto lse_gpu = lse.to_host(s);
     ASSERT_TRUE(test::all_finite(o_gpu)) << what;
     const double eo = test::rel_l2(o_gpu, o_ref.data);
-    EXPECT_LE(eo, kTolBf16Attention) << what;
+    EXPECT_LE(eo, test::kTolBf16Attention) << what;
     std::vector<double> lf_gpu, lf_ref;
     for (size_t i = 0; i < lse_gpu.size(); ++i) {
       if (std::isinf(lse_ref.data[i])) {
@@ -107,9 +104,9 @@ void run_case(const Case& c, uint64_t seed) {
       const auto a = test::to_host_f32(gq, s), b = test::to_host_f32(gk, s), d = test::to_host_f32(gv, s);
       ASSERT_TRUE(test::all_finite(a) && test::all_finite(b) && test::all_finite(d)) << what;
       const double e1 = test::rel_l2(a, dq_ref.data), e2 = test::rel_l2(b, dk_ref.data), e3 = test::rel_l2(d, dv_ref.data);
-      EXPECT_LE(e1, kTolBf16Attention) << what;
-      EXPECT_LE(e2, kTolBf16Attention) << what;
-      EXPECT_LE(e3, kTolBf16Attention) << what;
+      EXPECT_LE(e1, test::kTolBf16Attention) << what;
+      EXPECT_LE(e2, test::kTolBf16Attention) << what;
+      EXPECT_LE(e3, test::kTolBf16Attention) << what;
       std::printf(" | %s bwd: dq %.2e dk %.2e dv %.2e", what, e1, e2, e3);
     };
     if (cuda::masked_attention_uses_wgmma(c.D)) backward(cuda::AttentionKernel::kMmaSync, "mma.sync");

@@ -12,8 +12,11 @@
 #include "tensor/dtype.h"
 
 /// Skips the calling test, saying where GPU tests run, when no CUDA device is visible (CI has none).
-#define DFLASH_REQUIRE_GPU() \
-  if (!::dflash::cuda::has_device()) GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)"
+#define DFLASH_REQUIRE_GPU()                                                                                 \
+  do {                                                                                                       \
+    if (!::dflash::cuda::has_device())                                                                       \
+      GTEST_SKIP() << "no CUDA device visible: GPU test skipped (runs in scripts/gpu_check.sh)";             \
+  } while (0)
 
 namespace dflash::test {
 

@@ -61,7 +61,7 @@ struct TinySetup {
   std::vector<double> run(const std::vector<int>& tg, const std::vector<int>& dg, int64_t pack_tokens,
                           const std::string& device, std::vector<double>* losses) const {
     const SampleSource source = [&](int64_t i) { return data.at(size_t(i)); };
-    DrafterTrainer tr(cfg, make_gpu_backend(cfg, w0, *model, tg, dg, GpuTrainOptions{false, pack_tokens, {}}),
+    DrafterTrainer tr(cfg, make_gpu_backend(cfg, w0, *model, tg, dg, GpuTrainOptions{false, pack_tokens, TargetDtype::kBf16, {}}),
                       int64_t(data.size()), o);
     for (int i = 0; i < 4; ++i) {
       const TrainStepStats st = tr.step(source);

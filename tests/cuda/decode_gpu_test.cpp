@@ -20,7 +20,6 @@ using namespace dflash;
 using CudaDecode = test::GpuTest;
 
 namespace {
-constexpr double kTolBf16Target = 1e-2;  // as target_gpu_test: bf16 weights and GEMM inputs
 
 std::vector<int32_t> random_ids(int64_t n, int64_t V, uint32_t seed) {
   std::mt19937 g(seed);
@@ -90,10 +89,10 @@ TEST_P(CudaDecodeTargets, CachedForwardEqualsFullForward) {
                                       slice_rows(want.logits, int64_t(at[q]), int64_t(at[q] + step[q])).data);
         std::printf("[gpu decode] %s step %zu sequence %zu: cached vs full logits rel L2 %.2e\n", GetParam().c_str(), p,
                     q, e);
-        EXPECT_LE(e, kTolBf16Target) << "sequence " << q << " tokens [" << at[q] << ", " << at[q] + step[q] << ")";
+        EXPECT_LE(e, test::kTolBf16Target) << "sequence " << q << " tokens [" << at[q] << ", " << at[q] + step[q] << ")";
         EXPECT_LE(test::rel_l2(slice_rows(got.hidden_states.at(1), cu[q], cu[q + 1]).data,
                                slice_rows(want.hidden_states.at(1), int64_t(at[q]), int64_t(at[q] + step[q])).data),
-                  kTolBf16Target);
+                  test::kTolBf16Target);
         at[q] += step[q];
       }
       if (p == 2) {
@@ -120,7 +119,7 @@ TEST_P(CudaDecodeTargets, CachedForwardEqualsFullForward) {
     gpu.truncate_cache(1, 0);  // emptied: starts again from zero states
     const ForwardOutput again = gpu.forward_cached({seqs[1][0], seqs[1][1]}, {0, 0, 2, 2}, o);
     const ForwardOutput want = gpu.forward({seqs[1][0], seqs[1][1]}, {0, 2}, ForwardOptions{});
-    EXPECT_LE(test::rel_l2(again.logits.data, want.logits.data), kTolBf16Target);
+    EXPECT_LE(test::rel_l2(again.logits.data, want.logits.data), test::kTolBf16Target);
   }
   cudaStreamDestroy(s);
 }

@@ -22,9 +22,6 @@ using CudaDrafter = test::GpuTest;
 
 namespace {
 
-// A whole drafter step in bf16 (activations and their gradients rounded to bf16 at every op, fp32
-// accumulation) against fp32: a few bf16 unit roundoffs (2^-9 each) through 2 layers.
-constexpr double kTolBf16Step = 3e-2;
 
 float bf(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
@@ -145,7 +142,7 @@ void expect_step_matches_the_cpu(const Tiny& t) {
       for (size_t i = 0; i < gn.size(); ++i) {
         std::vector<float> want = rn[i].second->data;
         for (float& x : want) x *= times;
-        EXPECT_LE(test::rel_l2(gn[i].second->data, want), kTolBf16Step) << gn[i].first << " round " << round;
+        EXPECT_LE(test::rel_l2(gn[i].second->data, want), test::kTolBf16DrafterStep) << gn[i].first << " round " << round;
       }
     }
   }
@@ -209,7 +206,7 @@ TEST_F(CudaDrafter, StepMatchesTheCpuReference) {
     for (size_t i = 0; i < gn.size(); ++i) {
       const double e = test::rel_l2(gn[i].second->data, rn[i].second->data);
       worst = std::max(worst, e);
-      EXPECT_LE(e, kTolBf16Step) << gn[i].first;
+      EXPECT_LE(e, test::kTolBf16DrafterStep) << gn[i].first;
     }
     std::printf("[gpu drafter] worst gradient rel L2 vs CPU fp32: %.2e\n", worst);
 

@@ -25,13 +25,6 @@ using namespace dflash;
 using CudaGdn = test::GpuTest;
 
 namespace {
-// Same inputs on both sides. fp32 outputs: only fp32 summation order (and fast exp) differ.
-constexpr double kTolF32 = 1e-5;
-// The chunked form against the token recurrence: a different fp32 summation order over up to 4097
-// steps (output and final state).
-constexpr double kTolChunked = 1e-4;
-// Outputs rounded to bf16 (2^-9 relative per element).
-constexpr double kTolBf16Out = 5e-3;
 
 template <typename T>
 cuda::DeviceArray<T> poisoned(size_t n) {
@@ -105,7 +98,7 @@ TEST_F(CudaGdn, Conv1dSiluMatchesTheReference) {
       cuda::causal_conv1d_silu(dx.data(), stride, dw.data(), starts.data(), T, C, K, y.data(), nullptr);
       const std::vector<float> got = host_f32(y);
       ASSERT_TRUE(test::all_finite(got)) << "C " << C << " stride " << stride << " K " << K;
-      EXPECT_LE(test::rel_l2(got, want.data), kTolF32) << "C " << C << " stride " << stride << " K " << K;
+      EXPECT_LE(test::rel_l2(got, want.data), test::kTolF32) << "C " << C << " stride " << stride << " K " << K;
     }
   }
   EXPECT_THROW(cuda::causal_conv1d_silu(nullptr, 1, nullptr, nullptr, 1, 1, 9, nullptr, nullptr),
@@ -146,9 +139,9 @@ TEST_F(CudaGdn, Conv1dSiluWithQueryKeyNormMatchesTheReference) {
         "Hk " + std::to_string(cs.Hk) + " dk " + std::to_string(cs.dk) + " pad " + std::to_string(cs.pad);
     const std::vector<float> gq = host_f32(q), gk = host_f32(k);
     ASSERT_TRUE(test::all_finite(gq) && test::all_finite(gk) && test::all_finite(got_v)) << what;
-    EXPECT_LE(test::rel_l2(gq, want.q), kTolF32) << what;
-    EXPECT_LE(test::rel_l2(gk, want.k), kTolF32) << what;
-    EXPECT_LE(test::rel_l2(got_v, want.v), kTolF32) << what;
+    EXPECT_LE(test::rel_l2(gq, want.q), test::kTolF32) << what;
+    EXPECT_LE(test::rel_l2(gk, want.k), test::kTolF32) << what;
+    EXPECT_LE(test::rel_l2(got_v, want.v), test::kTolF32) << what;
   }
   float* p = nullptr;
   const cuda::ConvQkNorm wide{3, 8, 1.f, p, p};
@@ -189,11 +182,11 @@ TEST_F(CudaGdn, PrepareMatchesTheReference) {
         wg.push_back(-std::exp(A_log[size_t(h)]) * cpu::softplus(a[i] + dt_bias[size_t(h)]));
       }
     }
-    EXPECT_LE(test::rel_l2(host_f32(q), want.q), kTolF32);
-    EXPECT_LE(test::rel_l2(host_f32(k), want.k), kTolF32);
+    EXPECT_LE(test::rel_l2(host_f32(q), want.q), test::kTolF32);
+    EXPECT_LE(test::rel_l2(host_f32(k), want.k), test::kTolF32);
     EXPECT_EQ(host_f32(v), want.v);  // a copy
-    EXPECT_LE(test::rel_l2(host_f32(g), wg), kTolF32);
-    EXPECT_LE(test::rel_l2(host_f32(beta), wb), kTolF32);
+    EXPECT_LE(test::rel_l2(host_f32(g), wg), test::kTolF32);
+    EXPECT_LE(test::rel_l2(host_f32(beta), wb), test::kTolF32);
     // Without v (the chunked rule reads it in place): the same q, k, g, beta.
     auto q2 = poisoned<float>(size_t(T * Hk * dk)), k2 = poisoned<float>(size_t(T * Hk * dk));
     cuda::gdn_prepare(d_qkv.data(), d_b, d_a, ba_stride, d_A.data(), d_dt.data(), T, int(Hk), int(Hv), int(dk),
@@ -275,8 +268,8 @@ void check_chunked(const std::vector<int64_t>& lens, int64_t Hk, int64_t Hv, int
     cpu::gated_rms_norm(want_y, z, w, 1e-6);
     const std::vector<float> got_y = test::to_host_f32(y, nullptr);
     ASSERT_TRUE(test::all_finite(got_y)) << "gated RMSNorm output, T " << T << " dv " << dv;
-    EXPECT_LE(test::rel_l2(got_y, want_y.data), kTolBf16Out) << "gated RMSNorm output, T " << T << " dv " << dv;
-    EXPECT_LE(test::rel_l2(host_f32(fs), want_state.data), kTolChunked) << "final state, T " << T << " dv " << dv;
+    EXPECT_LE(test::rel_l2(got_y, want_y.data), test::kTolBf16OutGdn) << "gated RMSNorm output, T " << T << " dv " << dv;
+    EXPECT_LE(test::rel_l2(host_f32(fs), want_state.data), test::kTolGdnChunked) << "final state, T " << T << " dv " << dv;
     const cuda::GatedNormOut narrow{dz.data() + z_off, Hv * dv - 1, dw.data(), 1e-6f, y.data()};
     const cuda::GatedNormOut odd_y{dz.data() + z_off, z_stride, dw.data(), 1e-6f, y.data() + 1};
     for (const cuda::GatedNormOut* bad : {&narrow, &odd_y})  // z rows overlapping; y not 4-byte aligned
@@ -311,7 +304,7 @@ void check_chunked(const std::vector<int64_t>& lens, int64_t Hk, int64_t Hv, int
   }
   const std::vector<float> got = host_f32(o), state = host_f32(recurrent ? ds0 : fs);
   if (recurrent) {
-    EXPECT_LE(test::rel_l2(host_f32(tokens), want_tokens.data), kTolChunked) << "every token's state";
+    EXPECT_LE(test::rel_l2(host_f32(tokens), want_tokens.data), test::kTolGdnChunked) << "every token's state";
   }
   std::string what = recurrent ? "recurrent, T" : "T";
   for (int64_t l : lens) what += " " + std::to_string(l);
@@ -319,8 +312,8 @@ void check_chunked(const std::vector<int64_t>& lens, int64_t Hk, int64_t Hv, int
           std::to_string(dv) + (init ? ", initial state" : "");
   ASSERT_TRUE(test::all_finite(got)) << what;
   ASSERT_TRUE(test::all_finite(state)) << what;
-  EXPECT_LE(test::rel_l2(got, want.data), kTolChunked) << what;
-  EXPECT_LE(test::rel_l2(state, want_state.data), kTolChunked) << what << " (final state)";
+  EXPECT_LE(test::rel_l2(got, want.data), test::kTolGdnChunked) << what;
+  EXPECT_LE(test::rel_l2(state, want_state.data), test::kTolGdnChunked) << what << " (final state)";
 }
 }  // namespace
 
@@ -384,7 +377,7 @@ void check_from_projections(const std::vector<int64_t>& lens, int Hk, int Hv, in
   ASSERT_TRUE(test::all_finite(got[1])) << what;
   // The same operations on the same values (fp32; only contractions into fma may differ), the norm's
   // output then rounded to bf16.
-  EXPECT_LE(test::rel_l2(got[0], want[0]), norm ? kTolBf16Out : 1e-6) << what;
+  EXPECT_LE(test::rel_l2(got[0], want[0]), norm ? test::kTolBf16OutGdn : 1e-6) << what;
   EXPECT_LE(test::rel_l2(got[1], want[1]), 1e-6) << what << " (final state)";
 }
 }  // namespace
@@ -598,7 +591,7 @@ TEST_F(CudaGdn, Conv1dWithWindowsMatchesTheReference) {
     auto hist = poisoned<float>(size_t((n * K1 + T) * C));
     cuda::causal_conv1d_silu_window(dx.data(), stride, dw.data(), dwin.data(), d_seq.data(), d_cu.data(), T, C, K,
                                     y.data(), nullptr);
-    EXPECT_LE(test::rel_l2(host_f32(y), want.data), kTolF32) << "K " << K;
+    EXPECT_LE(test::rel_l2(host_f32(y), want.data), test::kTolF32) << "K " << K;
     cuda::conv_window_advance(dwin.data(), dx.data(), stride, d_cu.data(), int(n), T, C, K, hist.data(), nullptr);
     // Expected: per sequence, history = [old window ; its rows of x], the new window its last K-1 rows.
     std::vector<float> want_hist, want_win;
@@ -643,7 +636,7 @@ TEST_F(CudaGdn, GatedRmsNormAndOutputGateMatchTheReference) {
     cpu::gated_rms_norm(want, z, w, 1e-6);
     const std::vector<float> got = test::to_host_f32(y, nullptr);
     ASSERT_TRUE(test::all_finite(got)) << "n " << n;
-    EXPECT_LE(test::rel_l2(got, want.data), kTolBf16Out) << "n " << n;
+    EXPECT_LE(test::rel_l2(got, want.data), test::kTolBf16OutGdn) << "n " << n;
   }
   EXPECT_THROW(cuda::gated_rms_norm(nullptr, nullptr, 7, 7 * 128 - 1, nullptr, nullptr, 7, 128, 1e-6, nullptr),
                std::invalid_argument);
@@ -653,7 +646,7 @@ TEST_F(CudaGdn, GatedRmsNormAndOutputGateMatchTheReference) {
   cuda::mul_sigmoid(ox.data(), oz.data(), rows * n - 3, nullptr);
   std::vector<float> gated = x.data;
   for (size_t i = 0; i + 3 < gated.size(); ++i) gated[i] *= cpu::sigmoid(z.data[i]);
-  EXPECT_LE(test::rel_l2(test::to_host_f32(ox, nullptr), gated), kTolBf16Out);
+  EXPECT_LE(test::rel_l2(test::to_host_f32(ox, nullptr), gated), test::kTolBf16OutGdn);
 }
 
 #endif  // DFLASH_HAVE_CUDA

@@ -36,11 +36,6 @@ using test::to_host_f32;
 
 namespace {
 
-// bf16 outputs vs an fp32/fp64 reference on the same bf16 inputs: one rounding of the output
-// (2^-9 relative at most, about 1.1e-3 rel L2 on random data) plus fp32-vs-fp64 noise.
-constexpr double kTolBf16Out = 4e-3;
-// fp32 outputs (fp32 accumulation of bf16 products) vs the fp64 reference on the same inputs.
-constexpr double kTolF32Out = 1e-5;
 
 struct Stream {
   cudaStream_t s{};
@@ -132,13 +127,13 @@ TEST(CudaGemm, AllTransposesOddSizesAccumulateAndBf16Output) {
       std::vector<double> want(ref.size());
       for (size_t i = 0; i < ref.size(); ++i) want[i] = ref[i] + C0[i];
       const double e = test::rel_l2(dC.to_host(st.s), want);
-      EXPECT_LE(e, kTolF32Out) << "M " << M << " N " << N << " K " << K << " trans " << t;
+      EXPECT_LE(e, test::kTolF32) << "M " << M << " N " << N << " K " << K << " trans " << t;
       DeviceArray<bf16> dCb{size_t(M * N)};
       dCb.fill_bytes(0xFF, st.s);  // NaN poison: every element must be written
       ctx.gemm(g, dA.data(), dB.data(), dCb.data());
       const auto got = to_host_f32(dCb, st.s);
       EXPECT_TRUE(all_finite(got));
-      EXPECT_LE(test::rel_l2(got, ref), kTolBf16Out) << "bf16 out, trans " << t;
+      EXPECT_LE(test::rel_l2(got, ref), test::kTolBf16Out) << "bf16 out, trans " << t;
     }
   }
   EXPECT_GE(cuda::GemmContext::cached_algorithms(), 12u);
@@ -197,7 +192,7 @@ TEST(CudaGemm, TunedAndHeuristicChoicesComputeTheProductOnce) {
       EXPECT_EQ(printed.find("dflash gemm tune") != std::string::npos, std::string(mode) == "log" && ctx == &tuning)
           << "'" << mode << "': " << printed;  // printed once, at the shape's first call
       const auto got = dC.to_host(st.s);
-      EXPECT_LE(test::rel_l2(got, want), kTolF32Out) << "'" << mode << "'";
+      EXPECT_LE(test::rel_l2(got, want), test::kTolF32) << "'" << mode << "'";
       DeviceArray<float> dC2(C0, st.s);
       ctx->gemm(g, dA.data(), dB.data(), dC2.data(), 1.f, 1.f);
       EXPECT_EQ(dC2.to_host(st.s), got) << "'" << mode << "'";
@@ -209,7 +204,7 @@ TEST(CudaGemm, TunedAndHeuristicChoicesComputeTheProductOnce) {
     tuning.gemm(g, dA.data(), dB.data(), dCb.data());
     const auto got = to_host_f32(dCb, st.s);
     EXPECT_TRUE(all_finite(got));
-    EXPECT_LE(test::rel_l2(got, ref), kTolBf16Out) << "'" << mode << "'";
+    EXPECT_LE(test::rel_l2(got, ref), test::kTolBf16Out) << "'" << mode << "'";
   }
 }
 
@@ -237,7 +232,7 @@ TEST(CudaGemm, TunedChoiceServesEveryRowCountOfItsBucket) {
     ctx.gemm(g, dA.data(), dB.data(), dC.data());
     const std::string printed = testing::internal::GetCapturedStderr();
     EXPECT_EQ(printed.find("dflash gemm tune") != std::string::npos, prints) << "M " << M << ": " << printed;
-    EXPECT_LE(test::rel_l2(dC.to_host(st.s), ref_gemm(g, A, B)), kTolF32Out) << "M " << M;
+    EXPECT_LE(test::rel_l2(dC.to_host(st.s), ref_gemm(g, A, B)), test::kTolF32) << "M " << M;
   }
 }
 
@@ -266,7 +261,7 @@ TEST(CudaGemm, TunedChoiceRefusedForMisalignedOperandsFallsBack) {
     const auto all = dC.to_host(st.s);
     const std::vector<float> got(all.begin() + offset, all.end());
     EXPECT_TRUE(all_finite(got)) << "M " << M << " offset " << offset;
-    EXPECT_LE(test::rel_l2(got, ref_gemm(g, A, B)), kTolF32Out) << "M " << M << " offset " << offset;
+    EXPECT_LE(test::rel_l2(got, ref_gemm(g, A, B)), test::kTolF32) << "M " << M << " offset " << offset;
   }
 }
 
@@ -289,7 +284,7 @@ TEST(CudaGemm, ManyThreadsOwnStreamsAtOnce) {
       err[size_t(w)] = test::rel_l2(dC.to_host(st.s), ref_gemm(g, A, B));
     });
   for (auto& t : th) t.join();
-  for (int w = 0; w < 8; ++w) EXPECT_LE(err[size_t(w)], kTolF32Out) << "thread " << w;
+  for (int w = 0; w < 8; ++w) EXPECT_LE(err[size_t(w)], test::kTolF32) << "thread " << w;
 }
 
 TEST(CudaRmsNorm, ForwardBackwardPlainAndZeroCentered) {
@@ -327,26 +322,26 @@ TEST(CudaRmsNorm, ForwardBackwardPlainAndZeroCentered) {
       auto dw = dWg.to_host(st.s);
       for (float& v : dw) v -= 0.5f;
       ASSERT_TRUE(all_finite(y) && all_finite(dx));
-      EXPECT_LE(test::rel_l2(y, y_ref.data), kTolBf16Out) << rows << "x" << n << " zc " << zc;
-      EXPECT_LE(test::rel_l2(inv.to_host(st.s), inv_ref.data), kTolF32Out);
-      EXPECT_LE(test::rel_l2(dx, dx_ref.data), kTolBf16Out) << rows << "x" << n << " zc " << zc;
-      EXPECT_LE(test::rel_l2(dw, dw_ref.data), kTolF32Out * 10) << rows << "x" << n << " zc " << zc;
+      EXPECT_LE(test::rel_l2(y, y_ref.data), test::kTolBf16Out) << rows << "x" << n << " zc " << zc;
+      EXPECT_LE(test::rel_l2(inv.to_host(st.s), inv_ref.data), test::kTolF32);
+      EXPECT_LE(test::rel_l2(dx, dx_ref.data), test::kTolBf16Out) << rows << "x" << n << " zc " << zc;
+      EXPECT_LE(test::rel_l2(dw, dw_ref.data), test::kTolF32 * 10) << rows << "x" << n << " zc " << zc;
       // The fp32-input forward (a residual stream kept in fp32), and a bf16 input 8 bytes off 16-byte
       // alignment (the scalar kernels take over).
       DeviceArray<float> dXf(x, st.s);
       Y.fill_bytes(0xFF, st.s);
       cuda::rms_norm_forward(dXf.data(), dW.data(), Y.data(), nullptr, rows, n, 1e-6, zc, st.s);
-      EXPECT_LE(test::rel_l2(to_host_f32(Y, st.s), y_ref.data), kTolBf16Out) << rows << "x" << n << " fp32 in";
+      EXPECT_LE(test::rel_l2(to_host_f32(Y, st.s), y_ref.data), test::kTolBf16Out) << rows << "x" << n << " fp32 in";
       DeviceArray<bf16> Xo{size_t(rows * n + 4)};
       DFLASH_CUDA_CHECK(cudaMemcpyAsync(Xo.data() + 4, dX.data(), size_t(rows * n) * 2, cudaMemcpyDeviceToDevice, st.s));
       Y.fill_bytes(0xFF, st.s);
       cuda::rms_norm_forward(Xo.data() + 4, dW.data(), Y.data(), nullptr, rows, n, 1e-6, zc, st.s);
-      EXPECT_LE(test::rel_l2(to_host_f32(Y, st.s), y_ref.data), kTolBf16Out) << rows << "x" << n << " misaligned";
+      EXPECT_LE(test::rel_l2(to_host_f32(Y, st.s), y_ref.data), test::kTolBf16Out) << rows << "x" << n << " misaligned";
       // The backward in place (dx = dy, as the drafter's q / k norms), without dw.
       auto DYc = to_device_bf16(dy, st.s);
       cuda::rms_norm_backward(dX.data(), dW.data(), inv.data(), DYc.data(), DYc.data(), nullptr, ws.data(), rows, n, zc,
                               st.s);
-      EXPECT_LE(test::rel_l2(to_host_f32(DYc, st.s), dx_ref.data), kTolBf16Out) << rows << "x" << n << " in place";
+      EXPECT_LE(test::rel_l2(to_host_f32(DYc, st.s), dx_ref.data), test::kTolBf16Out) << rows << "x" << n << " in place";
     }
   }
 }
@@ -375,9 +370,9 @@ TEST(CudaRope, FullAndPartialForwardAndInverse) {
     auto dx = to_device_bf16(x, st.s);
     cuda::rope_apply(dx.data(), n, H, D, rot, c.data(), s.data(), false, st.s);
     const auto y = to_host_f32(dx, st.s);
-    EXPECT_LE(test::rel_l2(y, X.data), kTolBf16Out) << n << " " << H << " " << D << " " << rot;
+    EXPECT_LE(test::rel_l2(y, X.data), test::kTolBf16Out) << n << " " << H << " " << D << " " << rot;
     cuda::rope_apply(dx.data(), n, H, D, rot, c.data(), s.data(), true, st.s);  // the backward undoes it
-    EXPECT_LE(test::rel_l2(to_host_f32(dx, st.s), x), 2 * kTolBf16Out);
+    EXPECT_LE(test::rel_l2(to_host_f32(dx, st.s), x), 2 * test::kTolBf16Out);
   }
 }
 
@@ -417,8 +412,8 @@ TEST(CudaElementwise, SwigluGatherAdd) {
         const auto h = to_host_f32(a, st.s);
         return std::vector<float>(h.begin() + off, h.end());
       };
-      EXPECT_LE(test::rel_l2(tailf(act), A.data), kTolBf16Out) << rows << " x " << I << " " << off;
-      EXPECT_LE(test::rel_l2(tailf(dGU), dgu_ref), kTolBf16Out) << rows << " x " << I << " " << off;
+      EXPECT_LE(test::rel_l2(tailf(act), A.data), test::kTolBf16Out) << rows << " x " << I << " " << off;
+      EXPECT_LE(test::rel_l2(tailf(dGU), dgu_ref), test::kTolBf16Out) << rows << " x " << I << " " << off;
     }
 
   // Rows of 72 (16-byte words) and of 9 elements (one by one).
@@ -466,7 +461,7 @@ TEST(CudaElementwise, SwigluGatherAdd) {
   cuda::add_inplace(y.data(), dU.data(), n, st.s);
   std::vector<double> sum(static_cast<size_t>(n));
   for (size_t i = 0; i < sum.size(); ++i) sum[i] = double(g[i]) + u[i];
-  EXPECT_LE(test::rel_l2(to_host_f32(y, st.s), sum), kTolBf16Out);
+  EXPECT_LE(test::rel_l2(to_host_f32(y, st.s), sum), test::kTolBf16Out);
 }
 
 TEST(CudaAdamW, ClipAndThreeStepsBitwiseLikeTheCpu) {

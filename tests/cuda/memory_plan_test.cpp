@@ -69,9 +69,24 @@ TEST(MemoryPlan, Fp8TargetPutsThe27bPairOnAn80GbGpu) {
               bf.on_gpu(true, true) / 1e9, bf.target_weights / 1e9, f8.on_gpu(true, true) / 1e9, f8.target_weights / 1e9);
   EXPECT_GT(bf.on_gpu(true, true), 80e9);
   EXPECT_LT(f8.on_gpu(true, true), 76e9);
-  // the projections halve; embed_tokens and lm_head (2 x V x D bf16) and the rest stay
-  const double embed_head = 2.0 * 2.0 * double(p.target.vocab_size * p.target.hidden_size);
-  EXPECT_NEAR(f8.target_weights - embed_head, (bf.target_weights - embed_head) / 2, 0.01 * bf.target_weights);
+  // Exactly: every projection [N, K] goes from 2 N K bytes to N K + 4 N (an fp32 scale per output
+  // channel); embeddings, the LM head, norms and the GatedDeltaNet vectors stay.
+  const ModelSpec& t = p.target;
+  const int64_t D = t.hidden_size, Dh = t.head_dim, H = t.num_attention_heads, Hkv = t.num_key_value_heads;
+  const int64_t Hv = t.linear_num_value_heads, HvDv = Hv * t.linear_value_head_dim;
+  const int64_t Nin = 2 * t.linear_num_key_heads * t.linear_key_head_dim + 2 * HvDv + 2 * Hv;
+  double elems = 0, rows = 0;
+  auto proj = [&](int64_t N, int64_t K) { elems += double(N * K), rows += double(N); };
+  for (int64_t i = 0; i < t.num_hidden_layers; ++i) {
+    if (t.layer_types[size_t(i)] == LayerKind::GatedDeltaNet) {
+      proj(Nin, D), proj(D, HvDv);
+    } else {
+      proj(H * Dh, D), proj(Hkv * Dh, D), proj(Hkv * Dh, D), proj(D, H * Dh);
+      if (t.attn_output_gate()) proj(H * Dh, D);
+    }
+    proj(2 * t.intermediate_size, D), proj(D, t.intermediate_size);
+  }
+  EXPECT_EQ(f8.target_weights, bf.target_weights - elems + 4 * rows);
 }
 
 TEST(MemoryPlan, PartsAddUpByPlacement) {

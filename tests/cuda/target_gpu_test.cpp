@@ -19,8 +19,6 @@
 using namespace dflash;
 
 namespace {
-// bf16 weights and GEMM inputs through 2 layers, fp32 accumulation and residual (the bf16 bound).
-constexpr double kTolBf16Target = 1e-2;
 
 ForwardOptions all_outputs(int L) {
   ForwardOptions o;
@@ -40,9 +38,9 @@ double check_against_golden(const std::string& name, TargetGpu& gpu, const Targe
     const auto out = gpu.forward(g.ids[q], {0, int64_t(g.ids[q].size())}, all_outputs(L));
     const double e = test::rel_l2(out.logits.data, g.logits[q].data);
     worst = std::max(worst, e);
-    EXPECT_LE(e, kTolBf16Target) << name << " seq" << q << " logits";
+    EXPECT_LE(e, test::kTolBf16Target) << name << " seq" << q << " logits";
     for (int j = 0; j <= L; ++j)
-      EXPECT_LE(test::rel_l2(out.hidden_states.at(j).data, g.hidden[q][size_t(j)].data), kTolBf16Target)
+      EXPECT_LE(test::rel_l2(out.hidden_states.at(j).data, g.hidden[q][size_t(j)].data), test::kTolBf16Target)
           << name << " seq" << q << " hidden_states." << j;
   }
   // Packed: longest first; each sequence's rows must match its own golden.
@@ -59,7 +57,7 @@ double check_against_golden(const std::string& name, TargetGpu& gpu, const Targe
     const std::vector<float> rows(packed.logits.data.begin() + cu[part] * V, packed.logits.data.begin() + cu[part + 1] * V);
     const double e = test::rel_l2(rows, g.logits[q].data);
     worst = std::max(worst, e);
-    EXPECT_LE(e, kTolBf16Target) << name << " packed seq" << q;
+    EXPECT_LE(e, test::kTolBf16Target) << name << " packed seq" << q;
     ++part;
   }
   std::printf("[gpu target] %s worst logits rel L2 vs transformers %s (bf16 GPU path): %.2e\n", name.c_str(),
@@ -95,7 +93,7 @@ TEST(CudaTarget, Qwen3MatchesTransformersInBf16) {
         tap1[size_t(t * D + c)] = bf16_to_f32(h[size_t(t * 2 * D + c)]);
         ASSERT_EQ(h[size_t(t * 2 * D + D + c)], f32_to_bf16(one.hidden_states.at(1).data[size_t(t * D + c)]));
       }
-    EXPECT_LE(test::rel_l2(tap1, g.hidden[2][2].data), kTolBf16Target);
+    EXPECT_LE(test::rel_l2(tap1, g.hidden[2][2].data), test::kTolBf16Target);
     EXPECT_THROW(gpu.forward_taps(ids2, {0, T}, {2}, taps.data()), std::invalid_argument);
   }
   DFLASH_CUDA_CHECK(cudaStreamDestroy(s));

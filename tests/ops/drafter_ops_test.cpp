@@ -17,13 +17,12 @@
 #include "ops/norm.h"
 #include "ops/rope.h"
 #include "tensor/tensor.h"
+#include "test_util.h"
 
 using namespace dflash;
 
 namespace {
 
-constexpr double kFdTol = 1e-6;   // float64 analytic vs central differences (relative L2)
-constexpr double kF32Tol = 1e-5;  // float32 path vs float64 path (relative L2)
 
 Tensor64 randn64(std::vector<int64_t> shape, uint32_t seed, double scale = 1.0, double mean = 0.0) {
   std::mt19937 rng(seed);
@@ -97,15 +96,15 @@ TEST(DrafterOps, LinearBackward) {
   const double ex = fd_error(x, dx, loss), ew = fd_error(w, dw, loss);
   report("linear dx fd", ex);
   report("linear dw fd", ew);
-  EXPECT_LE(ex, kFdTol);
-  EXPECT_LE(ew, kFdTol);
+  EXPECT_LE(ex, test::kTolFiniteDifference);
+  EXPECT_LE(ew, test::kTolFiniteDifference);
 
   Tensor dx32, dw32;  // empty dw -> zeros
   cpu::linear_backward(f32(x), f32(w), f32(R), &dx32, &dw32);
   const double e32 = std::max({rel(cpu::linear(f32(x), f32(w)).data, cpu::linear(x, w).data),
                                rel(dx32.data, dx.data), rel(dw32.data, dw.data)});
   report("linear f32 vs f64", e32);
-  EXPECT_LE(e32, kF32Tol);
+  EXPECT_LE(e32, test::kTolF32);
   Tensor bad;
   EXPECT_THROW(cpu::linear_backward(f32(x), f32(w), f32(x), &bad, &bad), std::invalid_argument);
 }
@@ -121,8 +120,8 @@ TEST(DrafterOps, RmsNormBackward) {
   const double ex = fd_error(x, dx, loss), ew = fd_error(w, dw, loss);
   report("rms_norm dx fd", ex);
   report("rms_norm dw fd", ew);
-  EXPECT_LE(ex, kFdTol);
-  EXPECT_LE(ew, kFdTol);
+  EXPECT_LE(ex, test::kTolFiniteDifference);
+  EXPECT_LE(ew, test::kTolFiniteDifference);
 
   // float32 training forward = the existing in-place inference norm; float32 vs float64.
   Tensor y_inf = f32(x);
@@ -133,7 +132,7 @@ TEST(DrafterOps, RmsNormBackward) {
   cpu::rms_norm_backward(f32(x), f32(w), inv32, f32(R), &dx32, &dw32);
   const double e32 = std::max({rel(y32.data, y.data), rel(dx32.data, dx.data), rel(dw32.data, dw.data)});
   report("rms_norm f32 vs f64", e32);
-  EXPECT_LE(e32, kF32Tol);
+  EXPECT_LE(e32, test::kTolF32);
 }
 
 TEST(DrafterOps, RopeBackwardFullAndPartial) {
@@ -152,7 +151,7 @@ TEST(DrafterOps, RopeBackwardFullAndPartial) {
     cpu::apply_rope_backward(dx, pos, inv, rot);
     const double ex = fd_error(x, dx, loss);
     report("rope dx fd, rotary_dim " + std::to_string(rot), ex);
-    EXPECT_LE(ex, kFdTol);
+    EXPECT_LE(ex, test::kTolFiniteDifference);
     Tensor64 y = x;  // backward undoes the forward
     cpu::apply_rope(y, pos, inv, rot);
     cpu::apply_rope_backward(y, pos, inv, rot);
@@ -164,7 +163,7 @@ TEST(DrafterOps, RopeBackwardFullAndPartial) {
     cpu::apply_rope(y64, pos, inv, rot);
     const double e32 = std::max(rel(y32.data, y64.data), rel(dx32.data, dx.data));
     report("rope f32 vs f64, rotary_dim " + std::to_string(rot), e32);
-    EXPECT_LE(e32, kF32Tol);
+    EXPECT_LE(e32, test::kTolF32);
   }
 }
 
@@ -180,8 +179,8 @@ TEST(DrafterOps, SwigluBackward) {
   const double eg = fd_error(g, dg, loss), eu = fd_error(u, du, loss);
   report("swiglu dgate fd", eg);
   report("swiglu dup fd", eu);
-  EXPECT_LE(eg, kFdTol);
-  EXPECT_LE(eu, kFdTol);
+  EXPECT_LE(eg, test::kTolFiniteDifference);
+  EXPECT_LE(eu, test::kTolFiniteDifference);
   Tensor y32 = f32(g), dg32, du32;
   cpu::swiglu(y32, f32(u));
   cpu::swiglu_backward(f32(g), f32(u), f32(R), &dg32, &du32);
@@ -189,7 +188,7 @@ TEST(DrafterOps, SwigluBackward) {
   cpu::swiglu(y, u);
   const double e32 = std::max({rel(y32.data, y.data), rel(dg32.data, dg.data), rel(du32.data, du.data)});
   report("swiglu f32 vs f64", e32);
-  EXPECT_LE(e32, kF32Tol);
+  EXPECT_LE(e32, test::kTolF32);
 }
 
 namespace {
@@ -327,9 +326,9 @@ TEST(DrafterOps, MaskedAttentionForwardBackward) {
   }
   report("attention fwd vs naive (all W)", worst_fwd);
   report("attention f32 vs f64 (all W)", worst_32);
-  EXPECT_LE(worst_fd, kFdTol);
+  EXPECT_LE(worst_fd, test::kTolFiniteDifference);
   EXPECT_LE(worst_fwd, 1e-13);
-  EXPECT_LE(worst_32, kF32Tol);
+  EXPECT_LE(worst_32, test::kTolF32);
 }
 
 TEST(DrafterOps, MaskedAttentionAllRowsMaskedIsZeroAndNanFree) {
@@ -402,7 +401,7 @@ TEST(DrafterOps, ChunkedCrossEntropy) {
   auto loss = [&] { return cpu::chunked_cross_entropy(h, W, t, w, 3, 8, nullptr).loss; };
   const double efd = fd_error(h, dh, loss);
   report("ce dh fd", efd);
-  EXPECT_LE(efd, kFdTol);
+  EXPECT_LE(efd, test::kTolFiniteDifference);
 
   double worst_chunk = 0;
   for (auto [rc, vc] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {2, 5}, {7, 37}, {4, 36}, {100, 100}}) {
@@ -419,7 +418,7 @@ TEST(DrafterOps, ChunkedCrossEntropy) {
   const auto r32 = cpu::chunked_cross_entropy(f32(h), f32(W), t, w32, 2, 5, &dh32);
   const double e32 = std::max(std::abs(double(r32.loss) - res.loss) / res.loss, rel(dh32.data, dh.data));
   report("ce f32 vs f64", e32);
-  EXPECT_LE(e32, kF32Tol);
+  EXPECT_LE(e32, test::kTolF32);
   EXPECT_EQ(r32.argmax, res.argmax);
 
   // All weights zero: loss 0, dh 0, nothing NaN.

@@ -81,7 +81,7 @@ int run_decode_bench(const DecodeBenchOptions& o) {
     // the recurrent states and conv windows; a batch that cannot fit is skipped, saying so.
     // (the key / value capacity doubles as it grows; old and new buffers coexist while it is copied)
     double cap = 256;
-    while (cap < double(o.prompt_tokens + o.new_tokens)) cap *= 2;
+    while (cap < double(o.prompt_tokens + o.new_tokens + 1)) cap *= 2;  // (+1: the step timed by stage)
     const double cache_b = double(B) * (sequence_bytes(spec, 1.5 * cap, 1));
     size_t free_now = 0;
     gpu.reset_cache(0);
@@ -122,16 +122,16 @@ int run_decode_bench(const DecodeBenchOptions& o) {
         last.swap(next);
       }
       const double decode_s = ms_since(t0) * 1e-3;
-      gpu.time_stages(true);  // one more step with CUDA events around its stages: where a step's time goes
-      gpu.forward_cached(last, cu, fo, &next);
-      const nlohmann::json stages = stage_json(gpu.last_stage_ms());
-      gpu.time_stages(false);
       size_t free1 = 0;
       DFLASH_CUDA_CHECK(cudaMemGetInfo(&free1, &total));
       uint64_t pool_high = 0, pool_now = 0;
       DFLASH_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &pool_high));
       DFLASH_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &pool_now));
       const double memory_gb = (double(free0) - double(free1) - double(pool_now) + double(pool_high)) / 1e9;
+      gpu.time_stages(true);  // one more step with CUDA events around its stages: where a step's time goes
+      gpu.forward_cached(last, cu, fo, &next);
+      const nlohmann::json stages = stage_json(gpu.last_stage_ms());
+      gpu.time_stages(false);
       const double tps = double(B * o.new_tokens) / decode_s;
       const double bytes = step_bytes(spec, o.dtype, B, double(P) + double(o.new_tokens) / 2);
       const double bound = double(B) / (bytes / bw);
@@ -148,6 +148,7 @@ int run_decode_bench(const DecodeBenchOptions& o) {
                          o.record);
     } catch (const std::runtime_error& e) {  // this batch's cache and buffers do not fit (cuda::check_alloc's message)
       if (std::string(e.what()).rfind("out of GPU memory", 0) != 0) throw;
+      gpu.time_stages(false);
       gpu.reset_cache(0);
       fmt::print("bench decode: batch {}: skipped: {}\n", B, e.what());
     }

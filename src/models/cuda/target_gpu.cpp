@@ -213,14 +213,32 @@ void require_gpu_support(const ModelSpec& s, TargetDtype dtype) {
   if (dtype != TargetDtype::kFp8) return;
   const std::string no_fp8 = cuda::fp8_unsupported_reason();
   if (!no_fp8.empty()) throw std::invalid_argument("--target-dtype fp8 cannot run on this GPU: " + no_fp8);
-  const auto in_features_ok = [](int64_t k) { return k % 16 == 0; };
-  const int64_t Im = s.intermediate_size, HDh = s.num_attention_heads * s.head_dim;
+  // cuBLASLt's FP8 rules: every product's input size (K) a multiple of 16, its output rows 16-byte
+  // aligned (N a multiple of 8 for bf16 outputs).
+  const int64_t D = s.hidden_size, HDh = s.num_attention_heads * s.head_dim, HkvDh = s.num_key_value_heads * s.head_dim;
   const int64_t HvDv = s.linear_num_value_heads * s.linear_value_head_dim;
-  if (!in_features_ok(s.hidden_size) || !in_features_ok(HDh) || (Im > 0 && !in_features_ok(Im)) || !in_features_ok(HvDv))
-    throw std::invalid_argument("--target-dtype fp8: every projection's input size (hidden_size " +
-                                std::to_string(s.hidden_size) + ", heads x head_dim " + std::to_string(HDh) +
-                                ", intermediate_size " + std::to_string(Im) + ", GatedDeltaNet values " +
-                                std::to_string(HvDv) + ") must be a multiple of 16 (FP8 tensor-core products)");
+  const int64_t Nin = 2 * s.linear_num_key_heads * s.linear_key_head_dim + 2 * HvDv + 2 * s.linear_num_value_heads;
+  bool dense_mlp = false, gdn = false;
+  for (int64_t i = 0; i < s.num_hidden_layers; ++i) {
+    dense_mlp = dense_mlp || !s.is_moe_layer(i);
+    gdn = gdn || s.layer_types[size_t(i)] == LayerKind::GatedDeltaNet;
+  }
+  std::string bad;
+  auto need = [&](bool ok, const std::string& what) {
+    if (!ok) bad += (bad.empty() ? "" : ", ") + what;
+  };
+  need(D % 16 == 0, "hidden_size " + std::to_string(D) + " is not a multiple of 16");
+  need(HDh % 16 == 0, "heads x head_dim " + std::to_string(HDh) + " is not a multiple of 16");
+  need(HkvDh % 8 == 0, "kv heads x head_dim " + std::to_string(HkvDh) + " is not a multiple of 8");
+  if (dense_mlp) need(s.intermediate_size % 16 == 0, "intermediate_size " + std::to_string(s.intermediate_size) + " is not a multiple of 16");
+  if (gdn) {
+    need(HvDv % 16 == 0, "GatedDeltaNet values " + std::to_string(HvDv) + " is not a multiple of 16");
+    need(Nin % 8 == 0, "GatedDeltaNet in_proj rows " + std::to_string(Nin) + " is not a multiple of 8");
+  }
+  if (!bad.empty())
+    throw std::invalid_argument("--target-dtype fp8 cannot run this model: " + bad +
+                                " (cuBLASLt's FP8 products take input sizes that are multiples of 16 and output "
+                                "rows of whole 16 bytes)");
 }
 }  // namespace
 

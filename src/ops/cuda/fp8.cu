@@ -34,7 +34,8 @@ __global__ void quantize_rows_kernel(const bf16* x, int64_t rows, int64_t cols, 
     __syncthreads();
     float amax = 0.f;
     for (int i = 0; i < kThreads / 32; ++i) amax = (red[i] > amax || red[i] != red[i]) ? red[i] : amax;
-    const float s = isinf(amax) ? NAN : amax > 0.f ? amax / 448.f : 1.f;
+    // (at least 1e-30: 1 / s stays finite for rows of tiny values)
+    const float s = isinf(amax) ? NAN : amax > 0.f ? fmaxf(amax / 448.f, 1e-30f) : 1.f;
     if (threadIdx.x == 0) scale[r] = s;
     const float inv = 1.f / s;
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
@@ -108,7 +109,10 @@ std::string fp8_unsupported_reason() {
       }
     } catch (const std::exception& e) {
       cudaGetLastError();
-      why = std::string("cuBLASLt runs no per-row scaled E4M3 product here: ") + e.what();
+      const std::string m = e.what();
+      why = "cuBLASLt runs no per-row scaled E4M3 product here: " + m;
+      // Only cuBLASLt's refusal lasts; another failure (out of memory, a busy device) is not cached.
+      if (m.find("no algorithm") == std::string::npos && m.find("status 15") == std::string::npos) return why;
     }
   }
   probed[device] = why;

@@ -13,10 +13,10 @@ namespace dflash::cuda {
 /// One E4M3 byte (OCP FP8 "fn": largest finite 448).
 using fp8 = uint8_t;
 
-/// Per-row symmetric quantization of x [rows, cols] (bf16): scale[r] = max_c |x[r, c]| / 448 (1 for a
-/// row of zeros), q[r, c] = E4M3(x[r, c] / scale[r]) rounded to nearest even and saturated, so that
-/// x ~ q * scale. A non-finite element makes its row's scale NaN (it propagates to the product, where
-/// the target's checks see it). An nn.Linear weight [N, K] gets one scale per output channel; the
+/// Per-row symmetric quantization of x [rows, cols] (bf16): scale[r] = max(max_c |x[r, c]| / 448,
+/// 1e-30) (1 for a row of zeros), q[r, c] = E4M3(x[r, c] * (1 / scale[r])) rounded to nearest even and
+/// saturated, so that x ~ q * scale. An infinite element makes its row's scale NaN, a NaN element
+/// stays NaN in q: either propagates to the product, where the target's checks see it. An nn.Linear weight [N, K] gets one scale per output channel; the
 /// activations [T, K] one per token. q [rows, cols] fp8, scale [rows] fp32. Throws
 /// std::invalid_argument on negative sizes.
 void quantize_rows_fp8(const bf16* x, int64_t rows, int64_t cols, fp8* q, float* scale, cudaStream_t stream);

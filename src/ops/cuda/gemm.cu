@@ -165,7 +165,8 @@ void GemmContext::gemm(const GemmShape& s, const bf16* A, const bf16* B, bf16* C
 }
 
 namespace {
-void check_fp8_shape(const GemmShape& s) {
+void check_fp8_shape(const GemmShape& s, const float* a_scale, const float* b_scale) {
+  if (!a_scale || !b_scale) throw std::invalid_argument("gemm_fp8: both scale vectors are required");
   if (s.trans_a || !s.trans_b)
     throw std::invalid_argument("gemm_fp8: only y = x @ W^T (trans_a false, trans_b true) runs in FP8");
   if (s.K % 16 != 0)
@@ -175,12 +176,12 @@ void check_fp8_shape(const GemmShape& s) {
 
 void GemmContext::gemm_fp8(const GemmShape& s, const fp8* A, const float* a_scale, const fp8* B, const float* b_scale,
                            float* C, float beta) {
-  check_fp8_shape(s);
+  check_fp8_shape(s, a_scale, b_scale);
   run(s, {A, B, a_scale, b_scale}, C, true, 1.f, beta);
 }
 void GemmContext::gemm_fp8(const GemmShape& s, const fp8* A, const float* a_scale, const fp8* B, const float* b_scale,
                            bf16* C, float beta) {
-  check_fp8_shape(s);
+  check_fp8_shape(s, a_scale, b_scale);
   run(s, {A, B, a_scale, b_scale}, C, false, 1.f, beta);
 }
 
