@@ -58,8 +58,14 @@ class Fp8Dequantizing : public WeightSource {
       if (sc.shape != std::vector<int64_t>{rn, rk})
         throw std::runtime_error(bad + ", expected [" + std::to_string(rn) + ", " + std::to_string(rk) + "] (blocks of " +
                                  std::to_string(bn) + " x " + std::to_string(bk) + " over " + shape_str(t.shape) + ")");
-      for (int64_t n = 0; n < N; ++n)
-        for (int64_t k = 0; k < K; ++k) t.data[size_t(n * K + k)] *= sc.data[size_t((n / bn) * rk + k / bk)];
+      for (int64_t n = 0; n < N; ++n) {
+        float* row = t.data.data() + n * K;
+        const float* srow = sc.data.data() + (n / bn) * rk;
+        for (int64_t k0 = 0; k0 < K; k0 += bk) {
+          const float s = srow[k0 / bk];
+          for (int64_t k = k0; k < std::min(K, k0 + bk); ++k) row[k] *= s;
+        }
+      }
     } else {
       const int64_t S = sc.numel();
       const bool per_tensor = S == 1 && sc.ndim() <= 1;

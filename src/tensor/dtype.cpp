@@ -1,6 +1,7 @@
 #include "tensor/dtype.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <stdexcept>
 
@@ -48,6 +49,18 @@ DType dtype_from_name(std::string_view n, const std::string& what) {
   throw std::runtime_error(what + ": unsupported dtype '" + std::string(n) +
                            "' (supported: F32, F16, BF16, F64, I64, I32, I16, I8, U8, BOOL, F8_E4M3)");
 }
+
+namespace {
+/// Every E4M3 code's value (loading an FP8 checkpoint decodes billions of them).
+const std::array<float, 256>& fp8_table() {
+  static const std::array<float, 256> t = [] {
+    std::array<float, 256> r{};
+    for (int c = 0; c < 256; ++c) r[size_t(c)] = fp8_e4m3_to_f32(uint8_t(c));
+    return r;
+  }();
+  return t;
+}
+}  // namespace
 
 float fp8_e4m3_to_f32(uint8_t b) {
   const int e = (b >> 3) & 15, m = b & 7;
@@ -113,7 +126,7 @@ void convert_to_f32(DType t, const void* src, float* dst, std::size_t n) {
       case DType::I16: { int16_t v; std::memcpy(&v, b + 2 * i, 2); dst[i] = float(v); break; }
       case DType::I8: dst[i] = float(static_cast<const int8_t*>(src)[i]); break;
       case DType::U8: case DType::BOOL: dst[i] = float(b[i]); break;
-      case DType::F8_E4M3: dst[i] = fp8_e4m3_to_f32(b[i]); break;
+      case DType::F8_E4M3: dst[i] = fp8_table()[b[i]]; break;
     }
   }
 }
