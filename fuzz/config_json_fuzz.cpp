@@ -3,7 +3,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "io/hf_config.h"
+#include "models/hf_config.h"
 #include "models/drafter_config.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

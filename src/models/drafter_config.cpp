@@ -4,7 +4,7 @@
 #include <cmath>
 #include <stdexcept>
 
-#include "io/hf_config.h"
+#include "models/hf_config.h"
 #include "ops/rope.h"
 #include "text/tokenizer.h"
 

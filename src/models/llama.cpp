@@ -1,6 +1,6 @@
 // Llama (transformers models/llama): RMSNorm with a plain weight, full RoPE ("default" or
 // "llama3" scaling), GQA causal attention without q/k norms, SwiGLU MLP.
-#include "io/hf_config.h"
+#include "models/hf_config.h"
 #include "models/architectures.h"
 
 namespace dflash {

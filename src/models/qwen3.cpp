@@ -1,6 +1,6 @@
 // Qwen3 (transformers models/qwen3): Llama layout plus per-head q_norm / k_norm (plain RMSNorm over
 // head_dim) before RoPE; head_dim may differ from hidden_size / num_attention_heads.
-#include "io/hf_config.h"
+#include "models/hf_config.h"
 #include "models/architectures.h"
 
 namespace dflash {

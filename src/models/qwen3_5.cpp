@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "io/hf_config.h"
+#include "models/hf_config.h"
 #include "models/architectures.h"
 #include "models/target.h"
 #include "ops/activation.h"

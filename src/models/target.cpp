@@ -8,8 +8,9 @@
 
 #include "io/fp8_checkpoint.h"
 #include "io/gguf.h"
+#include "models/gguf_llama.h"
 #include "io/json_file.h"
-#include "io/hf_config.h"
+#include "models/hf_config.h"
 #include "io/safetensors.h"
 #include "ops/activation.h"
 #include "ops/attention.h"

@@ -3,7 +3,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "models/model_spec.h"
+#include "ops/rope_spec.h"
 #include "tensor/tensor.h"
 
 namespace dflash::cpu {

@@ -12,7 +12,7 @@
 
 #include "models/drafter.h"
 #include "train/tap_check.h"
-#include "train/optimizer.h"
+#include "ops/optimizer.h"
 
 namespace dflash {
 

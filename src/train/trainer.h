@@ -10,7 +10,7 @@
 
 #include "models/drafter.h"
 #include "train/backend.h"
-#include "train/optimizer.h"
+#include "ops/optimizer.h"
 #include "train/schedule.h"
 
 namespace dflash {

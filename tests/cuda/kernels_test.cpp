@@ -24,7 +24,7 @@
 #include "cuda_test_util.h"
 #include "cuda/cuda_test_util.h"
 #include "test_util.h"
-#include "train/optimizer.h"
+#include "ops/optimizer.h"
 
 using namespace dflash;
 using cuda::bf16;

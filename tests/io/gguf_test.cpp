@@ -2,6 +2,7 @@
 // supported ggml type against values computed here from the block definitions, the llama
 // mapping (names, Q/K RoPE un-permutation, ModelSpec) and hostile files.
 #include "io/gguf.h"
+#include "models/gguf_llama.h"
 
 #include <gtest/gtest.h>
 

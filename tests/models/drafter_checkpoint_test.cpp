@@ -11,7 +11,7 @@
 #include "models/drafter.h"
 #include "models/drafter_checkpoint.h"
 #include "tensor/dtype.h"
-#include "train/optimizer.h"
+#include "ops/optimizer.h"
 #include "test_util.h"
 
 using namespace dflash;

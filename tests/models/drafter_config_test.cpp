@@ -3,7 +3,7 @@
 
 #include <filesystem>
 
-#include "io/hf_config.h"
+#include "models/hf_config.h"
 #include "io/json_file.h"
 #include "models/drafter_config.h"
 #include "text/tokenizer.h"

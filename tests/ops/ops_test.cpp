@@ -9,7 +9,7 @@
 #include "ops/gated_delta_rule.h"
 #include "ops/linear.h"
 #include "ops/norm.h"
-#include "io/hf_config.h"
+#include "models/hf_config.h"
 #include "io/json_file.h"
 #include "ops/rope.h"
 #include "test_util.h"

@@ -1,6 +1,6 @@
 // The DFlash drafter on one GPU: forward + backward of a training sequence and the fused optimizer
 // step, in bf16 compute with fp32 master weights, gradients and AdamW moments. The same math as the
-// CPU reference drafter_step (src/models/drafter.h) and AdamW / clip_grad_norm (src/train/optimizer.h),
+// CPU reference drafter_step (src/models/drafter.h) and AdamW / clip_grad_norm (src/ops/optimizer.h),
 // built from the kernels in src/ops/cuda.
 #pragma once
 #include <cstdint>
@@ -11,7 +11,7 @@
 
 #include "models/drafter.h"
 #include "ops/cuda/runtime.h"
-#include "train/optimizer.h"
+#include "ops/optimizer.h"
 
 namespace dflash {
 namespace cuda {

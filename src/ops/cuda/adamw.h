@@ -1,5 +1,5 @@
 // Fused optimizer step on the GPU over all parameters at once (one flat fp32 buffer): global
-// gradient norm, clipping and AdamW in two kernels. Reference: src/train/optimizer.cpp (AdamW,
+// gradient norm, clipping and AdamW in two kernels. Reference: src/ops/cpu/optimizer.cpp (AdamW,
 // clip_grad_norm = torch.optim.AdamW + torch.nn.utils.clip_grad_norm_).
 #pragma once
 #include <cstdint>

@@ -3,7 +3,7 @@
 
 #include <functional>
 
-#include "io/hf_config.h"
+#include "models/hf_config.h"
 #include "io/json_file.h"
 #include "test_util.h"
 

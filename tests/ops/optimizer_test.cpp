@@ -1,4 +1,4 @@
-// AdamW + global-norm clipping (src/train/optimizer.h) against the 3-step PyTorch golden
+// AdamW + global-norm clipping (src/ops/optimizer.h) against the 3-step PyTorch golden
 // (tests/fixtures/drafter, scripts/dflash_reference.py make_golden), in float32 and float64, plus
 // unit checks of the schedule, clipping and gradient accumulation.
 #include <gtest/gtest.h>
@@ -10,7 +10,7 @@
 #include "io/safetensors.h"
 #include "models/drafter.h"
 #include "test_util.h"
-#include "train/optimizer.h"
+#include "ops/optimizer.h"
 #include "train/schedule.h"
 
 using namespace dflash;

@@ -1,4 +1,4 @@
-#include "train/optimizer.h"
+#include "ops/optimizer.h"
 
 #include <cmath>
 #include <stdexcept>

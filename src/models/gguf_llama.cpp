@@ -8,7 +8,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "io/gguf.h"
+#include "models/gguf_llama.h"
 
 namespace dflash {
 
