@@ -9,12 +9,8 @@ namespace dflash {
 
 namespace {
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 bool is_scale_name(const std::string& n) {
-  return ends_with(n, ".weight_scale_inv") || ends_with(n, ".weight_scale") || ends_with(n, ".input_scale");
+  return n.ends_with(".weight_scale_inv") || n.ends_with(".weight_scale") || n.ends_with(".input_scale");
 }
 
 class Fp8Dequantizing : public WeightSource {

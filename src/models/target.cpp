@@ -49,8 +49,9 @@ OpenedModel open_model(const std::string& path) {
     if (!fs::exists(cfg))
       throw std::runtime_error(path + ": no config.json in this directory (a model directory holds config.json and "
                                "model.safetensors or model.safetensors.index.json + shards; or give a .gguf file)");
-    m.spec = load_hf_config(cfg.string());
-    const std::optional<Fp8Format> fp8 = read_fp8_format(read_json_file(cfg.string()), cfg.string());
+    const nlohmann::json config = read_json_file(cfg.string());
+    m.spec = model_spec_from_hf_config(config, cfg.string());
+    const std::optional<Fp8Format> fp8 = read_fp8_format(config, cfg.string());
     m.weights = fp8_dequantizing(SafetensorsCheckpoint::open(path), fp8);
     m.format = "safetensors";
     if (fp8)

@@ -305,8 +305,10 @@ TEST(TrainCli, KillNineAnywhereThenResumeEndsLikeAnUninterruptedRun) {
     ASSERT_EQ(waitpid(pid, &status, 0), pid);
     bool resumable = false;  // a complete checkpoint exists (a killed write leaves only a temporary)
     if (fs::exists(out / "checkpoints"))
-      for (const auto& e : fs::directory_iterator(out / "checkpoints"))
-        resumable = resumable || e.path().filename().string().rfind("step-", 0) == 0;
+      for (const auto& e : fs::directory_iterator(out / "checkpoints")) {  // step-NNNNNNNN, not step-N.tmp-PID
+        const std::string n = e.path().filename().string();
+        resumable = resumable || (n.rfind("step-", 0) == 0 && n.find('.') == std::string::npos);
+      }
     ASSERT_EQ(r.train(out, steps + (resumable ? std::string(" --resume") : ""), &log), 0) << "kill " << k << ":\n" << log;
     const size_t at = log.find("resumed from");
     if (at != std::string::npos) {  // at most the step in progress (one checkpoint interval) was lost
