@@ -37,6 +37,16 @@ double forward_flops(const ModelSpec& s, int64_t T, int64_t layers, bool lm_head
   return f + (lm_head ? 2 * t * D * double(s.vocab_size) : 0.0);
 }
 
+/// ||got - want|| / ||want|| over all elements (double sums).
+double rel_l2(const std::vector<float>& got, const std::vector<float>& want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double d = double(got[i]) - double(want[i]);
+    num += d * d, den += double(want[i]) * double(want[i]);
+  }
+  return std::sqrt(num / den);
+}
+
 /// ||o - o_ref|| / ||o_ref|| of the chunked output o against the token-by-token fp32 kernel
 /// (gated_delta_rule_recurrent) on the same inputs: the precision the speed was bought with.
 double rel_l2_vs_recurrent(const float* q, const float* k, const float* v, const float* g, const float* beta,
@@ -48,13 +58,30 @@ double rel_l2_vs_recurrent(const float* q, const float* k, const float* v, const
   cuda::gated_delta_rule_recurrent(q, k, v, g, beta, cu, Hk, Hv, dk, dv, state.data(), nullptr, ref.data(), s);
   std::vector<float> got(ref.size());
   DFLASH_CUDA_CHECK(cudaMemcpyAsync(got.data(), o, got.size() * sizeof(float), cudaMemcpyDeviceToHost, s));
-  const std::vector<float> want = ref.to_host(s);
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double d = double(got[i]) - double(want[i]);
-    num += d * d, den += double(want[i]) * double(want[i]);
+  return rel_l2(got, ref.to_host(s));
+}
+
+/// The FP8 target against the bf16 one with the same random weights (seed 7) on `tokens` random
+/// tokens (one sequence): rel_l2 of the logits, of each tap's hidden states and of all taps together
+/// (what the drafter trains on). The two are built one after the other: the 27B pair does not fit one
+/// 80 GB GPU at once.
+nlohmann::json fp8_vs_bf16(const ModelSpec& spec, const std::vector<int64_t>& taps, int64_t tokens, cudaStream_t s) {
+  std::mt19937 rng(99);
+  std::vector<int32_t> ids(static_cast<size_t>(tokens));
+  for (auto& t : ids) t = int32_t(rng() % uint32_t(spec.vocab_size));
+  ForwardOptions fo;  // logits and hidden_states[tap + 1], on the host as float32
+  for (int64_t id : taps) fo.hidden_states.push_back(int(id + 1));
+  auto run = [&](TargetDtype dtype) { return TargetGpu(spec, 7, s, dtype).forward(ids, {0, tokens}, fo); };
+  const ForwardOutput want = run(TargetDtype::kBf16), got = run(TargetDtype::kFp8);
+  nlohmann::json per_tap = nlohmann::json::object();
+  std::vector<float> all_got, all_want;
+  for (int j : fo.hidden_states) {
+    const std::vector<float>&a = got.hidden_states.at(j).data, &b = want.hidden_states.at(j).data;
+    per_tap[std::to_string(j - 1)] = rel_l2(a, b);
+    all_got.insert(all_got.end(), a.begin(), a.end()), all_want.insert(all_want.end(), b.begin(), b.end());
   }
-  return std::sqrt(num / den);
+  return {{"tokens", tokens}, {"logits", rel_l2(got.logits.data, want.logits.data)}, {"taps", rel_l2(all_got, all_want)},
+          {"per_tap", per_tap}};
 }
 }  // namespace
 
@@ -184,6 +211,8 @@ int run_target_forward_gpu_bench(const TargetForwardGpuOptions& o) {
   // Those products alone, each back to back at the sustained (power-capped) clock: the forward's time
   // with every other kernel at zero time (an estimate: between lower-power kernels the clock recovers).
   const SustainedGemms sg = sustained_gemms(calls, tuned, s);
+  const nlohmann::json accuracy =
+      o.dtype == TargetDtype::kFp8 ? fp8_vs_bf16(spec, taps, o.accuracy_tokens, s) : nlohmann::json();
   DFLASH_CUDA_CHECK(cudaStreamDestroy(s));
   const int64_t deepest = *std::max_element(taps.begin(), taps.end()) + 1;
   const double tf_head = forward_flops(spec, T, L, true) / (with_head_ms * 1e-3) / 1e12;
@@ -208,6 +237,11 @@ int run_target_forward_gpu_bench(const TargetForwardGpuOptions& o) {
   // A bound from the products only where they are all of the model's (no experts: those run grouped
   // GEMMs outside cuBLASLt).
   if (spec.num_experts == 0 && sg.ms > 0) extra["tokens_per_s_gemm_bound"] = double(T) / (sg.ms * 1e-3);
+  if (!accuracy.is_null()) {
+    extra["fp8_vs_bf16_rel_l2"] = accuracy;
+    fmt::print("bench target-forward: fp8 vs bf16 on {} tokens: rel L2 taps {:.3e}, logits {:.3e}\n",
+               o.accuracy_tokens, accuracy["taps"].get<double>(), accuracy["logits"].get<double>());
+  }
   fmt::print("bench target-forward: the GPU during the timed forwards: {}\n", power.words());
   const std::string preset = o.preset + (o.layers > 0 ? "-" + std::to_string(L) + "layers" : "") +
                              (o.dtype == TargetDtype::kFp8 ? "-fp8" : "") + "-cuda";

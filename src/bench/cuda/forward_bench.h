@@ -29,12 +29,14 @@ struct TargetForwardGpuOptions {
   std::string results = "bench/results";
   bool record = true;
   TargetDtype dtype = TargetDtype::kBf16;  // the target's projections (the preset name gets "-fp8")
+  int64_t accuracy_tokens = 256;  // under kFp8: tokens of the comparison with the bf16 target
 };
 
 /// Times the preset's target (random weights) on GPU 0: forward with the LM head (argmax on the GPU;
 /// the [T, V] logits are computed but never copied), and forward_taps to the drafter preset's deepest
 /// tap (the training path). Records tokens_per_s and tokens_per_s_taps with the share of a cuBLAS
-/// GEMM peak measured in the same run. Throws std::invalid_argument for an unknown preset.
+/// GEMM peak measured in the same run. Under kFp8, also the relative L2 of the taps and logits against
+/// the bf16 target with the same weights (fp8_vs_bf16_rel_l2, on accuracy_tokens tokens). Throws std::invalid_argument for an unknown preset.
 int run_target_forward_gpu_bench(const TargetForwardGpuOptions& o);
 
 }  // namespace dflash

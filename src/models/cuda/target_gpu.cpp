@@ -1,26 +1,20 @@
-// Dense target forward on the GPU: embed, per layer pre-norm attention + SwiGLU MLP with residuals,
-// final norm, lm_head; hidden states in bf16 (the residual stream is bf16 as in transformers' bf16).
+// The target on the GPU: its weights (bf16 or E4M3 projections), the decoding cache and its rollback,
+// the forward's entry points, the final norm and the LM head. The layers themselves run in
+// target_gpu_layers.cpp.
 #include "models/cuda/target_gpu.h"
 
 #include <algorithm>
 #include <cmath>
 #include <functional>
 #include <memory>
-#include <optional>
 #include <stdexcept>
 #include <tuple>
 
-#include "models/cuda/kv_cache.h"
+#include "models/cuda/target_gpu_impl.h"
 #include "ops/cuda/cross_entropy.h"
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/gated_delta_rule.h"
-#include "ops/cuda/fp8.h"
-#include "ops/cuda/gemm.h"
-#include "ops/cuda/masked_attention.h"
-#include "ops/cuda/moe.h"
 #include "ops/cuda/norm.h"
-#include "ops/cuda/rope.h"
-#include "ops/cuda/stage_timer.h"
 #include "ops/rope.h"
 #include "tensor/dtype.h"
 
@@ -32,9 +26,6 @@ using cuda::StreamBuffer;
 
 namespace {
 
-/// New tokens per sequence up to which a cached forward is a decoding step (a verification block is
-/// 16): its GatedDeltaNet layers run token by token (gated_delta_rule_recurrent), not chunked.
-constexpr int64_t kDecodeTokens = 16;
 
 /// The tensors, concatenated in order, as one bf16 device array.
 DeviceArray<bf16> to_bf16(const std::vector<const Tensor*>& ts, cudaStream_t s) {
@@ -64,44 +55,6 @@ DeviceArray<bf16> rows_to_bf16(const Tensor& t, int64_t period, int64_t first, i
   return to_bf16(r, s);
 }
 
-/// One projection's weight [N, K] (nn.Linear layout) as the products read it: bf16 (w), or, under
-/// TargetDtype::kFp8, E4M3 (q) with one fp32 scale per output channel (scale [N]).
-struct LinearGpu {
-  DeviceArray<bf16> w;
-  DeviceArray<cuda::fp8> q;
-  DeviceArray<float> scale;
-  size_t size() const { return w.size() + q.size(); }  // elements of the matrix
-  /// `w` [rows, size / rows] kept as it is, or quantized (per row) and dropped.
-  static LinearGpu of(DeviceArray<bf16> w, int64_t rows, TargetDtype dtype, cudaStream_t s) {
-    LinearGpu l;
-    if (dtype == TargetDtype::kBf16) {
-      l.w = std::move(w);
-      return l;
-    }
-    l.q = DeviceArray<cuda::fp8>(w.size()), l.scale = DeviceArray<float>(size_t(rows));
-    cuda::quantize_rows_fp8(w.data(), rows, int64_t(w.size()) / rows, l.q.data(), l.scale.data(), s);
-    DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));  // before w is freed
-    return l;
-  }
-};
-
-struct LayerGpu {
-  LayerKind kind = LayerKind::Attention;
-  LinearGpu q, q_gate, k, v, o;  // attention (q, q_gate: [H*Dh, D])
-  LinearGpu gate_up, down;       // MLP: gate_proj then up_proj rows [2 Im, D] (one GEMM), down_proj
-  DeviceArray<float> q_norm, k_norm, in_ln, post_ln;
-  // GatedDeltaNet: in_proj [C + Hv*dv + 2 Hv, D] (the rows of in_proj_qkv [C, D], in_proj_z
-  // [Hv*dv, D], in_proj_b and in_proj_a [Hv, D]: one GEMM), out_proj [D, Hv*dv]; conv1d [C, K],
-  // A_log / dt_bias [Hv], norm [dv] fp32.
-  LinearGpu in_proj, out;
-  DeviceArray<float> conv, A_log, dt_bias, gnorm;
-  // Mixture of experts (instead of gate / up / down): see cuda::MoeWeightsGpu.
-  bool moe = false;
-  DeviceArray<bf16> router, experts_gate_up, experts_down, shared_gate_up, shared_down;
-  cuda::MoeWeightsGpu moe_weights() const {
-    return {router.data(), experts_gate_up.data(), experts_down.data(), shared_gate_up.data(), shared_down.data()};
-  }
-};
 
 /// Elements of one layer's device arrays (LayerGpu) as both constructors allocate them: matrices
 /// (the projections bf16 or E4M3, LinearGpu; the experts bf16), fp32 vectors. Zero for what the layer
@@ -165,9 +118,6 @@ void check_layer_sizes(const LayerGpu& g, const LayerSizes& z, int64_t i) {
                              " elements, its size is " + std::to_string(size));
 }
 
-/// The cuBLASLt workspace of the target's GemmContext.
-constexpr size_t kTargetGemmWorkspaceBytes = size_t(32) << 20;
-
 std::vector<float> host_f32(const StreamBuffer<bf16>& b, int64_t n, cudaStream_t s) {
   std::vector<uint16_t> h(static_cast<size_t>(n));
   DFLASH_CUDA_CHECK(cudaMemcpyAsync(h.data(), b.data(), size_t(n) * 2, cudaMemcpyDeviceToHost, s));
@@ -177,36 +127,6 @@ std::vector<float> host_f32(const StreamBuffer<bf16>& b, int64_t n, cudaStream_t
   return r;
 }
 
-}  // namespace
-
-struct TargetGpu::Impl {
-  cudaStream_t s;
-  TargetDtype dtype = TargetDtype::kBf16;
-  cuda::GemmContext gemm;
-  std::vector<LayerGpu> layers;
-  DeviceArray<bf16> embed, lm_head;
-  DeviceArray<float> norm;
-  DeviceArray<double> inv_freq;
-  KvCache cache;
-  /// Decoding state of the GatedDeltaNet layers (empty for attention layers), per layer.
-  struct GdnCache {
-    DeviceArray<float> window, state;                     // [n, K-1, C], [n, Hv, dk, dv]
-    // Of the last keep_rollback forward: each sequence's state before it, the conv history, and every
-    // token's recurrence inputs (q | k | v | g | beta, GdnInputs) to replay an accepted prefix from.
-    DeviceArray<float> state_before, hist, inputs;
-  };
-  std::vector<GdnCache> gdn;
-  std::vector<int64_t> rollback_from;  // per sequence: its length before that forward (-1: none)
-  std::vector<int64_t> rollback_cu;    // that forward's cu_seqlens (rows of hist and inputs)
-  std::vector<int64_t> replay;         // per sequence: accepted tokens of that forward still to replay
-  std::unique_ptr<cuda::StageTimer> timer;  // while time_stages(true)
-  Impl(cudaStream_t st, TargetDtype d) : s(st), dtype(d), gemm(st, kTargetGemmWorkspaceBytes, true) {}  // tuned GEMMs (GemmTune::kAuto)
-  void stage(const char* name) {
-    if (timer) timer->next(name);
-  }
-};
-
-namespace {
 void require_gpu_support(const ModelSpec& s, TargetDtype dtype) {
   const std::string why = gpu_unsupported_reason(s);
   if (!why.empty()) throw std::invalid_argument("this model cannot run with --device cuda: " + why);
@@ -372,311 +292,6 @@ int64_t TargetGpu::weight_bytes(const ModelSpec& spec, TargetDtype dtype) {
   for (int64_t i = 0; i < spec.num_hidden_layers; ++i) b += layer_sizes(spec, i).bytes(dtype);
   return b + 2 * (2 * spec.vocab_size * spec.hidden_size) + 4 * spec.hidden_size + 8 * (spec.rotary_dim() / 2) +
          int64_t(kTargetGemmWorkspaceBytes);
-}
-
-namespace {
-/// Offsets (floats) of one forward's GatedDeltaNet recurrence inputs in GdnCache::inputs, for T tokens:
-/// q [T, Hk, dk], k [T, Hk, dk], v [T, Hv, dv], g [T, Hv], beta [T, Hv].
-struct GdnInputs {
-  int64_t nq, nv, ng, q, k, v, g, beta, total;
-  GdnInputs(int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv)
-      : nq(T * Hk * dk), nv(T * Hv * dv), ng(T * Hv), q(0), k(nq), v(2 * nq), g(2 * nq + nv), beta(g + ng),
-        total(beta + ng) {}
-};
-
-bool has_gated_deltanet(const ModelSpec& sp) {
-  return std::count(sp.layer_types.begin(), sp.layer_types.end(), LayerKind::GatedDeltaNet) > 0;
-}
-
-/// Elements of run_layers' buffers for a forward of T tokens (Tq padded query rows with a cache), as
-/// run_layers allocates them. v_copy / token_by_token: run_layers' choices for a cached forward.
-struct ForwardSizes {
-  int64_t cs = 0, sn = 0, x = 0;                                                        // f32
-  int64_t h = 0, q = 0, k = 0, v = 0, o = 0, gu = 0, act = 0, qpad = 0, opad = 0, og = 0;  // bf16
-  int64_t gin = 0, gnormed = 0;                                                         // bf16 (GatedDeltaNet)
-  int64_t gconv = 0, gq = 0, gk = 0, gv = 0, go = 0, gg = 0, gbeta = 0;                  // f32 (GatedDeltaNet)
-  int64_t aq = 0, as = 0;  // TargetDtype::kFp8: a product's input in E4M3 (bytes) and its per-token scales (f32)
-  int64_t bytes() const {
-    return 4 * (cs + sn + x + gconv + gq + gk + gv + go + gg + gbeta + as) +
-           2 * (h + q + k + v + o + gu + act + qpad + opad + og + gin + gnormed) + aq;
-  }
-};
-
-ForwardSizes forward_sizes(const ModelSpec& sp, TargetDtype dtype, int64_t T, int64_t Tq, bool cached, bool v_copy,
-                           bool token_by_token) {
-  const int64_t D = sp.hidden_size, H = sp.num_attention_heads, Hkv = sp.num_key_value_heads, Dh = sp.head_dim;
-  const int64_t Im = sp.intermediate_size, rot = sp.rotary_dim();
-  ForwardSizes z;
-  if (dtype == TargetDtype::kFp8)
-    z.aq = T * std::max({D, H * Dh, Im, sp.linear_num_value_heads * sp.linear_value_head_dim}), z.as = T;
-  z.cs = z.sn = T * rot / 2, z.x = T * D;
-  z.h = T * D, z.q = T * H * Dh, z.k = z.v = T * Hkv * Dh, z.o = T * H * Dh, z.gu = T * 2 * Im, z.act = T * Im;
-  if (cached) z.qpad = z.opad = Tq * H * Dh;
-  if (sp.attn_output_gate()) z.og = T * H * Dh;
-  if (has_gated_deltanet(sp)) {
-    const int64_t Hk = sp.linear_num_key_heads, Hv = sp.linear_num_value_heads, dk = sp.linear_key_head_dim;
-    const int64_t dv = sp.linear_value_head_dim, Cg = 2 * Hk * dk + Hv * dv;
-    z.gin = T * (Cg + Hv * dv + 2 * Hv), z.gnormed = T * Hv * dv;
-    const int64_t Tc = cached ? T : 0;
-    z.gconv = Tc * Cg, z.gq = z.gk = Tc * Hk * dk, z.gg = z.gbeta = Tc * Hv;
-    z.gv = v_copy ? T * Hv * dv : 0, z.go = token_by_token ? T * Hv * dv : 0;
-  }
-  return z;
-}
-
-void check_batch(const ModelSpec& sp, const std::vector<int32_t>& ids, const std::vector<int64_t>& cu) {
-  if (cu.size() < 2 || cu.front() != 0 || cu.back() != int64_t(ids.size()))
-    throw std::invalid_argument("cu_seqlens must run from 0 to the number of tokens");
-  for (size_t i = 1; i < cu.size(); ++i)
-    if (cu[i] < cu[i - 1]) throw std::invalid_argument("cu_seqlens must be non-decreasing");
-  for (int32_t t : ids)
-    if (t < 0 || t >= sp.vocab_size) throw std::invalid_argument("token id " + std::to_string(t) + " outside the vocabulary");
-}
-}  // namespace
-
-int64_t TargetGpu::forward_taps_bytes(const ModelSpec& sp, int64_t T, int64_t nseq, int64_t last, TargetDtype dtype) {
-  const ForwardSizes z = forward_sizes(sp, dtype, T, 0, false, false, false);
-  const bool hybrid = has_gated_deltanet(sp);
-  // uploads: positions, ids, the causal ranges, each token's sequence start and the chunk list (hybrids)
-  int64_t b = z.bytes() + 8 * T + 4 * T + int64_t(sizeof(cuda::KvRange32)) * T;
-  if (hybrid) b += 4 * T + int64_t(sizeof(cuda::GdnChunk)) * (T / 64 + nseq + 1) + 4 * (nseq + 1);
-  // a layer's kernels' temporaries, one layer at a time; the first product of each shape that adds
-  // into the residual stream is tuned on a scratch copy of it (GemmContext, GemmTune::kAuto)
-  int64_t temp = 4 * T * sp.hidden_size;
-  for (int64_t i = 0; i <= last; ++i) {
-    if (sp.layer_types[size_t(i)] == LayerKind::GatedDeltaNet)
-      temp = std::max(temp, cuda::gated_delta_rule_chunked_workspace_bytes(
-                                T, nseq, int(sp.linear_num_key_heads), int(sp.linear_num_value_heads),
-                                int(sp.linear_key_head_dim), int(sp.linear_value_head_dim)));
-    if (sp.is_moe_layer(i))
-      temp = std::max(temp, cuda::moe_ffn_workspace_bytes({T, sp.hidden_size, int(sp.num_experts),
-                                                           int(sp.num_experts_per_tok), sp.moe_intermediate_size,
-                                                           sp.shared_expert_intermediate_size, sp.norm_topk_prob}));
-  }
-  return b + temp + 2 * T * sp.hidden_size;  // + forward_taps' bf16 staging (xb)
-}
-
-StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const std::vector<int64_t>& cu, int64_t last,
-                                          const std::function<void(int64_t, const float*)>& on_hidden, bool cached,
-                                          bool keep_rollback) {
-  Impl& I = *impl_;
-  const ModelSpec& sp = spec_;
-  cudaStream_t s = I.s;
-  check_batch(sp, ids, cu);
-  if (cached) replay_accepted();  // rollbacks since the last step
-  const int64_t T = int64_t(ids.size()), D = sp.hidden_size, H = sp.num_attention_heads, Hkv = sp.num_key_value_heads;
-  const int64_t Dh = sp.head_dim, Im = sp.intermediate_size, rot = sp.rotary_dim();
-  const bool zc = sp.zero_centered_norm();
-  KvCache& C = I.cache;
-  if (cached) {
-    if (I.gdn.size() != size_t(sp.num_hidden_layers)) throw std::invalid_argument("forward_cached: call reset_cache first");
-    if (int64_t(cu.size()) != C.n + 1)
-      throw std::invalid_argument("forward_cached: cu_seqlens needs " + std::to_string(C.n + 1) + " entries for " +
-                                  std::to_string(C.n) + " cached sequences");
-    int64_t need = 0;
-    for (int q = 0; q < C.n; ++q) need = std::max(need, C.len[size_t(q)] + cu[size_t(q) + 1] - cu[size_t(q)]);
-    C.reserve(need, s);
-  }
-  // Positions continue each cached sequence. Cached keys of sequence q sit at rows q * cap + j of
-  // the layer's cache; new keys are scattered there. For the attention, each sequence's queries
-  // start a fresh 64-row tile (rows `qrow`, Tq in all): a tile then spans one sequence's keys only.
-  std::vector<int64_t> pos(static_cast<size_t>(T));
-  std::vector<int32_t> dest, qrow;
-  std::vector<cuda::KvRange32> rg;
-  if (cached) {
-    dest.resize(size_t(T));
-    qrow.resize(size_t(T));
-  } else {
-    rg = cuda::causal_ranges(cu);
-  }
-  int64_t Tq = 0;
-  for (size_t q = 0; q + 1 < cu.size(); ++q) {
-    for (int64_t t = cu[q]; t < cu[q + 1]; ++t) {
-      pos[size_t(t)] = t - cu[q] + (cached ? C.len[q] : 0);
-      if (!cached) continue;
-      const int64_t base = int64_t(q) * C.cap;
-      dest[size_t(t)] = int32_t(base + pos[size_t(t)]);
-      qrow[size_t(t)] = int32_t(Tq + t - cu[q]);
-    }
-    if (!cached) continue;
-    rg.resize(size_t(Tq + (cu[q + 1] - cu[q] + 63) / 64 * 64));
-    for (int64_t t = cu[q]; t < cu[q + 1]; ++t)
-      rg[size_t(qrow[size_t(t)])] = {int32_t(int64_t(q) * C.cap), int32_t(int64_t(q) * C.cap + pos[size_t(t)] + 1), 0, 0};
-    Tq = int64_t(rg.size());
-  }
-  auto d_pos = cuda::upload(pos, s);
-  auto d_ids = cuda::upload(ids, s);
-  auto d_dest = cuda::upload(dest, s), d_qrow = cuda::upload(qrow, s);
-  auto ranges = cuda::upload(rg, s);
-  // A decoding step (at most kDecodeTokens new tokens in every sequence) runs GatedDeltaNet token by
-  // token, as verification does: plain and speculative decoding then make the same states. The
-  // longest sequence of the forward decides for all of it.
-  int64_t max_new = 0;
-  for (size_t q = 0; q + 1 < cu.size(); ++q) max_new = std::max(max_new, cu[q + 1] - cu[q]);
-  const bool token_by_token = cached && (keep_rollback || max_new <= kDecodeTokens);
-  // The chunked rule reads the values in place from the conv output (row stride Cg); the
-  // token-by-token path and the rollback copy take them copied into gv.
-  const bool v_copy = token_by_token || (cached && keep_rollback);
-  const ForwardSizes z = forward_sizes(sp, I.dtype, T, Tq, cached, v_copy, token_by_token);
-  StreamBuffer<bf16> qpad(size_t(z.qpad), s), opad(size_t(z.opad), s);
-  if (cached) DFLASH_CUDA_CHECK(cudaMemsetAsync(qpad.data(), 0, qpad.size() * 2, s));  // padding rows: defined
-  StreamBuffer<float> cs(size_t(z.cs), s), sn(size_t(z.sn), s);
-  cuda::rope_table(d_pos.data(), I.inv_freq.data(), T, rot, cs.data(), sn.data(), s);
-  if (I.timer) I.timer->clear();
-  I.stage("other");
-  StreamBuffer<float> x(size_t(z.x), s);  // the residual stream, fp32 (GEMM inputs are bf16)
-  StreamBuffer<bf16> h(size_t(z.h), s), q(size_t(z.q), s), k(size_t(z.k), s), v(size_t(z.v), s), o(size_t(z.o), s),
-      gu(size_t(z.gu), s), act(size_t(z.act), s);
-  cuda::embedding_gather(I.embed.data(), sp.vocab_size, D, d_ids.data(), T, h.data(), nullptr, s);
-  cuda::bf16_to_f32(h.data(), x.data(), T * D, s);
-  on_hidden(0, x.data());
-  const float scale = float(1.0 / std::sqrt(double(Dh)));
-  // y [T, out_f] (+)= in [T, in_f] @ w^T. Under kFp8 `in` is first quantized per token into aq / as,
-  // unless `same_input`: the caller's promise that the previous product read this very input, unchanged.
-  StreamBuffer<cuda::fp8> aq(size_t(z.aq), s);
-  StreamBuffer<float> as(size_t(z.as), s);
-  const bf16* quantized = nullptr;
-  auto linear = [&](const bf16* in, int64_t out_f, int64_t in_f, const LinearGpu& w, auto* y, float beta,
-                    bool same_input = false) {
-    I.stage("gemm");
-    if (I.dtype == TargetDtype::kBf16) return I.gemm.gemm({T, out_f, in_f, false, true}, in, w.w.data(), y, 1.f, beta);
-    if (!same_input || quantized != in) cuda::quantize_rows_fp8(in, T, in_f, aq.data(), as.data(), s);
-    quantized = in;
-    I.gemm.gemm_fp8({T, out_f, in_f, false, true}, aq.data(), as.data(), w.q.data(), w.scale.data(), y, beta);
-  };
-  // GatedDeltaNet buffers (hybrids): C = q | k | v channels; in_proj's output row: q | k | v | z | b | a.
-  const int64_t Hk = sp.linear_num_key_heads, Hv = sp.linear_num_value_heads, dk = sp.linear_key_head_dim;
-  const int64_t dv = sp.linear_value_head_dim, Cg = 2 * Hk * dk + Hv * dv, Nin = Cg + Hv * dv + 2 * Hv;
-  const bool hybrid = has_gated_deltanet(sp);
-  StreamBuffer<int32_t> d_start = cuda::upload(hybrid ? cuda::sequence_starts(cu) : std::vector<int32_t>{}, s);
-  std::optional<cuda::GdnChunkPlan> gdn_chunks;  // the chunk list, once for every GatedDeltaNet layer
-  if (hybrid && !token_by_token) gdn_chunks.emplace(cu, s);
-  // With a cache: each token's sequence and the cu_seqlens as int32 for the windowed conv.
-  std::vector<int32_t> seq_of, cu32;
-  if (cached && hybrid) {
-    for (size_t q = 0; q + 1 < cu.size(); ++q) {
-      cu32.push_back(int32_t(cu[q]));
-      seq_of.insert(seq_of.end(), size_t(cu[q + 1] - cu[q]), int32_t(q));
-    }
-    cu32.push_back(int32_t(cu.back()));
-  }
-  auto d_seq_of = cuda::upload(seq_of, s), d_cu32 = cuda::upload(cu32, s);
-  const int Kc = int(sp.linear_conv_kernel_dim);
-  const float q_scale = float(1.0 / std::sqrt(double(dk)));
-  const int64_t state_elems = Hv * dk * dv;
-  // GatedDeltaNet fp32 activations (without a cache, the chunked rule reads in_proj's output itself)
-  StreamBuffer<float> gconv(size_t(z.gconv), s), gq(size_t(z.gq), s), gk(size_t(z.gk), s), gv(size_t(z.gv), s),
-      go(size_t(z.go), s), gg(size_t(z.gg), s), gbeta(size_t(z.gbeta), s);
-  StreamBuffer<bf16> gin(size_t(z.gin), s);          // in_proj's output (bf16, as in transformers)
-  StreamBuffer<bf16> gnormed(size_t(z.gnormed), s);  // out_proj's input
-  const bf16* gz = hybrid ? gin.data() + Cg : nullptr;  // z, b, a read in place from gin (row stride Nin)
-  const bf16 *gb = hybrid ? gz + Hv * dv : nullptr, *ga = hybrid ? gb + Hv : nullptr;
-  const bool gated = sp.attn_output_gate();
-  StreamBuffer<bf16> og(size_t(z.og), s);  // the output gate's logits
-  const cuda::MoeShape moe_shape{T, D, int(sp.num_experts), int(sp.num_experts_per_tok), sp.moe_intermediate_size,
-                                 sp.shared_expert_intermediate_size, sp.norm_topk_prob};
-  for (int64_t i = 0; i <= last; ++i) {
-    const LayerGpu& l = I.layers[size_t(i)];
-    I.stage("other");
-    cuda::rms_norm_forward(x.data(), l.in_ln.data(), h.data(), nullptr, T, D, sp.rms_norm_eps, zc, s);
-    if (l.kind == LayerKind::GatedDeltaNet) {
-      // transformers Qwen3_5GatedDeltaNet (no cache): in_proj (q|k|v, z, b, a in one GEMM), conv1d +
-      // SiLU over q|k|v, gates, the chunked gated delta rule, gated RMSNorm with silu(z), out_proj.
-      linear(h.data(), Nin, D, l.in_proj, gin.data(), 0.f);
-      I.stage("gated_deltanet");
-      Impl::GdnCache* gc = cached ? &I.gdn[size_t(i)] : nullptr;
-      if (gc) {  // continue each sequence's conv window, then move it past the new tokens; q, k, v, gates
-        cuda::causal_conv1d_silu_window(gin.data(), Nin, l.conv.data(), gc->window.data(), d_seq_of.data(),
-                                        d_cu32.data(), T, Cg, Kc, gconv.data(), s);
-        const size_t hist_rows = size_t(C.n * (Kc - 1) + T);
-        if (keep_rollback && gc->hist.size() < hist_rows * size_t(Cg)) gc->hist = DeviceArray<float>(hist_rows * size_t(Cg));
-        StreamBuffer<float> tmp(keep_rollback ? 0 : hist_rows * size_t(Cg), s);
-        cuda::conv_window_advance(gc->window.data(), gin.data(), Nin, d_cu32.data(), C.n, T, Cg, Kc,
-                                  keep_rollback ? gc->hist.data() : tmp.data(), s);
-        cuda::gdn_prepare(gconv.data(), gb, ga, Nin, l.A_log.data(), l.dt_bias.data(), T, int(Hk), int(Hv), int(dk),
-                          int(dv), q_scale, gq.data(), gk.data(), v_copy ? gv.data() : nullptr, gg.data(),
-                          gbeta.data(), s);
-      }  // (without a cache the conv1d, the q / k l2norm and the gates run inside the chunked rule: from)
-      if (gc && keep_rollback) {  // keep the state before and every token's inputs
-        const size_t n_state = size_t(C.n * state_elems);
-        if (gc->state_before.size() < n_state) gc->state_before = DeviceArray<float>(n_state);
-        const GdnInputs in(T, Hk, Hv, dk, dv);
-        if (gc->inputs.size() < size_t(in.total)) gc->inputs = DeviceArray<float>(size_t(in.total));
-        float* keep = gc->inputs.data();
-        for (const auto& [src, off, n] : {std::tuple{gq.data(), in.q, in.nq}, std::tuple{gk.data(), in.k, in.nq},
-                                          std::tuple{gv.data(), in.v, in.nv}, std::tuple{gg.data(), in.g, in.ng},
-                                          std::tuple{gbeta.data(), in.beta, in.ng}})
-          DFLASH_CUDA_CHECK(cudaMemcpyAsync(keep + off, src, size_t(n) * 4, cudaMemcpyDeviceToDevice, s));
-        DFLASH_CUDA_CHECK(cudaMemcpyAsync(gc->state_before.data(), gc->state.data(), n_state * 4, cudaMemcpyDeviceToDevice, s));
-      }
-      if (token_by_token) {
-        cuda::gated_delta_rule_recurrent(gq.data(), gk.data(), gv.data(), gg.data(), gbeta.data(), cu, int(Hk), int(Hv),
-                                         int(dk), int(dv), gc->state.data(), nullptr, go.data(), s);
-        cuda::gated_rms_norm(go.data(), gz, Hv, Nin, l.gnorm.data(), gnormed.data(), T * Hv, dv, sp.rms_norm_eps, s);
-      } else {  // the cached state in and out (in place: each block reads its slice before writing it); the
-                // gated RMSNorm applied to the output inside the kernel
-        const cuda::GatedNormOut norm{gz, Nin, l.gnorm.data(), float(sp.rms_norm_eps), gnormed.data()};
-        const cuda::GdnProjections from{gin.data(), Nin, l.conv.data(), Kc, gb, ga, Nin, l.A_log.data(),
-                                        l.dt_bias.data(), q_scale, d_start.data()};
-        const float* gv_in = !gc ? nullptr : v_copy ? gv.data() : gconv.data() + 2 * Hk * dk;
-        cuda::gated_delta_rule_chunked(gq.data(), gk.data(), gv_in, gg.data(), gbeta.data(), *gdn_chunks, int(Hk),
-                                       int(Hv), int(dk), int(dv), gc ? gc->state.data() : nullptr,
-                                       gc ? gc->state.data() : nullptr, nullptr, s, 0, gc && !v_copy ? Cg : 0, &norm,
-                                       gc ? nullptr : &from);
-      }
-      linear(gnormed.data(), D, Hv * dv, l.out, x.data(), 1.f);  // x += out_proj(o)
-    } else {
-      linear(h.data(), H * Dh, D, l.q, q.data(), 0.f);
-      if (gated) linear(h.data(), H * Dh, D, l.q_gate, og.data(), 0.f, true);
-      linear(h.data(), Hkv * Dh, D, l.k, k.data(), 0.f, true);
-      linear(h.data(), Hkv * Dh, D, l.v, v.data(), 0.f, true);
-      I.stage("attention");
-      if (sp.has_qk_norm()) {
-        cuda::rms_norm_forward(q.data(), l.q_norm.data(), q.data(), nullptr, T * H, Dh, sp.rms_norm_eps, zc, s);
-        cuda::rms_norm_forward(k.data(), l.k_norm.data(), k.data(), nullptr, T * Hkv, Dh, sp.rms_norm_eps, zc, s);
-      }
-      cuda::rope_apply(q.data(), T, H, Dh, rot, cs.data(), sn.data(), false, s);
-      cuda::rope_apply(k.data(), T, Hkv, Dh, rot, cs.data(), sn.data(), false, s);
-      if (cached) {
-        cuda::scatter_rows(k.data(), T, Hkv * Dh, d_dest.data(), C.k[size_t(i)].data(), s);
-        cuda::scatter_rows(v.data(), T, Hkv * Dh, d_dest.data(), C.v[size_t(i)].data(), s);
-        cuda::scatter_rows(q.data(), T, H * Dh, d_qrow.data(), qpad.data(), s);  // unused rows: empty ranges
-        cuda::masked_attention_forward(qpad.data(), C.k[size_t(i)].data(), C.v[size_t(i)].data(), ranges.data(), Tq,
-                                       C.n * C.cap, int(H), int(Hkv), int(Dh), scale, opad.data(), nullptr, s);
-        cuda::embedding_gather(opad.data(), Tq, H * Dh, d_qrow.data(), T, o.data(), nullptr, s);
-      } else {
-        cuda::masked_attention_forward(q.data(), k.data(), v.data(), ranges.data(), T, T, int(H), int(Hkv), int(Dh),
-                                       scale, o.data(), nullptr, s);
-      }
-      if (gated) cuda::mul_sigmoid(o.data(), og.data(), T * H * Dh, s);
-      linear(o.data(), D, H * Dh, l.o, x.data(), 1.f);  // x += o_proj(o)
-    }
-    I.stage("other");
-    cuda::rms_norm_forward(x.data(), l.post_ln.data(), h.data(), nullptr, T, D, sp.rms_norm_eps, zc, s);
-    if (l.moe) {
-      I.stage("moe");
-      cuda::moe_ffn_forward(I.gemm, moe_shape, l.moe_weights(), h.data(), x.data());  // x += moe(h)
-    } else {
-      linear(h.data(), 2 * Im, D, l.gate_up, gu.data(), 0.f);  // gate | up
-      I.stage("other");
-      cuda::swiglu_forward(gu.data(), T, Im, act.data(), s);
-      linear(act.data(), D, Im, l.down, x.data(), 1.f);  // x += down_proj(act)
-    }
-    I.stage("other");
-    on_hidden(i + 1, x.data());
-  }
-  if (cached) {
-    // As TargetCache: a forward without keep_rollback seals the tokens it adds; a sequence it gives
-    // no tokens keeps what the last verification saved (hist and inputs are left alone).
-    if (hybrid && keep_rollback) I.rollback_cu = cu;
-    for (int q = 0; q < C.n; ++q) {
-      const int64_t n = cu[size_t(q) + 1] - cu[size_t(q)];
-      if (hybrid && keep_rollback) I.rollback_from[size_t(q)] = C.len[size_t(q)];
-      else if (hybrid && n > 0) I.rollback_from[size_t(q)] = -1;
-      C.len[size_t(q)] += n;
-    }
-  }
-  return x;
 }
 
 void TargetGpu::reset_cache(int n_seq) {

@@ -53,78 +53,68 @@ __global__ void window_from_hist_kernel(const float* __restrict__ hist, const in
     window[int64_t(s) * (K - 1) * C + i] = hist[base * C + i];
 }
 
-constexpr int kRecCols = 16;  // state columns per block; one thread per state row (dk <= 128)
+constexpr int kRecWarps = 8, kRecRows = 16;  // 8 warps x 16 state rows each: dk <= 128
 
-/// red [4][kRecCols] <- per-warp sums of part; then out[c] = sum over warps (every thread reads it).
-__device__ __forceinline__ void block_sum16(const float (&part)[kRecCols], float (*red)[kRecCols], float* out) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int c = 0; c < kRecCols; ++c) {
-    float v = part[c];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0) red[warp][c] = v;
-  }
-  __syncthreads();
-  if (threadIdx.x < kRecCols) out[threadIdx.x] = red[0][threadIdx.x] + red[1][threadIdx.x] + red[2][threadIdx.x] + red[3][threadIdx.x];
-  __syncthreads();
-}
-
-/// One block of 128 threads per (sequence, value head, 16 state columns); thread m holds state row m.
-__global__ void __launch_bounds__(128) recurrent_kernel(const float* __restrict__ q, const float* __restrict__ k,
-                                                        const float* __restrict__ v, const float* __restrict__ g,
-                                                        const float* __restrict__ beta, const int32_t* __restrict__ bounds,
-                                                        int Hk, int Hv, int dk, int dv, float* __restrict__ state,
-                                                        float* __restrict__ token_states, float* __restrict__ o) {
-  __shared__ float red[4][kRecCols];
-  __shared__ float kv[kRecCols], out[kRecCols];
-  // The block's 128 x 16 slice of the state moves through shared memory, so that consecutive threads
-  // read / write consecutive columns (whole sectors); one row per thread in registers (padded rows:
-  // no bank conflicts).
-  __shared__ float tile[128][kRecCols + 1];
-  const int s = blockIdx.x, h = blockIdx.y, c0 = blockIdx.z * kRecCols, kh = h / (Hv / Hk), m = threadIdx.x;
-  const bool row = m < dk;
-  const int ncol = min(kRecCols, dv - c0);
+/// One block of 256 threads per (sequence, value head, 32 state columns): lane l of warp w holds
+/// column c0 + l of state rows [16 w, 16 w + 16) in registers, so a warp reads and writes a state row's
+/// 32 columns as one 128-byte line, and S^T k and S^T q sum 16 rows in registers before one exchange
+/// of the 8 warps' partial sums through shared memory.
+__global__ void __launch_bounds__(kRecWarps * 32) recurrent_kernel(const float* __restrict__ q, const float* __restrict__ k,
+                                                                   const float* __restrict__ v, const float* __restrict__ g,
+                                                                   const float* __restrict__ beta,
+                                                                   const int32_t* __restrict__ bounds, int Hk, int Hv,
+                                                                   int dk, int dv, float* __restrict__ state,
+                                                                   float* __restrict__ token_states, float* __restrict__ o) {
+  __shared__ float red[kRecWarps][32];
+  const int s = blockIdx.x, h = blockIdx.y, kh = h / (Hv / Hk), lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int c = blockIdx.z * 32 + lane, r0 = warp * kRecRows;
+  const bool col = c < dv;
+  const auto valid = [&](int i) { return col && r0 + i < dk; };
   float* st = state + (int64_t(s) * Hv + h) * dk * dv;
-  for (int i = threadIdx.x; i < dk * kRecCols; i += blockDim.x) {
-    const int r = i / kRecCols, c = i % kRecCols;
-    tile[r][c] = c < ncol ? st[int64_t(r) * dv + c0 + c] : 0.f;
-  }
-  __syncthreads();
-  float S[kRecCols];
+  float S[kRecRows];
 #pragma unroll
-  for (int c = 0; c < kRecCols; ++c) S[c] = row ? tile[m][c] : 0.f;
+  for (int i = 0; i < kRecRows; ++i) S[i] = valid(i) ? st[int64_t(r0 + i) * dv + c] : 0.f;
+  // sum over the 8 warps of red[.][lane], after every warp wrote its part; red free again on return
+  const auto block_sum = [&](float part) {
+    red[warp][lane] = part;
+    __syncthreads();
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kRecWarps; ++w) sum += red[w][lane];
+    __syncthreads();
+    return sum;
+  };
   for (int64_t t = bounds[2 * s]; t < bounds[2 * s + 1]; ++t) {
     const float decay = expf(g[t * Hv + h]), b = beta[t * Hv + h];
-    const float km = row ? k[(t * Hk + kh) * dk + m] : 0.f, qm = row ? q[(t * Hk + kh) * dk + m] : 0.f;
-    const float* vt = v + (t * Hv + h) * dv + c0;
-    float part[kRecCols];
+    const float* kt = k + (t * Hk + kh) * dk + r0;  // the same address across a warp: one broadcast load
+    const float* qt = q + (t * Hk + kh) * dk + r0;
+    float kr[kRecRows], part = 0.f;
 #pragma unroll
-    for (int c = 0; c < kRecCols; ++c) S[c] *= decay, part[c] = S[c] * km;
-    block_sum16(part, red, kv);  // S^T k
-#pragma unroll
-    for (int c = 0; c < kRecCols; ++c) {
-      const float u = c < ncol ? (vt[c] - kv[c]) * b : 0.f;
-      S[c] += km * u;
-      part[c] = S[c] * qm;
+    for (int i = 0; i < kRecRows; ++i) {
+      kr[i] = r0 + i < dk ? kt[i] : 0.f;
+      S[i] *= decay;
+      part += S[i] * kr[i];
     }
-    block_sum16(part, red, out);  // S^T q
-    if (m < ncol) o[(t * Hv + h) * dv + c0 + m] = out[m];
-    if (token_states && row) {
-      float* ts = token_states + ((t * Hv + h) * dk + m) * dv + c0;
+    const float kv = block_sum(part);  // (S^T k)[c]
+    const float u = col ? (v[(t * Hv + h) * dv + c] - kv) * b : 0.f;
+    part = 0.f;
 #pragma unroll
-      for (int c = 0; c < kRecCols; ++c)
-        if (c < ncol) ts[c] = S[c];
+    for (int i = 0; i < kRecRows; ++i) {
+      S[i] += kr[i] * u;
+      part += S[i] * (r0 + i < dk ? qt[i] : 0.f);
+    }
+    const float out = block_sum(part);  // (S^T q)[c]
+    if (warp == 0 && col) o[(t * Hv + h) * dv + c] = out;
+    if (token_states) {
+      float* ts = token_states + ((t * Hv + h) * dk + r0) * dv + c;
+#pragma unroll
+      for (int i = 0; i < kRecRows; ++i)
+        if (valid(i)) ts[int64_t(i) * dv] = S[i];
     }
   }
-  if (row)
 #pragma unroll
-    for (int c = 0; c < kRecCols; ++c) tile[m][c] = S[c];
-  __syncthreads();
-  for (int i = threadIdx.x; i < dk * kRecCols; i += blockDim.x) {
-    const int r = i / kRecCols, c = i % kRecCols;
-    if (c < ncol) st[int64_t(r) * dv + c0 + c] = tile[r][c];
-  }
+  for (int i = 0; i < kRecRows; ++i)
+    if (valid(i)) st[int64_t(r0 + i) * dv + c] = S[i];
 }
 
 void check_conv(int K, int64_t C, int64_t x_stride, const char* what) {
@@ -180,8 +170,8 @@ void gated_delta_rule_recurrent(const float* q, const float* k, const float* v, 
     bounds.push_back(int32_t(cu[size_t(q)] + n));
   }
   auto d_bounds = upload(bounds, stream);
-  const dim3 grid(unsigned(n_seq), unsigned(Hv), unsigned((dv + kRecCols - 1) / kRecCols));
-  recurrent_kernel<<<grid, 128, 0, stream>>>(q, k, v, g, beta, d_bounds.data(), Hk, Hv, dk, dv, state, token_states, o);
+  const dim3 grid(unsigned(n_seq), unsigned(Hv), unsigned((dv + 31) / 32));
+  recurrent_kernel<<<grid, kRecWarps * 32, 0, stream>>>(q, k, v, g, beta, d_bounds.data(), Hk, Hv, dk, dv, state, token_states, o);
   DFLASH_CUDA_CHECK_LAUNCH();
 }
 
