@@ -168,6 +168,33 @@ namespace {
 constexpr int64_t kStateBytesPerParam = 4 + 4 + 4 + 4 + 2;
 }  // namespace
 
+ParamOffsets ParamOffsets::from(const std::map<std::string, int64_t>& offset, const DrafterConfig& c) {
+  auto at = [&](const std::string& name) {
+    const auto it = offset.find(name);
+    if (it == offset.end()) throw std::logic_error("DrafterGpu: no parameter " + name);
+    return it->second;
+  };
+  auto optional = [&](const std::string& name) { return offset.count(name) ? offset.at(name) : int64_t(-1); };
+  ParamOffsets p;
+  p.fc = at("fc.weight"), p.hidden_norm = at("hidden_norm.weight"), p.norm = at("norm.weight");
+  p.markov_w1 = optional("markov_head.markov_w1.weight"), p.markov_w2 = optional("markov_head.markov_w2.weight");
+  p.confidence_w = optional("confidence_head.proj.weight"), p.confidence_b = optional("confidence_head.proj.bias");
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string l = "layers." + std::to_string(i) + ".";
+    LayerParams w;
+    w.input_layernorm = at(l + "input_layernorm.weight"), w.post_attention_layernorm = at(l + "post_attention_layernorm.weight");
+    w.q_proj = at(l + "self_attn.q_proj.weight"), w.k_proj = at(l + "self_attn.k_proj.weight");
+    w.v_proj = at(l + "self_attn.v_proj.weight"), w.o_proj = at(l + "self_attn.o_proj.weight");
+    w.q_norm = at(l + "self_attn.q_norm.weight"), w.k_norm = at(l + "self_attn.k_norm.weight");
+    w.gate_up = at(l + "mlp.gate_proj.weight"), w.up_proj = at(l + "mlp.up_proj.weight");
+    w.down_proj = at(l + "mlp.down_proj.weight");
+    if (w.up_proj != w.gate_up + c.intermediate_size * c.hidden_size)  // one GEMM for both
+      throw std::logic_error("DrafterGpu: up_proj does not follow gate_proj in the parameter order");
+    p.layers.push_back(w);
+  }
+  return p;
+}
+
 int64_t DrafterGpu::state_bytes(const DrafterConfig& cfg, int64_t V) {
   int64_t n = 0;
   for (const auto& [name, shape] : drafter_param_shapes(cfg)) n += BasicTensor<float>::numel_of(shape);
@@ -188,10 +215,7 @@ void DrafterGpu::allocate(int64_t V) {
     I.offset[name] = I.n;
     I.n += BasicTensor<float>::numel_of(shape);
   }
-  for (int64_t i = 0; i < cfg_.num_hidden_layers; ++i)  // one GEMM for both (gate_up_param)
-    if (I.offset.at(layer_param(i, "mlp.up_proj.weight")) !=
-        I.offset.at(gate_up_param(i)) + cfg_.intermediate_size * cfg_.hidden_size)
-      throw std::logic_error("DrafterGpu: up_proj does not follow gate_proj in the parameter order");
+  I.p = ParamOffsets::from(I.offset, cfg_);
   I.V = V;
   I.master = DeviceArray<float>(size_t(I.n));
   I.wb = DeviceArray<bf16>(size_t(I.n));
@@ -383,7 +407,7 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   cuda::rope_table(d_pkv.data(), I.inv_freq.data(), SQ, hd, ckv.data(), skv.data(), s, I.rope_scale);
   const float scale = float(1.0 / std::sqrt(double(hd)));
   auto layer_ranges = [&](int64_t i) { return masks.at({c.layer_window(i), c.layer_causal(i)}).data(); };
-  auto linear = [&](const bf16* x, int64_t rows, int64_t in, int64_t out, const std::string& w, bf16* y, float beta) {
+  auto linear = [&](const bf16* x, int64_t rows, int64_t in, int64_t out, int64_t w, bf16* y, float beta) {
     I.gemm.gemm({rows, out, in, false, true}, x, I.W(w), y, 1.f, beta);
   };
 
@@ -392,8 +416,8 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   timer.begin("forward");
   StreamBuffer<bf16> fc_out(size_t(S * d), s), ctx(size_t(S * d), s);
   StreamBuffer<float> inv_ctx(size_t(S), s);
-  linear(seq.taps, S, K * d, d, "fc.weight", fc_out.data(), 0.f);
-  cuda::rms_norm_forward(fc_out.data(), I.F("hidden_norm.weight"), ctx.data(), inv_ctx.data(), S, d, c.rms_norm_eps,
+  linear(seq.taps, S, K * d, d, I.p.fc, fc_out.data(), 0.f);
+  cuda::rms_norm_forward(fc_out.data(), I.F(I.p.hidden_norm), ctx.data(), inv_ctx.data(), S, d, c.rms_norm_eps,
                          false, s);
   StreamBuffer<bf16> x(size_t(Q * d), s);
   StreamBuffer<int> bad(2, s);  // [mask token outside the embedding, non-finite taps]
@@ -408,24 +432,24 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(a.kv_in.data(), ctx.data(), size_t(S * d) * 2, cudaMemcpyDeviceToDevice, s));
     bf16* hn = a.kv_in.data() + S * d;
     a.inv_in = StreamBuffer<float>(size_t(sz.inv_in), s);
-    cuda::rms_norm_forward(a.x_in.data(), I.F(layer_param(i, "input_layernorm.weight")), hn, a.inv_in.data(), Q, d,
+    cuda::rms_norm_forward(a.x_in.data(), I.F(I.p.layer(i).input_layernorm), hn, a.inv_in.data(), Q, d,
                            c.rms_norm_eps, false, s);
     a.q_pre = StreamBuffer<bf16>(size_t(sz.q_pre), s);
     a.q_rot = StreamBuffer<bf16>(size_t(sz.q_rot), s);
     a.q_inv = StreamBuffer<float>(size_t(sz.q_inv), s);
-    linear(hn, Q, d, H * hd, layer_param(i, "self_attn.q_proj.weight"), a.q_pre.data(), 0.f);
-    cuda::rms_norm_forward(a.q_pre.data(), I.F(layer_param(i, "self_attn.q_norm.weight")), a.q_rot.data(), a.q_inv.data(),
+    linear(hn, Q, d, H * hd, I.p.layer(i).q_proj, a.q_pre.data(), 0.f);
+    cuda::rms_norm_forward(a.q_pre.data(), I.F(I.p.layer(i).q_norm), a.q_rot.data(), a.q_inv.data(),
                            Q * H, hd, c.rms_norm_eps, false, s);
     cuda::rope_apply(a.q_rot.data(), Q, H, hd, hd, cq.data(), sq.data(), false, s);
     a.k_pre = StreamBuffer<bf16>(size_t(sz.k_pre), s);
     a.k_rot = StreamBuffer<bf16>(size_t(sz.k_rot), s);
     a.k_inv = StreamBuffer<float>(size_t(sz.k_inv), s);
     a.v = StreamBuffer<bf16>(size_t(sz.v), s);
-    linear(a.kv_in.data(), SQ, d, Hkv * hd, layer_param(i, "self_attn.k_proj.weight"), a.k_pre.data(), 0.f);
-    cuda::rms_norm_forward(a.k_pre.data(), I.F(layer_param(i, "self_attn.k_norm.weight")), a.k_rot.data(), a.k_inv.data(),
+    linear(a.kv_in.data(), SQ, d, Hkv * hd, I.p.layer(i).k_proj, a.k_pre.data(), 0.f);
+    cuda::rms_norm_forward(a.k_pre.data(), I.F(I.p.layer(i).k_norm), a.k_rot.data(), a.k_inv.data(),
                            SQ * Hkv, hd, c.rms_norm_eps, false, s);
     cuda::rope_apply(a.k_rot.data(), SQ, Hkv, hd, hd, ckv.data(), skv.data(), false, s);
-    linear(a.kv_in.data(), SQ, d, Hkv * hd, layer_param(i, "self_attn.v_proj.weight"), a.v.data(), 0.f);
+    linear(a.kv_in.data(), SQ, d, Hkv * hd, I.p.layer(i).v_proj, a.v.data(), 0.f);
     a.o = StreamBuffer<bf16>(size_t(sz.o), s);
     a.lse = StreamBuffer<float>(size_t(sz.lse), s);
     timer.begin("attention_fwd");
@@ -443,18 +467,18 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
     } else {
       DFLASH_CUDA_CHECK(cudaMemcpyAsync(a.x_mid.data(), a.x_in.data(), size_t(Q * d) * 2, cudaMemcpyDeviceToDevice, s));
     }
-    linear(rows ? a.o_rows.data() : a.o.data(), Qp, H * hd, d, layer_param(i, "self_attn.o_proj.weight"), a.x_mid.data(), 1.f);
+    linear(rows ? a.o_rows.data() : a.o.data(), Qp, H * hd, d, I.p.layer(i).o_proj, a.x_mid.data(), 1.f);
     a.hp = StreamBuffer<bf16>(size_t(sz.hp), s);
     a.inv_post = StreamBuffer<float>(size_t(sz.inv_post), s);
-    cuda::rms_norm_forward(a.x_mid.data(), I.F(layer_param(i, "post_attention_layernorm.weight")), a.hp.data(),
+    cuda::rms_norm_forward(a.x_mid.data(), I.F(I.p.layer(i).post_attention_layernorm), a.hp.data(),
                            a.inv_post.data(), Qp, d, c.rms_norm_eps, false, s);
     a.gu = StreamBuffer<bf16>(size_t(sz.gu), s);
     a.act = StreamBuffer<bf16>(size_t(sz.act), s);
-    linear(a.hp.data(), Qp, d, 2 * Im, gate_up_param(i), a.gu.data(), 0.f);
+    linear(a.hp.data(), Qp, d, 2 * Im, I.p.layer(i).gate_up, a.gu.data(), 0.f);
     cuda::swiglu_forward(a.gu.data(), Qp, Im, a.act.data(), s);
     StreamBuffer<bf16> out(size_t(sz.out), s);  // x_mid + down_proj(act)
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(out.data(), a.x_mid.data(), size_t(Qp * d) * 2, cudaMemcpyDeviceToDevice, s));
-    linear(a.act.data(), Qp, Im, d, layer_param(i, "mlp.down_proj.weight"), out.data(), 1.f);
+    linear(a.act.data(), Qp, Im, d, I.p.layer(i).down_proj, out.data(), 1.f);
     return out;
   };
   std::vector<Saved> sv(static_cast<size_t>(L));
@@ -470,7 +494,7 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   }
   StreamBuffer<bf16> hf(size_t(Qf * d), s);  // [Qf, d]: the rows with a loss weight (when there are any)
   StreamBuffer<float> inv_final(size_t(Qf), s);
-  cuda::rms_norm_forward(x.data(), I.F("norm.weight"), hf.data(), inv_final.data(), Qf, d, c.rms_norm_eps, false, s);
+  cuda::rms_norm_forward(x.data(), I.F(I.p.norm), hf.data(), inv_final.data(), Qf, d, c.rms_norm_eps, false, s);
 
   // Cross entropy over the rows with a loss weight (hf's), fused with its backward when one is
   // wanted (coef = w / sum(w) is known up front): dhf is their gradient.
@@ -481,8 +505,8 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   if (backward && I.grad_zero_pending)
     for (const auto& [name, shape] : I.shapes)
       if (shape.size() == 1 || name == "markov_head.markov_w1.weight" || name == "confidence_head.proj.weight")
-        DFLASH_CUDA_CHECK(cudaMemsetAsync(I.G(name), 0, size_t(BasicTensor<float>::numel_of(shape)) * sizeof(float), s));
-  std::map<std::string, int> wgrads;  // calls per weight: each must be written exactly once
+        DFLASH_CUDA_CHECK(cudaMemsetAsync(I.G(I.offset.at(name)), 0, size_t(BasicTensor<float>::numel_of(shape)) * sizeof(float), s));
+  std::map<int64_t, int> wgrads;  // calls per weight (by offset): each must be written exactly once
   timer.end("forward");
   timer.begin("cross_entropy");
   StreamBuffer<bf16> dhf(backward ? size_t(Qf * d) : 0, s);
@@ -494,7 +518,7 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
     for (int32_t r : used) prev.push_back(drows.prev[size_t(r)]), trow.push_back(int32_t(drows.target_row[size_t(r)]));
     dspark_step_loss(I, c, hf.data(), Qc, seq.target_hidden, S, used_labels, prev, trow, coef, z.dspark_row_chunk,
                      backward ? dhf.data() : nullptr, grad_beta, &row_loss, &h_amax);
-    for (const char* w : {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight"})
+    for (int64_t w : {I.p.markov_w1, I.p.markov_w2, I.p.confidence_w})
       wgrads[w] += backward;
   } else if (Qc > 0) {
     auto d_ul = upload(used_labels, s);
@@ -560,21 +584,21 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
   const BackwardSizes bz = z.backward();
   StreamBuffer<bf16> dx(size_t(bz.dx), s), tmp(size_t(bz.tmp), s);
   StreamBuffer<float> nws(size_t(bz.nws), s);
-  cuda::rms_norm_backward(x.data(), I.F("norm.weight"), inv_final.data(), dhf.data(), dx.data(), I.G("norm.weight"),
+  cuda::rms_norm_backward(x.data(), I.F(I.p.norm), inv_final.data(), dhf.data(), dx.data(), I.G(I.p.norm),
                           nws.data(), Qf, d, false, s);  // dx's first Qc rows
   StreamBuffer<float> dctx(size_t(bz.dctx), s);
   DFLASH_CUDA_CHECK(cudaMemsetAsync(dctx.data(), 0, size_t(S * d) * 4, s));
   // dW += dy^T x (= after zero_grads) over `rows` rows: dy [rows, out], x [rows, in] -> [out, in]
-  auto wgrad = [&](const bf16* dy, const bf16* xin, int64_t rows, int64_t out, int64_t in, const std::string& w) {
+  auto wgrad = [&](const bf16* dy, const bf16* xin, int64_t rows, int64_t out, int64_t in, int64_t w) {
     ++wgrads[w];
     I.gemm.gemm({out, in, rows, true, false}, dy, xin, I.G(w), 1.f, grad_beta);
   };
   auto wgrad_gate_up = [&](const bf16* dgu, const bf16* xin, int64_t rows, int64_t i) {  // gate_proj and up_proj
-    ++wgrads[layer_param(i, "mlp.up_proj.weight")];
-    wgrad(dgu, xin, rows, 2 * Im, d, gate_up_param(i));
+    ++wgrads[I.p.layer(i).up_proj];
+    wgrad(dgu, xin, rows, 2 * Im, d, I.p.layer(i).gate_up);
   };
   // dx (=|+=) dy W: dy [rows, out], W [out, in]
-  auto dgrad = [&](const bf16* dy, int64_t rows, int64_t out, int64_t in, const std::string& w, auto* dxp, float beta) {
+  auto dgrad = [&](const bf16* dy, int64_t rows, int64_t out, int64_t in, int64_t w, auto* dxp, float beta) {
     I.gemm.gemm({rows, in, out, false, false}, dy, I.W(w), dxp, 1.f, beta);
   };
   StreamBuffer<bf16> dact(size_t(bz.dact), s), dhp(size_t(bz.dhp), s), dof(size_t(bz.dof), s), dq(size_t(bz.dq), s),
@@ -587,27 +611,27 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
     const bool rows = compact && i == L - 1;  // the post-attention part on the Qc rows with a loss weight
     const int64_t Qp = rows ? Qc : Q;
     // MLP: x_out = x_mid + down(silu(gate(hp)) * up(hp))
-    dgrad(dx.data(), Qp, d, Im, layer_param(i, "mlp.down_proj.weight"), dact.data(), 0.f);
-    wgrad(dx.data(), a.act.data(), Qp, d, Im, layer_param(i, "mlp.down_proj.weight"));
+    dgrad(dx.data(), Qp, d, Im, I.p.layer(i).down_proj, dact.data(), 0.f);
+    wgrad(dx.data(), a.act.data(), Qp, d, Im, I.p.layer(i).down_proj);
     cuda::swiglu_backward(a.gu.data(), dact.data(), Qp, Im, s);  // in place: gu becomes dgate | dup
-    dgrad(a.gu.data(), Qp, 2 * Im, d, gate_up_param(i), dhp.data(), 0.f);
+    dgrad(a.gu.data(), Qp, 2 * Im, d, I.p.layer(i).gate_up, dhp.data(), 0.f);
     wgrad_gate_up(a.gu.data(), a.hp.data(), Qp, i);
-    cuda::rms_norm_backward(a.x_mid.data(), I.F(layer_param(i, "post_attention_layernorm.weight")), a.inv_post.data(),
-                            dhp.data(), tmp.data(), I.G(layer_param(i, "post_attention_layernorm.weight")), nws.data(), Qp, d,
+    cuda::rms_norm_backward(a.x_mid.data(), I.F(I.p.layer(i).post_attention_layernorm), a.inv_post.data(),
+                            dhp.data(), tmp.data(), I.G(I.p.layer(i).post_attention_layernorm), nws.data(), Qp, d,
                             false, s);
     cuda::add_inplace(dx.data(), tmp.data(), Qp * d, s);  // d loss / d x_mid
     // attention: x_mid = x_in + o_proj(attn(q, k, v))
     if (rows) {  // back to all Q rows: the others' gradients are zero
-      dgrad(dx.data(), Qc, d, H * hd, layer_param(i, "self_attn.o_proj.weight"), dq.data(), 0.f);  // [Qc, H*hd]
-      wgrad(dx.data(), a.o_rows.data(), Qc, d, H * hd, layer_param(i, "self_attn.o_proj.weight"));
+      dgrad(dx.data(), Qc, d, H * hd, I.p.layer(i).o_proj, dq.data(), 0.f);  // [Qc, H*hd]
+      wgrad(dx.data(), a.o_rows.data(), Qc, d, H * hd, I.p.layer(i).o_proj);
       DFLASH_CUDA_CHECK(cudaMemsetAsync(dof.data(), 0, size_t(Q * H * hd) * 2, s));
       cuda::scatter_rows(dq.data(), Qc, H * hd, d_used.data(), dof.data(), s);
       DFLASH_CUDA_CHECK(cudaMemcpyAsync(tmp.data(), dx.data(), size_t(Qc * d) * 2, cudaMemcpyDeviceToDevice, s));
       DFLASH_CUDA_CHECK(cudaMemsetAsync(dx.data(), 0, size_t(Q * d) * 2, s));
       cuda::scatter_rows(tmp.data(), Qc, d, d_used.data(), dx.data(), s);
     } else {
-      dgrad(dx.data(), Q, d, H * hd, layer_param(i, "self_attn.o_proj.weight"), dof.data(), 0.f);
-      wgrad(dx.data(), a.o.data(), Q, d, H * hd, layer_param(i, "self_attn.o_proj.weight"));
+      dgrad(dx.data(), Q, d, H * hd, I.p.layer(i).o_proj, dof.data(), 0.f);
+      wgrad(dx.data(), a.o.data(), Q, d, H * hd, I.p.layer(i).o_proj);
     }
     timer.begin("attention_bwd");
     cuda::masked_attention_backward(a.q_rot.data(), a.k_rot.data(), a.v.data(), a.o.data(), a.lse.data(), dof.data(),
@@ -616,12 +640,12 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
     timer.end("attention_bwd");
     cuda::rope_apply(dq.data(), Q, H, hd, hd, cq.data(), sq.data(), true, s);
     cuda::rope_apply(dk.data(), SQ, Hkv, hd, hd, ckv.data(), skv.data(), true, s);
-    cuda::rms_norm_backward(a.q_pre.data(), I.F(layer_param(i, "self_attn.q_norm.weight")), a.q_inv.data(), dq.data(),
-                            dq.data(), I.G(layer_param(i, "self_attn.q_norm.weight")), nws.data(), Q * H, hd, false, s);
-    cuda::rms_norm_backward(a.k_pre.data(), I.F(layer_param(i, "self_attn.k_norm.weight")), a.k_inv.data(), dk.data(),
-                            dk.data(), I.G(layer_param(i, "self_attn.k_norm.weight")), nws.data(), SQ * Hkv, hd, false, s);
-    const std::string wq = layer_param(i, "self_attn.q_proj.weight"), wk = layer_param(i, "self_attn.k_proj.weight"),
-                      wv = layer_param(i, "self_attn.v_proj.weight");
+    cuda::rms_norm_backward(a.q_pre.data(), I.F(I.p.layer(i).q_norm), a.q_inv.data(), dq.data(),
+                            dq.data(), I.G(I.p.layer(i).q_norm), nws.data(), Q * H, hd, false, s);
+    cuda::rms_norm_backward(a.k_pre.data(), I.F(I.p.layer(i).k_norm), a.k_inv.data(), dk.data(),
+                            dk.data(), I.G(I.p.layer(i).k_norm), nws.data(), SQ * Hkv, hd, false, s);
+    const int64_t wq = I.p.layer(i).q_proj, wk = I.p.layer(i).k_proj,
+                      wv = I.p.layer(i).v_proj;
     wgrad(dq.data(), hn, Q, H * hd, d, wq);
     wgrad(dk.data(), a.kv_in.data(), SQ, Hkv * hd, d, wk);
     wgrad(dv.data(), a.kv_in.data(), SQ, Hkv * hd, d, wv);
@@ -630,20 +654,20 @@ DrafterGpuStepResult DrafterGpu::step(const DrafterGpuSequence& seq, const Draft
     dgrad(dv.data() + S * Hkv * hd, Q, Hkv * hd, d, wv, dhn.data(), 1.f);
     dgrad(dk.data(), S, Hkv * hd, d, wk, dctx.data(), 1.f);
     dgrad(dv.data(), S, Hkv * hd, d, wv, dctx.data(), 1.f);
-    cuda::rms_norm_backward(a.x_in.data(), I.F(layer_param(i, "input_layernorm.weight")), a.inv_in.data(), dhn.data(),
-                            tmp.data(), I.G(layer_param(i, "input_layernorm.weight")), nws.data(), Q, d, false, s);
+    cuda::rms_norm_backward(a.x_in.data(), I.F(I.p.layer(i).input_layernorm), a.inv_in.data(), dhn.data(),
+                            tmp.data(), I.G(I.p.layer(i).input_layernorm), nws.data(), Q, d, false, s);
     cuda::add_inplace(dx.data(), tmp.data(), Q * d, s);  // d loss / d x_in (dropped after layer 0: embeddings are frozen)
     sv[size_t(i)] = Saved();                              // free this layer's activations
   }
   StreamBuffer<bf16> dctx_b(size_t(S * d), s), dfc(size_t(S * d), s);
   cuda::f32_to_bf16(dctx.data(), dctx_b.data(), S * d, s);
-  cuda::rms_norm_backward(fc_out.data(), I.F("hidden_norm.weight"), inv_ctx.data(), dctx_b.data(), dfc.data(),
-                          I.G("hidden_norm.weight"), nws.data(), S, d, false, s);
-  wgrad(dfc.data(), seq.taps, S, d, K * d, "fc.weight");
+  cuda::rms_norm_backward(fc_out.data(), I.F(I.p.hidden_norm), inv_ctx.data(), dctx_b.data(), dfc.data(),
+                          I.G(I.p.hidden_norm), nws.data(), S, d, false, s);
+  wgrad(dfc.data(), seq.taps, S, d, K * d, I.p.fc);
   for (const auto& [name, shape] : I.shapes)
-    if (shape.size() == 2 && wgrads[name] != 1)
+    if (shape.size() == 2 && wgrads[I.offset.at(name)] != 1)
       throw std::logic_error("DrafterGpu::step: the gradient of " + name + " was written " +
-                             std::to_string(wgrads[name]) + " times, not once");
+                             std::to_string(wgrads[I.offset.at(name)]) + " times, not once");
   I.grad_zero_pending = false;
   timer.end("backward");
   if (opt.time_stages) {

@@ -42,11 +42,11 @@ void cache_keys_values(DrafterGpu::Impl& I, const DrafterConfig& c, int64_t i, c
                        const float* cs, const float* sn, const int32_t* dest) {
   const int64_t d = c.hidden_size, hd = c.head_dim, Hkv = c.num_key_value_heads;
   StreamBuffer<bf16> k(size_t(rows * Hkv * hd), I.s), v(size_t(rows * Hkv * hd), I.s);
-  I.gemm.gemm({rows, Hkv * hd, d, false, true}, h, I.W(layer_param(i, "self_attn.k_proj.weight")), k.data(), 1.f, 0.f);
-  cuda::rms_norm_forward(k.data(), I.F(layer_param(i, "self_attn.k_norm.weight")), k.data(), nullptr, rows * Hkv, hd,
+  I.gemm.gemm({rows, Hkv * hd, d, false, true}, h, I.W(I.p.layer(i).k_proj), k.data(), 1.f, 0.f);
+  cuda::rms_norm_forward(k.data(), I.F(I.p.layer(i).k_norm), k.data(), nullptr, rows * Hkv, hd,
                          c.rms_norm_eps, false, I.s);
   cuda::rope_apply(k.data(), rows, Hkv, hd, hd, cs, sn, false, I.s);
-  I.gemm.gemm({rows, Hkv * hd, d, false, true}, h, I.W(layer_param(i, "self_attn.v_proj.weight")), v.data(), 1.f, 0.f);
+  I.gemm.gemm({rows, Hkv * hd, d, false, true}, h, I.W(I.p.layer(i).v_proj), v.data(), 1.f, 0.f);
   cuda::scatter_rows(k.data(), rows, Hkv * hd, dest, I.ctx.k[size_t(i)].data(), I.s);
   cuda::scatter_rows(v.data(), rows, Hkv * hd, dest, I.ctx.v[size_t(i)].data(), I.s);
 }
@@ -79,8 +79,8 @@ void DrafterGpu::extend_context(const bf16* taps, const std::vector<int64_t>& cu
   cuda::rope_table(d_pos.data(), I.inv_freq.data(), T, hd, cs.data(), sn.data(), I.s, I.rope_scale);
   // ctx = hidden_norm(fc(taps)) [T, d]
   StreamBuffer<bf16> fc_out(size_t(T * d), I.s), ctx(size_t(T * d), I.s);
-  I.gemm.gemm({T, d, K * d, false, true}, taps, I.W("fc.weight"), fc_out.data(), 1.f, 0.f);
-  cuda::rms_norm_forward(fc_out.data(), I.F("hidden_norm.weight"), ctx.data(), nullptr, T, d, c.rms_norm_eps, false, I.s);
+  I.gemm.gemm({T, d, K * d, false, true}, taps, I.W(I.p.fc), fc_out.data(), 1.f, 0.f);
+  cuda::rms_norm_forward(fc_out.data(), I.F(I.p.hidden_norm), ctx.data(), nullptr, T, d, c.rms_norm_eps, false, I.s);
   for (int64_t i = 0; i < c.num_hidden_layers; ++i)
     cache_keys_values(I, c, i, ctx.data(), T, cs.data(), sn.data(), d_dest.data());
   for (int q = 0; q < C.n; ++q) C.len[size_t(q)] += cu[size_t(q) + 1] - cu[size_t(q)];
@@ -99,13 +99,13 @@ std::vector<std::vector<int32_t>> dspark_walk(DrafterGpu::Impl& I, const Drafter
   StreamBuffer<bf16> wcat(size_t(V * w), s), hcat(size_t(na * w), s), e(size_t(na * rk), s);
   DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(wcat.data(), size_t(w) * 2, I.lm_head.data(), size_t(d) * 2, size_t(d) * 2,
                                       size_t(V), cudaMemcpyDeviceToDevice, s));
-  DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(wcat.data() + d, size_t(w) * 2, I.W("markov_head.markov_w2.weight"),
+  DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(wcat.data() + d, size_t(w) * 2, I.W(I.p.markov_w2),
                                       size_t(rk) * 2, size_t(rk) * 2, size_t(V), cudaMemcpyDeviceToDevice, s));
   std::vector<int32_t> prev(static_cast<size_t>(na));
   for (int64_t a = 0; a < na; ++a) prev[size_t(a)] = last[size_t(act[size_t(a)])];
   for (int64_t k = 0; k < B; ++k) {
     auto d_prev = cuda::upload(prev, s);
-    cuda::embedding_gather(I.W("markov_head.markov_w1.weight"), V, rk, d_prev.data(), na, e.data(), nullptr, s);
+    cuda::embedding_gather(I.W(I.p.markov_w1), V, rk, d_prev.data(), na, e.data(), nullptr, s);
     DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(hcat.data(), size_t(w) * 2, hn + k * d, size_t(B * d) * 2, size_t(d) * 2,
                                         size_t(na), cudaMemcpyDeviceToDevice, s));
     DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(hcat.data() + d, size_t(w) * 2, e.data(), size_t(rk) * 2, size_t(rk) * 2,
@@ -174,7 +174,7 @@ std::vector<std::vector<int32_t>> DrafterGpu::draft(const std::vector<int32_t>& 
   StreamBuffer<float> cs(size_t(Q * hd / 2), s), sn(size_t(Q * hd / 2), s);
   cuda::rope_table(d_pos.data(), I.inv_freq.data(), Q, hd, cs.data(), sn.data(), s, I.rope_scale);
   const float scale = float(1.0 / std::sqrt(double(hd)));
-  auto linear = [&](const bf16* x, int64_t in, int64_t out, const std::string& w, bf16* y, float beta) {
+  auto linear = [&](const bf16* x, int64_t in, int64_t out, int64_t w, bf16* y, float beta) {
     I.gemm.gemm({Q, out, in, false, true}, x, I.W(w), y, 1.f, beta);
   };
   StreamBuffer<bf16> x(size_t(Q * d), s), hn(size_t(Q * d), s), q(size_t(Q * H * hd), s), o(size_t(Q * H * hd), s),
@@ -183,10 +183,10 @@ std::vector<std::vector<int32_t>> DrafterGpu::draft(const std::vector<int32_t>& 
   DFLASH_CUDA_CHECK(cudaMemsetAsync(qpad.data(), 0, qpad.size() * 2, s));  // padding rows: defined
   cuda::embedding_gather(I.embed.data(), I.V, d, d_ids.data(), Q, x.data(), nullptr, s);
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    cuda::rms_norm_forward(x.data(), I.F(layer_param(i, "input_layernorm.weight")), hn.data(), nullptr, Q, d,
+    cuda::rms_norm_forward(x.data(), I.F(I.p.layer(i).input_layernorm), hn.data(), nullptr, Q, d,
                            c.rms_norm_eps, false, s);
-    linear(hn.data(), d, H * hd, layer_param(i, "self_attn.q_proj.weight"), q.data(), 0.f);
-    cuda::rms_norm_forward(q.data(), I.F(layer_param(i, "self_attn.q_norm.weight")), q.data(), nullptr, Q * H, hd,
+    linear(hn.data(), d, H * hd, I.p.layer(i).q_proj, q.data(), 0.f);
+    cuda::rms_norm_forward(q.data(), I.F(I.p.layer(i).q_norm), q.data(), nullptr, Q * H, hd,
                            c.rms_norm_eps, false, s);
     cuda::rope_apply(q.data(), Q, H, hd, hd, cs.data(), sn.data(), false, s);
     cache_keys_values(I, c, i, hn.data(), Q, cs.data(), sn.data(), d_dest.data());
@@ -195,14 +195,14 @@ std::vector<std::vector<int32_t>> DrafterGpu::draft(const std::vector<int32_t>& 
                                    d_masks.at({c.layer_window(i), c.layer_causal(i)}).data(), Tq, C.n * C.cap, int(H), int(Hkv),
                                    int(hd), scale, opad.data(), nullptr, s);
     cuda::embedding_gather(opad.data(), Tq, H * hd, d_qrow.data(), Q, o.data(), nullptr, s);
-    linear(o.data(), H * hd, d, layer_param(i, "self_attn.o_proj.weight"), x.data(), 1.f);  // x_mid = x + o_proj(o)
-    cuda::rms_norm_forward(x.data(), I.F(layer_param(i, "post_attention_layernorm.weight")), hn.data(), nullptr, Q, d,
+    linear(o.data(), H * hd, d, I.p.layer(i).o_proj, x.data(), 1.f);  // x_mid = x + o_proj(o)
+    cuda::rms_norm_forward(x.data(), I.F(I.p.layer(i).post_attention_layernorm), hn.data(), nullptr, Q, d,
                            c.rms_norm_eps, false, s);
-    linear(hn.data(), d, 2 * Im, gate_up_param(i), gu.data(), 0.f);  // gate | up
+    linear(hn.data(), d, 2 * Im, I.p.layer(i).gate_up, gu.data(), 0.f);  // gate | up
     cuda::swiglu_forward(gu.data(), Q, Im, mlp_act.data(), s);
-    linear(mlp_act.data(), Im, d, layer_param(i, "mlp.down_proj.weight"), x.data(), 1.f);  // x += down_proj(act)
+    linear(mlp_act.data(), Im, d, I.p.layer(i).down_proj, x.data(), 1.f);  // x += down_proj(act)
   }
-  cuda::rms_norm_forward(x.data(), I.F("norm.weight"), hn.data(), nullptr, Q, d, c.rms_norm_eps, false, s);
+  cuda::rms_norm_forward(x.data(), I.F(I.p.norm), hn.data(), nullptr, Q, d, c.rms_norm_eps, false, s);
   if (c.is_dspark()) return dspark_walk(I, c, hn.data(), act, last, std::move(r));
   const std::vector<int32_t> amax = cuda::lm_head_argmax(I.gemm, hn.data(), I.lm_head.data(), Q, d, I.V);
   for (int64_t a = 0; a < na; ++a)

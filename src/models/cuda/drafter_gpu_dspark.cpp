@@ -35,8 +35,7 @@ void dspark_step_loss(DrafterGpu::Impl& I, const DrafterConfig& c, const bf16* h
     throw std::invalid_argument("dspark_step_loss: row arrays disagree");
   for (int32_t t : trow)
     if (t < 0 || t >= S) throw std::invalid_argument("dspark_step_loss: target row outside the sequence");
-  const std::string w1 = "markov_head.markov_w1.weight", w2 = "markov_head.markov_w2.weight";
-  const std::string cw = "confidence_head.proj.weight", cb = "confidence_head.proj.bias";
+  const int64_t w1 = I.p.markov_w1, w2 = I.p.markov_w2, cw = I.p.confidence_w, cb = I.p.confidence_b;
   auto d_labels = cuda::upload(labels, s), d_prev = cuda::upload(prev, s), d_trow = cuda::upload(trow, s);
   auto d_coef = cuda::upload(coef, s);
   StreamBuffer<bf16> e(size_t(rows * r), s), gsel(size_t(rows * d), s);  // W1[prev], target_hidden[trow]

@@ -12,6 +12,27 @@
 
 namespace dflash {
 
+/// Flat offsets (elements) of draft layer i's parameters ("layers.<i>.<name>") in DrafterGpu's
+/// master, gradient and bf16 buffers.
+struct LayerParams {
+  int64_t input_layernorm = -1, q_proj = -1, k_proj = -1, v_proj = -1, o_proj = -1, q_norm = -1, k_norm = -1;
+  int64_t post_attention_layernorm = -1, down_proj = -1;
+  int64_t gate_up = -1;  // mlp.gate_proj, which mlp.up_proj follows: both as one [2 I, d] matrix whose
+                         // product's output rows are gate | up (cuda::swiglu_forward's layout)
+  int64_t up_proj = -1;  // = gate_up + I d (checked at allocation)
+};
+
+/// Every parameter's flat offset (drafter_param_shapes' names), looked up once at allocation; -1 for
+/// what the drafter has not (DSpark's heads in a DFlash drafter). Throws std::logic_error (from()) when
+/// a name is missing or up_proj does not follow gate_proj.
+struct ParamOffsets {
+  int64_t fc = -1, hidden_norm = -1, norm = -1;
+  int64_t markov_w1 = -1, markov_w2 = -1, confidence_w = -1, confidence_b = -1;  // DSpark
+  std::vector<LayerParams> layers;
+  const LayerParams& layer(int64_t i) const { return layers.at(size_t(i)); }
+  static ParamOffsets from(const std::map<std::string, int64_t>& offset, const DrafterConfig& c);
+};
+
 /// The cuBLASLt workspace of a DrafterGpu's GemmContext.
 inline constexpr size_t kDrafterGemmWorkspaceBytes = size_t(32) << 20;
 
@@ -26,6 +47,7 @@ struct DrafterGpu::Impl {
   bool grad_zero_pending = false;
   cuda::DeviceArray<cuda::bf16> wb;               // flat bf16 copy [n]
   std::map<std::string, int64_t> offset;          // parameter name -> flat offset
+  ParamOffsets p;                                 // the same offsets, typed
   std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
   cuda::DeviceArray<cuda::bf16> embed, lm_head;   // [V, d]
   int64_t V = 0;
@@ -36,9 +58,10 @@ struct DrafterGpu::Impl {
   KvCache ctx;                                    // drafting: each layer's context keys / values per sequence
 
   explicit Impl(cudaStream_t st) : s(st), gemm(st, kDrafterGemmWorkspaceBytes) {}
-  const cuda::bf16* W(const std::string& name) const { return wb.data() + offset.at(name); }
-  const float* F(const std::string& name) const { return master.data() + offset.at(name); }
-  float* G(const std::string& name) { return grad.data() + offset.at(name); }
+  // A parameter's values: by its flat offset (ParamOffsets, below).
+  const cuda::bf16* W(int64_t offset) const { return wb.data() + offset; }
+  const float* F(int64_t offset) const { return master.data() + offset; }
+  float* G(int64_t offset) { return grad.data() + offset; }
   /// The gradient buffer, zeroed first if a zero_grads() is pending.
   float* grad_buffer() {
     if (grad_zero_pending) grad.fill_bytes(0, s);
@@ -46,14 +69,6 @@ struct DrafterGpu::Impl {
     return grad.data();
   }
 };
-
-/// "layers.<i>.<w>": the name of draft layer i's parameter w.
-inline std::string layer_param(int64_t i, const char* w) { return "layers." + std::to_string(i) + "." + w; }
-
-/// Draft layer i's gate_proj, which up_proj follows in the flat buffers (checked by DrafterGpu's
-/// allocation): from it, W / G give both as one [2 I, d] matrix, the weight of one GEMM whose output
-/// rows are gate | up (cuda::swiglu_forward's layout).
-inline std::string gate_up_param(int64_t i) { return layer_param(i, "mlp.gate_proj.weight"); }
 
 // DSpark's loss in the training step (drafter_gpu_dspark.cpp; reference: dspark_loss, src/models/dspark.h).
 /// Rows per chunk of DSpark's loss for `rows` rows: z and t (fp32) and dz (bf16), 10 V bytes a row,
