@@ -66,6 +66,14 @@ double rel_l2_vs_recurrent(const float* q, const float* k, const float* v, const
 /// (what the drafter trains on). The two are built one after the other: the 27B pair does not fit one
 /// 80 GB GPU at once.
 nlohmann::json fp8_vs_bf16(const ModelSpec& spec, const std::vector<int64_t>& taps, int64_t tokens, cudaStream_t s) {
+  // The timed runs' pooled activations go back to the device first (PeakMemory keeps freed memory
+  // in the pool): the bf16 target needs the room.
+  DFLASH_CUDA_CHECK(cudaStreamSynchronize(s));
+  int device = 0;
+  cudaMemPool_t pool;
+  DFLASH_CUDA_CHECK(cudaGetDevice(&device));
+  DFLASH_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+  DFLASH_CUDA_CHECK(cudaMemPoolTrimTo(pool, 0));
   std::mt19937 rng(99);
   std::vector<int32_t> ids(static_cast<size_t>(tokens));
   for (auto& t : ids) t = int32_t(rng() % uint32_t(spec.vocab_size));
