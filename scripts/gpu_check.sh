@@ -127,7 +127,19 @@ if [ "${GPU_CHECK_BENCH:-1}" != 0 ]; then
     DFLASH_COMMIT="$commit" "$build/dflash" bench target-forward --device cuda --preset "$p" --results "$out" \
       >>"$log" 2>&1 || tests_rc=1
   done
-  bench+=$'\n'"$(tail -n 3 "$out/gdn.md" 2>/dev/null)"$'\n'"$(tail -n 4 "$out/target-forward.md" 2>/dev/null)"
+  # FP8 targets: the forward's speed beside bf16's above, and the taps' and logits' relative L2 against
+  # the bf16 target at the preset shapes (fp8_vs_bf16_rel_l2 in the record).
+  for p in qwen3.6-27b qwen3-8b; do
+    DFLASH_COMMIT="$commit" "$build/dflash" bench target-forward --device cuda --preset "$p" --target-dtype fp8 \
+      --results "$out" >>"$log" 2>&1 || tests_rc=1
+  done
+  # Batch decoding of the 27B against its memory-bandwidth bound (the engine of eval and regeneration).
+  for dt in bf16 fp8; do
+    DFLASH_COMMIT="$commit" "$build/dflash" bench decode --preset qwen3.6-27b --batch 1,16,64 --new-tokens 128 \
+      --target-dtype "$dt" --results "$out" >>"$log" 2>&1 || tests_rc=1
+  done
+  bench+=$'\n'"$(tail -n 3 "$out/gdn.md" 2>/dev/null)"$'\n'"$(tail -n 6 "$out/target-forward.md" 2>/dev/null)"
+  bench+=$'\n'"$(tail -n 6 "$out/decode.md" 2>/dev/null)"
 fi
 # The training pipeline of one sample (target taps + drafter step, colocated on one GPU): the tiny
 # smoke run always (printed, not recorded); qwen3-8b with the benchmarks (appended to $out/pipeline.*).
