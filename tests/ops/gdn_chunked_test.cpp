@@ -165,8 +165,11 @@ TEST(CpuGdnChunked, PrepareSolvesItsEquations) {
 
 TEST(CpuGdnChunked, RejectsBadArguments) {
   const Inputs in({5}, 1, 1, 4, 4, 1);
-  EXPECT_THROW(cpu::gated_delta_rule_chunked(in.q, in.k, in.v, in.g, in.beta, in.cu, nullptr, 0), std::invalid_argument);
-  EXPECT_THROW(cpu::gated_delta_rule_chunked(in.q, in.k, in.v, in.g, in.beta, {0, 4}, nullptr), std::invalid_argument);
+  EXPECT_THROW(cpu::gated_delta_rule_chunked(in.q, in.k, in.v, in.g, in.beta, in.cu, nullptr, 0),
+               std::invalid_argument);  // chunk 0
+  EXPECT_THROW(cpu::gated_delta_rule_chunked(in.q, in.k, in.v, in.g, in.beta, {0, 4}, nullptr),
+               std::invalid_argument);  // cu_seqlens short of T
   const Tensor bad_state({2, 1, 4, 4});
-  EXPECT_THROW(cpu::gated_delta_rule_chunked(in.q, in.k, in.v, in.g, in.beta, in.cu, &bad_state), std::invalid_argument);
+  EXPECT_THROW(cpu::gated_delta_rule_chunked(in.q, in.k, in.v, in.g, in.beta, in.cu, &bad_state),
+               std::invalid_argument);  // two initial states for one sequence
 }

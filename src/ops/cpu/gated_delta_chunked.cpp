@@ -46,7 +46,8 @@ GdnChunkedTrace gated_delta_rule_chunked(const Tensor& q, const Tensor& k, const
     throw std::invalid_argument("gated_delta_rule_chunked: initial_state " + shape_str(initial_state->shape) +
                                 ", expected " + shape_str(state_shape));
   int64_t n_chunks = 0;
-  for (int64_t s = 0; s < nseq; ++s) n_chunks += (cu_seqlens[size_t(s) + 1] - cu_seqlens[size_t(s)] + chunk - 1) / chunk;
+  for (int64_t s = 0; s < nseq; ++s)
+    n_chunks += (cu_seqlens[size_t(s) + 1] - cu_seqlens[size_t(s)] + chunk - 1) / chunk;
   GdnChunkedTrace r;
   r.G = Tensor({T, Hv});
   r.w = Tensor({T, Hv, dk});
