@@ -3,6 +3,7 @@
 // dK / dV kernels' work items, probabilities, epilogue and item loop.
 #pragma once
 #include "ops/cuda/attention_common.cuh"
+#include "ops/cuda/wgmma.cuh"
 
 namespace dflash::cuda::detail {
 

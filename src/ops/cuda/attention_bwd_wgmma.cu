@@ -1,12 +1,11 @@
-// The masked attention backward on Hopper (sm_90a, head_dim 128; masked_attention.h): the two
-// kernels of attention_bwd_mma.cu with warpgroup MMAs on the
-// forward's swizzled tiles (rs_abt / ss_abt for the scores, rs_ab for the products with the
-// probabilities). In dQ the two score products are committed as two groups, so P's exponentials run
-// while the tensor cores compute dP. (The same in dK / dV, with P^T dO in flight while dS^T is
-// formed, measured 1.64 against 1.62 ms for the plain order below, and spilled registers.) Both
-// kernels take turns between their warpgroups (PingPong) and keep three buffers, one barrier per
-// tile or item. The tiles that stream (K / V in dQ, Q / dO in dK / dV) come through the TMA; the
-// ones loaded once per CTA and the row statistics through cp.async.
+// The masked attention backward on Hopper (sm_90a, head_dim 128; masked_attention.h): the two kernels
+// of attention_bwd_mma.cu with warpgroup MMAs on the forward's swizzled tiles (rs_abt / ss_abt for the
+// scores, rs_ab for the products with the probabilities). In dQ the two score products are committed as
+// two groups, so P's exponentials run while the tensor cores compute dP. (The same in dK / dV, with P^T
+// dO in flight while dS^T is formed, measured 1.64 against 1.62 ms for the plain order below, and
+// spilled registers.) Both kernels take turns between their warpgroups (PingPong) and keep three
+// buffers, one barrier per tile or item. The tiles that stream (K / V in dQ, Q / dO in dK / dV) come
+// through the TMA; the ones loaded once per CTA and the row statistics through cp.async.
 #include "ops/cuda/attention_bwd_common.cuh"
 #include "ops/cuda/attention_kernels.h"
 #include "ops/cuda/attention_wgmma.cuh"

@@ -1,16 +1,16 @@
 // The masked attention forward on Hopper (sm_90a, head_dim 128 and 256; masked_attention.h): the
-// algorithm of attention_fwd_mma.cu with warpgroup MMAs. One CTA
-// of two warpgroups per (128 query rows, head); warpgroup w owns rows 64 w .. 64 w + 63 (warp 4 w + i
-// rows 16 i .. of them, as in the mma.sync kernel, so the softmax and epilogue are shared). Q, K and
-// V tiles sit in shared memory with the 128-byte swizzle (wgmma.cuh): Q copied once by every thread
-// (cp.async), each K / V tile by one thread through the TMA (tma.cuh), which spares the other
-// threads the copies' address arithmetic (-8% per launch); S = Q K^T takes K from shared
-// memory and Q's fragments from registers (loaded once; head_dim 128) or from shared memory (256),
-// O += P V takes P from registers and V (MN-major) from shared memory. At head_dim 128 the next key
-// tile's S is issued before this tile's softmax, so the tensor cores work while the warps
-// exponentiate; at 256 the registers hold one S tile only, and the next tile's S is issued beside
-// this tile's P V (P kept as bf16 fragments), with no barrier of the CTA between tiles. The two
-// warpgroups take turns issuing their products (PingPong), so one's run while the other exponentiates.
+// algorithm of attention_fwd_mma.cu with warpgroup MMAs. One CTA of two warpgroups per (128 query rows,
+// head); warpgroup w owns rows 64 w .. 64 w + 63 (warp 4 w + i rows 16 i .. of them, as in the mma.sync
+// kernel, so the softmax and epilogue are shared). Q, K and V tiles sit in shared memory with the
+// 128-byte swizzle (wgmma.cuh): Q copied once by every thread (cp.async), each K / V tile by one thread
+// through the TMA (tma.cuh), which spares the other threads the copies' address arithmetic (-8% per
+// launch); S = Q K^T takes K from shared memory and Q's fragments from registers (loaded once; head_dim
+// 128) or from shared memory (256), O += P V takes P from registers and V (MN-major) from shared
+// memory. At head_dim 128 the next key tile's S is issued before this tile's softmax, so the tensor
+// cores work while the warps exponentiate; at 256 the registers hold one S tile only, and the next
+// tile's S is issued beside this tile's P V (P kept as bf16 fragments), with no barrier of the CTA
+// between tiles. The two warpgroups take turns issuing their products (PingPong), so one's run while
+// the other exponentiates.
 #include <stdexcept>
 #include <string>
 
