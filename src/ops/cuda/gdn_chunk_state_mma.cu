@@ -51,13 +51,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(Split k_s, Spl
   const int sm0 = 16 * warp;                                      // this warp's state rows
   const bool owns = sm0 < dkp;
   float S[kSn][4];  // rows sm0 + g (+ 8 for [2], [3]) x columns 8 nt + 2 t (+ 1)
-#pragma unroll
-  for (int nt = 0; nt < kSn; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int row = sm0 + g + 8 * (e / 2), col = 8 * nt + 2 * t + e % 2;
-      S[nt][e] = init && owns && row < dk && col < ncols ? init[state_off + int64_t(row) * dv + c0 + col] : 0.f;
-    }
+  load_state_frags(S, init, owns, state_off, sm0, g, t, dk, dv, c0, ncols);
   const int c_first = first_chunk[seq], c_end = first_chunk[seq + 1];
   // w, k and the gates of chunk ci into buffer ci & 1 (one cp.async group; rows past the chunk zero).
   auto fetch = [&](int ci, const Chunk& ch) {
@@ -168,16 +162,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(Split k_s, Spl
     __syncthreads();
     publish_progress(progress, ci, c_first, c_end);
   }
-  if (final_state && owns)
-#pragma unroll
-    for (int nt = 0; nt < kSn; ++nt)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = sm0 + g + 8 * half, col = 8 * nt + 2 * t;
-        if (row < dk && col < ncols)
-          *reinterpret_cast<float2*>(final_state + state_off + int64_t(row) * dv + c0 + col) =
-              make_float2(S[nt][2 * half], S[nt][2 * half + 1]);
-      }
+  if (final_state && owns) store_state_frags(S, final_state, state_off, sm0, g, t, dk, dv, c0, ncols);
 }
 
 }  // namespace

@@ -106,13 +106,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_wgmma_kernel(Split k_
   const int64_t state_off = (int64_t(seq) * Hv + h) * dk * dv;
   const int sm0 = 16 * warp;  // this warp's state rows (and in warpgroup 0 its U rows, 16 warp ..)
   float S[8][4];              // rows sm0 + g (+ 8 for [2], [3]) x columns 8 nt + 2 t (+ 1)
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int row = sm0 + g + 8 * (e / 2), col = 8 * nt + 2 * t + e % 2;
-      S[nt][e] = init && row < dk && col < ncols ? init[state_off + int64_t(row) * dv + c0 + col] : 0.f;
-    }
+  load_state_frags(S, init, true, state_off, sm0, g, t, dk, dv, c0, ncols);
   const int c_first = first_chunk[seq], c_end = first_chunk[seq + 1];
   bool all_prepared = false;
   // Warpgroup 1 (thread i1): w, k and the gates of chunk ci into buffer ci & 1 (after waiting for
@@ -240,16 +234,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_wgmma_kernel(Split k_
     __syncthreads();
     publish_progress(progress, ci, c_first, c_end);
   }
-  if (final_state)
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = sm0 + g + 8 * half, col = 8 * nt + 2 * t;
-        if (row < dk && col < ncols)
-          *reinterpret_cast<float2*>(final_state + state_off + int64_t(row) * dv + c0 + col) =
-              make_float2(S[nt][2 * half], S[nt][2 * half + 1]);
-      }
+  if (final_state) store_state_frags(S, final_state, state_off, sm0, g, t, dk, dv, c0, ncols);
 }
 
 }  // namespace

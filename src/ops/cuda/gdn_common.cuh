@@ -116,6 +116,37 @@ __device__ __forceinline__ void store_split_rows(Split dst, int64_t stride, int6
   }
 }
 
+/// A tensor-core chunk_state's fp32 state in C fragments (mma.sync's layout, both forms): S[nt][e] is
+/// row sm0 + g (+ 8 for e >= 2), column 8 nt + 2 t + e % 2 of the block's state columns from c0.
+/// Loaded from init ([.., dk, dv] at state_off; null or !load: zeros), rows >= dk and columns >= ncols
+/// zero.
+template <int N>
+__device__ __forceinline__ void load_state_frags(float (&S)[N][4], const float* init, bool load, int64_t state_off,
+                                                 int sm0, int g, int t, int dk, int dv, int c0, int ncols) {
+#pragma unroll
+  for (int nt = 0; nt < N; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = sm0 + g + 8 * (e / 2), col = 8 * nt + 2 * t + e % 2;
+      S[nt][e] = init && load && row < dk && col < ncols ? init[state_off + int64_t(row) * dv + c0 + col] : 0.f;
+    }
+}
+
+/// The other way: rows < dk, columns < ncols of the fragments to out ([.., dk, dv] at state_off).
+template <int N>
+__device__ __forceinline__ void store_state_frags(const float (&S)[N][4], float* out, int64_t state_off, int sm0,
+                                                  int g, int t, int dk, int dv, int c0, int ncols) {
+#pragma unroll
+  for (int nt = 0; nt < N; ++nt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = sm0 + g + 8 * half, col = 8 * nt + 2 * t;
+      if (row < dk && col < ncols)
+        *reinterpret_cast<float2*>(out + state_off + int64_t(row) * dv + c0 + col) =
+            make_float2(S[nt][2 * half], S[nt][2 * half + 1]);
+    }
+}
+
 // On sm_90+ the three kernels of the chunked rule overlap (programmatic dependent launch). The
 // tensor-core chunk_state starts beside chunk_prepare's last blocks: chunk_prepare's blocks go in chunk
 // order and each publishes when its chunk is in memory (a fence, then a flag, then one more in a count

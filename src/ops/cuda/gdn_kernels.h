@@ -65,7 +65,7 @@ size_t chunk_prepare_smem(int dk, int dv, int r, int conv_k);
 /// floats apart, 0: Hv dv), g, beta [T, Hv] fp32 are read; conv_k 4: the projections pj instead
 /// (GdnProjections, gdn_projections_fuse). prepared (null: none) [nch Hk + 1] int, zeroed: each
 /// block's flag and their count, for a chunk_state launched beside it. Throws std::runtime_error
-/// when the device lacks the shared memory.
+/// when the device lacks the shared memory, std::invalid_argument for conv_k other than 0 or 4.
 void launch_chunk_prepare(int conv_k, const float* q, const float* k, const float* v, const float* g,
                           const float* beta, const GdnChunk* chunks, int64_t nch, int Hk, int Hv, int dk, int dv,
                           float* w_out, Split w_s, Split k_s, Split q_s, float* u_out, Split P_s, float* G_out,
@@ -103,7 +103,8 @@ void launch_chunk_state_simt(const ChunkStateArgs& a, cudaStream_t stream);
 /// Shared memory (bytes) of the mma.sync chunk_state at key dim dk with cols (32 or 64) state columns.
 size_t chunk_state_mma_smem(int dk, int cols);
 /// The mma.sync chunk_state with cols (32 or 64) state columns per block: grid (nseq, Hv,
-/// ceil(dv / cols)); `programmatic`: a programmatic dependent launch (beside chunk_prepare).
+/// ceil(dv / cols)); `programmatic`: a programmatic dependent launch (beside chunk_prepare). Throws
+/// std::invalid_argument for other cols, std::runtime_error when the device lacks the shared memory.
 void launch_chunk_state_mma(int cols, const ChunkStateArgs& a, bool programmatic, cudaStream_t stream);
 
 /// Shared memory (bytes) of the warpgroup-MMA chunk_state (dkp 128, 64 state columns per block).
