@@ -1,7 +1,9 @@
 // The GatedDeltaNet kernels against the CPU references (src/ops/cpu/gated_delta_rule.cpp, norm.cpp) on
 // the same inputs: conv1d + SiLU, the recurrence's inputs, the chunked gated delta rule (T = 1, 63, 64,
 // 65, 127, 4097, packed sequences, GVA, a non-zero initial state, the final state), the gated RMSNorm
-// and the attention output gate. Outputs start NaN-poisoned: every element must be written.
+// and the attention output gate; each stage of the chunked rule alone (chunk_prepare, the chunk_state
+// forms, chunk_out) against cpu::gated_delta_rule_chunked's intermediates. Outputs start NaN-poisoned:
+// every element must be written.
 #include <gtest/gtest.h>
 
 #ifdef DFLASH_HAVE_CUDA
@@ -15,6 +17,7 @@
 #include "ops/cuda/device_info.h"
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/gated_delta_rule.h"
+#include "ops/cuda/gdn_kernels.h"
 #include "ops/gated_delta_rule.h"
 #include "ops/norm.h"
 #include "cuda/cuda_test_util.h"
@@ -513,6 +516,203 @@ TEST_F(CudaGdn, ChunkStateOnWarpgroupMmasMatchesTheRecurrence) {
   on_wgmma({192, 128, 3}, 2, 16, 116, 68, true);                  // a second column block of 4 columns
   on_wgmma({200, 63}, 16, 48, 128, 128, true, false, kNormStaged);
   on_wgmma({130}, 16, 48, 128, 128, true);  // one sequence of Qwen3.6-27B's 48 value heads (bench target-forward's case)
+}
+
+namespace {
+// The stages of the chunked rule one at a time (ops/cuda/gdn_kernels.h) against the intermediates of
+// cpu::gated_delta_rule_chunked on the same inputs: each stage reads the CPU's intermediates (split
+// on the host where it takes bf16 pairs) and its outputs start NaN-poisoned.
+
+/// A Split on the device, n values per part.
+struct DeviceSplit {
+  cuda::DeviceArray<cuda::bf16> hi, lo;
+  explicit DeviceSplit(size_t n) {
+    if (n) hi = poisoned<cuda::bf16>(n), lo = poisoned<cuda::bf16>(n);
+  }
+  /// x as hi = bf16(x), lo = bf16(x - hi) (mma::split_bf16x2's rounding).
+  explicit DeviceSplit(const std::vector<float>& x) {
+    std::vector<float> h(x.size()), l(x.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+      h[i] = bf16_to_f32(f32_to_bf16(x[i]));
+      l[i] = bf16_to_f32(f32_to_bf16(x[i] - h[i]));
+    }
+    hi = test::to_device_bf16(h, nullptr), lo = test::to_device_bf16(l, nullptr);
+  }
+  cuda::detail::Split get() { return {hi.data(), lo.data()}; }
+  /// hi + lo on the host.
+  std::vector<float> joined() const {
+    std::vector<float> h = test::to_host_f32(hi, nullptr);
+    const std::vector<float> l = test::to_host_f32(lo, nullptr);
+    for (size_t i = 0; i < h.size(); ++i) h[i] += l[i];
+    return h;
+  }
+};
+
+/// [outer, rows, cols] into [outer, prows, pcols] (prows >= rows, pcols >= cols), zeros around.
+std::vector<float> pad(const std::vector<float>& x, int64_t rows, int64_t cols, int64_t prows, int64_t pcols) {
+  const int64_t outer = int64_t(x.size()) / (rows * cols);
+  std::vector<float> y(size_t(outer * prows * pcols), 0.f);
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t r = 0; r < rows; ++r)
+      std::copy_n(x.begin() + (o * rows + r) * cols, cols, y.begin() + (o * prows + r) * pcols);
+  return y;
+}
+/// The other way: [outer, prows, pcols] cut to [outer, rows, cols].
+std::vector<float> unpad(const std::vector<float>& y, int64_t rows, int64_t cols, int64_t prows, int64_t pcols) {
+  const int64_t outer = int64_t(y.size()) / (prows * pcols);
+  std::vector<float> x(size_t(outer * rows * cols));
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t r = 0; r < rows; ++r)
+      std::copy_n(y.begin() + (o * prows + r) * pcols, cols, x.begin() + (o * rows + r) * cols);
+  return x;
+}
+
+/// A case of the stage tests: inputs as check_chunked's (normalized q / k, g = -20 u^4, beta uniform,
+/// an initial state) and the chunked reference's trace of them.
+struct StageCase {
+  std::vector<int64_t> lens, cu;
+  int64_t Hk, Hv, dk, dv, T, dkp, dv8;
+  Tensor q, k, v, g, beta, s0;
+  cpu::GdnChunkedTrace ref;
+  StageCase(std::vector<int64_t> lens_, int64_t Hk_, int64_t Hv_, int64_t dk_, int64_t dv_, uint64_t seed)
+      : lens(std::move(lens_)), cu(cu_of(lens)), Hk(Hk_), Hv(Hv_), dk(dk_), dv(dv_), T(cu.back()),
+        dkp(cuda::detail::state_rows(int(dk))), dv8(cuda::detail::value_cols(int(dv))) {
+    std::mt19937_64 rng(seed);
+    std::uniform_real_distribution<float> uni(0.f, 1.f);
+    q = Tensor({T, Hk, dk}), k = Tensor({T, Hk, dk}), v = Tensor({T, Hv, dv}), g = Tensor({T, Hv});
+    beta = Tensor({T, Hv}), s0 = Tensor({int64_t(lens.size()), Hv, dk, dv});
+    q.data = test::rand_bf16_values(q.data.size(), rng);
+    k.data = test::rand_bf16_values(k.data.size(), rng);
+    cpu::l2_norm(q.ptr(), T * Hk, dk);
+    cpu::l2_norm(k.ptr(), T * Hk, dk);
+    for (float& x : q.data) x /= std::sqrt(float(dk));
+    v.data = test::rand_bf16_values(v.data.size(), rng);
+    for (float& x : g.data) x = -20.f * std::pow(uni(rng), 4.f);
+    for (float& x : beta.data) x = uni(rng);
+    for (float& x : s0.data) x = 0.1f * (uni(rng) - 0.5f);
+    ref = cpu::gated_delta_rule_chunked(q, k, v, g, beta, cu, &s0);
+  }
+  int64_t chunks() const { return ref.h.dim(0); }
+  std::string what() const {
+    std::string s = "T";
+    for (int64_t l : lens) s += " " + std::to_string(l);
+    return s + ", Hk " + std::to_string(Hk) + " Hv " + std::to_string(Hv) + " dk " + std::to_string(dk) + " dv " +
+           std::to_string(dv);
+  }
+};
+
+/// got (finite) within kTolGdnChunked of want, the chunked rule's bound against the CPU.
+void expect_close(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  ASSERT_TRUE(test::all_finite(got)) << what;
+  EXPECT_LE(test::rel_l2(got, want), test::kTolGdnChunked) << what;
+}
+
+// Sequences ending at and around chunk edges, packed; GVA; the real head dims (the warpgroup-MMA
+// chunk_state's), padded keys and values (dk 36 -> 48, dv 20 -> 24), dk > dv with a partial second
+// block of state columns.
+const std::vector<std::array<int64_t, 4>> kStageDims = {{2, 4, 128, 128}, {1, 3, 36, 20}, {2, 2, 64, 100}};
+const std::vector<int64_t> kStageLens = {1, 63, 64, 65, 130};
+}  // namespace
+
+TEST_F(CudaGdn, ChunkPrepareMatchesTheChunkedReference) {
+  uint64_t seed = 80;
+  for (const auto& d : kStageDims) {
+    const StageCase c(kStageLens, d[0], d[1], d[2], d[3], ++seed);
+    const cuda::GdnChunkPlan plan(c.cu, nullptr);
+    ASSERT_EQ(plan.count, c.chunks());
+    auto dq = device_f32(c.q.data), dk = device_f32(c.k.data), dv = device_f32(c.v.data);
+    auto dg = device_f32(c.g.data), db = device_f32(c.beta.data);
+    for (bool simt : {true, false}) {  // w in fp32 (for the SIMT chunk_state), or w and k split
+      const std::string what = c.what() + (simt ? ", w fp32" : ", w split");
+      auto u = poisoned<float>(size_t(c.T * c.Hv * c.dv)), G = poisoned<float>(size_t(c.T * c.Hv));
+      auto w = simt ? poisoned<float>(size_t(c.T * c.Hv * c.dk)) : cuda::DeviceArray<float>();
+      DeviceSplit w_s(simt ? 0 : size_t(c.T * c.Hv * c.dkp)), k_s(simt ? 0 : size_t(c.T * c.Hk * c.dkp));
+      DeviceSplit q_s(size_t(c.T * c.Hk * c.dkp)), P_s(size_t(c.chunks() * c.Hv * 64 * 64));
+      cuda::detail::launch_chunk_prepare(0, dq.data(), dk.data(), dv.data(), dg.data(), db.data(), plan.chunks.data(),
+                                         plan.count, int(c.Hk), int(c.Hv), int(c.dk), int(c.dv),
+                                         simt ? w.data() : nullptr, w_s.get(), k_s.get(), q_s.get(), u.data(),
+                                         P_s.get(), G.data(), 0, cuda::GdnProjections{}, nullptr, nullptr);
+      DFLASH_CUDA_CHECK(cudaDeviceSynchronize());
+      expect_close(host_f32(G), c.ref.G.data, "G, " + what);
+      expect_close(host_f32(u), c.ref.u.data, "u, " + what);
+      expect_close(P_s.joined(), c.ref.P.data, "P, " + what);
+      expect_close(unpad(q_s.joined(), 1, c.dk, 1, c.dkp), c.q.data, "q split, " + what);
+      if (simt) {
+        expect_close(host_f32(w), c.ref.w.data, "w, " + what);
+      } else {
+        expect_close(unpad(w_s.joined(), 1, c.dk, 1, c.dkp), c.ref.w.data, "w split, " + what);
+        expect_close(unpad(k_s.joined(), 1, c.dk, 1, c.dkp), c.k.data, "k split, " + what);
+      }
+    }
+  }
+}
+
+TEST_F(CudaGdn, ChunkStateFormsMatchTheChunkedReference) {
+  uint64_t seed = 90;
+  int wgmma_runs = 0;
+  for (const auto& d : kStageDims) {
+    const StageCase c(kStageLens, d[0], d[1], d[2], d[3], ++seed);
+    const cuda::GdnChunkPlan plan(c.cu, nullptr);
+    auto dk = device_f32(c.k.data), dw = device_f32(c.ref.w.data), du = device_f32(c.ref.u.data);
+    auto dG = device_f32(c.ref.G.data), ds0 = device_f32(c.s0.data);
+    DeviceSplit k_s(pad(c.k.data, 1, c.dk, 1, c.dkp)), w_s(pad(c.ref.w.data, 1, c.dk, 1, c.dkp));
+    const size_t smem = cuda::detail::device_shared_limit();
+    auto runs = [&](cuda::GdnChunkState form) {  // whether this GPU runs the form at these dims
+      switch (form) {
+        case cuda::GdnChunkState::kSimt: return cuda::detail::chunk_state_simt_smem(int(c.dk)) <= smem;
+        case cuda::GdnChunkState::kMma32: return cuda::detail::chunk_state_mma_smem(int(c.dk), 32) <= smem;
+        case cuda::GdnChunkState::kMma64: return cuda::detail::chunk_state_mma_smem(int(c.dk), 64) <= smem;
+        case cuda::GdnChunkState::kWgmma:
+          return cuda::runs_sm90a() && c.dkp == 128 && cuda::detail::chunk_state_wgmma_smem() <= smem;
+      }
+      return false;
+    };
+    ASSERT_TRUE(runs(cuda::GdnChunkState::kSimt)) << "the SIMT chunk_state fits every GPU the project runs on";
+    for (auto form : {cuda::GdnChunkState::kSimt, cuda::GdnChunkState::kMma32, cuda::GdnChunkState::kMma64,
+                      cuda::GdnChunkState::kWgmma}) {
+      if (!runs(form)) continue;
+      const int cols = form == cuda::GdnChunkState::kMma32 ? 32 : 64;
+      const std::string what = c.what() + ", form " + std::to_string(int(form));
+      auto fs = poisoned<float>(c.s0.data.size());
+      DeviceSplit H_s(size_t(c.chunks() * c.Hv * c.dkp * c.dv8)), U_s(size_t(c.T * c.Hv * c.dv8));
+      cuda::detail::ChunkStateArgs a;
+      a.k = dk.data(), a.w = dw.data(), a.k_s = k_s.get(), a.w_s = w_s.get(), a.u = du.data(), a.G = dG.data();
+      a.chunks = plan.chunks.data(), a.first = plan.first.data(), a.nseq = plan.nseq;
+      a.Hk = int(c.Hk), a.Hv = int(c.Hv), a.dk = int(c.dk), a.dv = int(c.dv);
+      a.init = ds0.data(), a.final_state = fs.data(), a.H_s = H_s.get(), a.U_s = U_s.get();
+      if (form == cuda::GdnChunkState::kSimt)
+        cuda::detail::launch_chunk_state_simt(a, nullptr);
+      else if (form == cuda::GdnChunkState::kWgmma)
+        cuda::detail::launch_chunk_state_wgmma(a, false, nullptr), ++wgmma_runs;
+      else
+        cuda::detail::launch_chunk_state_mma(cols, a, false, nullptr);
+      DFLASH_CUDA_CHECK(cudaDeviceSynchronize());
+      expect_close(unpad(H_s.joined(), c.dk, c.dv, c.dkp, c.dv8), c.ref.h.data, "state before each chunk, " + what);
+      expect_close(unpad(U_s.joined(), 1, c.dv, 1, c.dv8), c.ref.v_new.data, "U, " + what);
+      expect_close(host_f32(fs), c.ref.final_state.data, "final state, " + what);
+    }
+  }
+  if (cuda::runs_sm90a()) {
+    EXPECT_GT(wgmma_runs, 0) << "the warpgroup-MMA chunk_state ran on no case";
+  }
+}
+
+TEST_F(CudaGdn, ChunkOutMatchesTheChunkedReference) {
+  uint64_t seed = 100;
+  for (const auto& d : kStageDims) {
+    const StageCase c(kStageLens, d[0], d[1], d[2], d[3], ++seed);
+    const cuda::GdnChunkPlan plan(c.cu, nullptr);
+    DeviceSplit q_s(pad(c.q.data, 1, c.dk, 1, c.dkp)), P_s(c.ref.P.data);
+    DeviceSplit H_s(pad(c.ref.h.data, c.dk, c.dv, c.dkp, c.dv8)), U_s(pad(c.ref.v_new.data, 1, c.dv, 1, c.dv8));
+    auto dG = device_f32(c.ref.G.data);
+    auto o = poisoned<float>(size_t(c.T * c.Hv * c.dv));
+    cuda::detail::launch_chunk_out(nullptr, q_s.get(), H_s.get(), U_s.get(), P_s.get(), dG.data(), plan.chunks.data(),
+                                   plan.count, int(c.Hk), int(c.Hv), int(c.dk), int(c.dv), o.data(), nullptr, 0,
+                                   nullptr, 0, false, nullptr);
+    DFLASH_CUDA_CHECK(cudaDeviceSynchronize());
+    expect_close(host_f32(o), c.ref.o.data, "o, " + c.what());
+  }
 }
 
 // The token-by-token kernel of decoding / verification: outputs, final state and every token's state.

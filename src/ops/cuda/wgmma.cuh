@@ -7,7 +7,7 @@
 // at (c ^ r % 8) 16, in 1024-byte-aligned atoms of 8 rows. A descriptor gives the start address, LBO
 // and SBO. K-major operands (K along the row: Q, K): SBO 1024 (8 rows), LBO unused, one k step of 16
 // = 32 bytes further inside the block, the next 64 columns in the next block. MN-major operands (K
-// down the rows: V in P V; as A, M along the rows: K^T in gated_delta_rule.cu's chunk_state): SBO 1024
+// down the rows: V in P V; as A, M along the rows: K^T in gdn_chunk_state_wgmma.cu's chunk_state): SBO 1024
 // (8 rows along K), LBO the stride between 64-column blocks along M / N, one k step = 16 rows further.
 // Both checked against CPU references on the H200.
 //
