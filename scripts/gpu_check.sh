@@ -195,7 +195,7 @@ fi
   echo '```'
   echo "$summary"
   echo '```'
-  echo '## GPU kernel tests (tests/cuda, vs the CPU references)'
+  echo '## GPU tests (tests/*/cuda, vs the CPU references)'
   echo '```'
   echo "$gpu_tests"
   echo '```'

@@ -138,7 +138,7 @@ def build_qwen3():
 def build_qwen3_hd64():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    # head_dim 64: the smallest head size the GPU attention kernels take (tests/cuda/target_gpu_test.cpp)
+    # head_dim 64: the smallest head size the GPU attention kernels take (tests/models/cuda/target_gpu_test.cpp)
     cfg = Qwen3Config(
         vocab_size=301,
         hidden_size=64,

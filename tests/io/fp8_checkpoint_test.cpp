@@ -214,7 +214,7 @@ TEST(Fp8Checkpoint, AQwen3TargetInFp8LoadsItsDequantizedWeights) {
     EXPECT_EQ(l.input_layernorm.data, dense.at(lp + "input_layernorm.weight").data) << "layer " << i;
   }
   EXPECT_EQ(fp8->embed_tokens().data, dense.at(p + "embed_tokens.weight").data);
-  // What E4M3 weights move the forward (for the record; the GPU FP8 path is measured in tests/cuda/fp8_test.cpp).
+  // What E4M3 weights move the forward (for the record; the GPU FP8 path is measured in tests/ops/cuda/fp8_test.cpp).
   const auto orig = TargetModel::load(fixture.string());
   const std::vector<int32_t> ids = {1, 5, 9, 2, 7, 3, 11, 4};
   const ForwardOutput a = orig->forward(ids, {0, 8}, {}), b = fp8->forward(ids, {0, 8}, {});

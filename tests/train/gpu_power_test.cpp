@@ -1,7 +1,7 @@
 // PowerSampler's summary (medians, fractions, words) on given samples; the sampler on a stand-in NVML
 // (tests/train/fake_nvml.cpp: its thread, units and reason bits), and where it finds no GPU (no NVML,
 // or a bus id no GPU has): it samples nothing and says why. The GPU side runs in
-// tests/cuda/gpu_power_test.cpp.
+// tests/train/cuda/gpu_power_test.cpp.
 #include <gtest/gtest.h>
 
 #include <chrono>

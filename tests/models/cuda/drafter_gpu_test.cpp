@@ -12,7 +12,7 @@
 #include "ops/cuda/cross_entropy.h"
 #include "models/drafter.h"
 #include "tensor/dtype.h"
-#include "cuda/cuda_test_util.h"
+#include "cuda_test_util.h"
 #include "test_util.h"
 #include "train/trainer.h"
 

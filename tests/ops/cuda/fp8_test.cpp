@@ -8,7 +8,7 @@
 #include <cmath>
 #include <cstdio>
 
-#include "cuda/cuda_test_util.h"
+#include "cuda_test_util.h"
 #include "models/cuda/target_gpu.h"
 #include "ops/cuda/fp8.h"
 #include "ops/cuda/gemm.h"

@@ -11,7 +11,7 @@
 #include "models/dspark.h"
 #include "spec/oracle_drafter.h"
 #include "spec/speculative.h"
-#include "cuda/cuda_test_util.h"
+#include "cuda_test_util.h"
 #include "test_util.h"
 #include "train/trainer.h"
 

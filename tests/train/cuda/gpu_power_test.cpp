@@ -7,7 +7,7 @@
 #include <chrono>
 
 #include "bench/cuda/bench_util.h"
-#include "cuda/cuda_test_util.h"
+#include "cuda_test_util.h"
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/runtime.h"

@@ -20,7 +20,7 @@
 #include "ops/cuda/gdn_kernels.h"
 #include "ops/gated_delta_rule.h"
 #include "ops/norm.h"
-#include "cuda/cuda_test_util.h"
+#include "cuda_test_util.h"
 #include "test_util.h"
 
 using namespace dflash;

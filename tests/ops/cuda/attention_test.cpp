@@ -14,7 +14,7 @@
 #include "ops/dflash_attention.h"
 #include "tensor/dtype.h"
 #include "cuda_test_util.h"
-#include "cuda/cuda_test_util.h"
+#include "cuda_test_util.h"
 #include "test_util.h"
 
 using namespace dflash;

@@ -22,7 +22,7 @@
 #include "ops/rope.h"
 #include "tensor/dtype.h"
 #include "cuda_test_util.h"
-#include "cuda/cuda_test_util.h"
+#include "cuda_test_util.h"
 #include "test_util.h"
 #include "ops/optimizer.h"
 

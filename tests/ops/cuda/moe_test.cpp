@@ -12,7 +12,7 @@
 #include "cuda_test_util.h"
 #include "models/target.h"
 #include "ops/cuda/moe.h"
-#include "cuda/cuda_test_util.h"
+#include "cuda_test_util.h"
 #include "test_util.h"
 
 using namespace dflash;

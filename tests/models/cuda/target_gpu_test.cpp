@@ -13,7 +13,7 @@
 
 #include "models/cuda/target_gpu.h"
 #include "tensor/dtype.h"
-#include "cuda/cuda_test_util.h"
+#include "cuda_test_util.h"
 #include "test_util.h"
 
 using namespace dflash;

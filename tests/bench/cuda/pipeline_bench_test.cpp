@@ -19,7 +19,7 @@
 #include "cuda_test_util.h"
 #include "models/cuda/target_gpu.h"
 #include "ops/cuda/elementwise.h"
-#include "cuda/cuda_test_util.h"
+#include "cuda_test_util.h"
 #include "test_util.h"
 
 using namespace dflash;
