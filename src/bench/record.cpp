@@ -12,9 +12,7 @@
 #include <thread>
 #include <utility>
 
-#ifdef DFLASH_HAVE_CUDA
 #include "ops/cuda/device_info.h"
-#endif
 
 namespace dflash {
 
@@ -72,10 +70,8 @@ BenchRecord complete_bench_record(BenchRecord r, [[maybe_unused]] bool gpu) {
   if (r.commit.empty()) r.commit = git_commit();
   if (r.date.empty()) r.date = utc_now();
   if (r.device.empty()) {
-#ifdef DFLASH_HAVE_CUDA
     if (gpu)
       if (const auto d = cuda::devices(); !d.empty()) r.device = d[0].name;
-#endif
     if (r.device.empty()) r.device = cpu_description();
   }
   return r;

@@ -13,26 +13,14 @@
 #include "cli/spec_options.h"
 #include "models/target_dtype.h"
 #include "models/target.h"
-#ifdef DFLASH_HAVE_CUDA
 #include "bench/cuda/decode_bench.h"
 #include "bench/cuda/drafter_step_bench.h"
 #include "bench/cuda/forward_bench.h"
 #include "bench/cuda/pipeline_bench.h"
-#endif
 
 namespace dflash::cli {
 
 namespace {
-
-#ifndef DFLASH_HAVE_CUDA
-int no_cuda_backend(const char* bench) {
-  fmt::print(stderr,
-             "dflash bench {}: this build has no CUDA backend (it was configured with -DDFLASH_CUDA=OFF or without "
-             "nvcc; reconfigure on a machine with the CUDA toolkit)\n",
-             bench);
-  return 2;
-}
-#endif
 
 void add_bench_gdn(CLI::App& bench, Runner& run) {
   auto* cmd = bench.add_subcommand("gdn", "Time the GatedDeltaNet kernels on GPU 0 (Hk 16, Hv 48, d 128: T 4096, "
@@ -46,11 +34,7 @@ void add_bench_gdn(CLI::App& bench, Runner& run) {
   cmd->add_flag("--no-record", no_record, "Print only; append nothing to the results");
   cmd->callback([&run] {
     run = [] {
-#ifdef DFLASH_HAVE_CUDA
       return run_gdn_bench({steps, warmup, results, !no_record});
-#else
-      return no_cuda_backend("gdn");
-#endif
     };
   });
 }
@@ -77,11 +61,7 @@ void add_bench_decode(CLI::App& bench, Runner& run) {
   cmd->callback([&run] {
     run = [] {
       pipeline_bench_preset(preset);  // an unknown preset is refused in every build
-#ifdef DFLASH_HAVE_CUDA
       return run_decode_bench({preset, batches, prompt_tokens, new_tokens, dtype, results, !no_record});
-#else
-      return no_cuda_backend("decode");
-#endif
     };
   });
 }
@@ -104,11 +84,7 @@ void add_bench_drafter_step(CLI::App& bench, Runner& run) {
   cmd->add_flag("--dpace", dpace, "D-PACE's slot weights (dflash train --loss dpace)");
   cmd->callback([&run] {
     run = [] {
-#ifdef DFLASH_HAVE_CUDA
       return run_drafter_step_bench({preset, seq, anchors, steps, warmup, results, !no_record, recompute, dpace});
-#else
-      return no_cuda_backend("drafter-step");
-#endif
     };
   });
 }
@@ -147,15 +123,11 @@ void add_bench_pipeline(CLI::App& bench, Runner& run) {
       pipeline_bench_preset(preset);
       if (!gpus.empty() && (!target_gpus.empty() || !drafter_gpus.empty()))
         throw std::invalid_argument("bench pipeline: --gpus or --target-gpus / --drafter-gpus, not both");
-#ifdef DFLASH_HAVE_CUDA
       PipelineBenchOptions po{preset, seq, anchors, steps, warmup, results, !no_record, {}, {}, per_replica};
       po.target_gpus = target_gpus;
       po.target_dtype = dtype;
       po.drafter_gpus = gpus.empty() ? drafter_gpus : gpus;
       return run_pipeline_bench(po);
-#else
-      return no_cuda_backend("pipeline");
-#endif
     };
   });
 }
@@ -192,12 +164,8 @@ void add_bench(CLI::App& app, Runner& run) {
       if (device == "cuda") {
         if (preset.empty() || !model.empty())
           throw std::invalid_argument("bench target-forward --device cuda: give --preset (random weights), not --model");
-#ifdef DFLASH_HAVE_CUDA
         return run_target_forward_gpu_bench(
             {preset, tokens ? tokens : 4096, layers, repeat, 2, results, !no_record, tf_dtype});
-#else
-        return no_cuda_backend("target-forward");
-#endif
       }
       if (model.empty()) throw std::invalid_argument("bench target-forward: --model is required on the CPU");
       if (!tokens) tokens = 256;

@@ -9,12 +9,11 @@
 
 #include "cli/commands.h"
 #include "io/safetensors.h"
+#include "cli/gpu.h"
 #include "cli/spec_options.h"
 #include "models/target.h"
 #include "models/target_dtype.h"
-#ifdef DFLASH_HAVE_CUDA
-#include "models/cuda/target_gpu.h"
-#endif
+#include "ops/backend.h"
 
 namespace dflash::cli {
 
@@ -59,10 +58,7 @@ void add_forward(CLI::App& app, Runner& run) {
   cmd->add_flag("--no-logits", no_logits, "Skip the LM head (hidden states only)");
   cmd->callback([&run] {
     run = [] {
-#ifndef DFLASH_HAVE_CUDA
-      if (device != "cpu")
-        throw std::runtime_error("--device " + device + ": this build has no CUDA backend (it was configured with -DDFLASH_CUDA=OFF or without nvcc; reconfigure on a machine with the CUDA toolkit)");
-#endif
+      if (device != "cpu" && !cuda_backend_built()) throw std::runtime_error(no_cuda_backend("--device " + device));
       namespace fs = std::filesystem;
       if (fs::is_directory(out)) throw std::runtime_error("--out " + out + " is a directory; give a .safetensors file path");
       if (const fs::path parent = fs::path(out).parent_path(); !parent.empty() && !fs::is_directory(parent))
@@ -82,18 +78,7 @@ void add_forward(CLI::App& app, Runner& run) {
       opt.logits = !no_logits;
       for (int j = 0; j <= L; ++j) opt.hidden_states.push_back(j);
       ForwardOutput r;
-#ifdef DFLASH_HAVE_CUDA
-      if (device == "cuda") {
-        cuda::require_device("forward --device cuda");
-        cudaStream_t stream;
-        DFLASH_CUDA_CHECK(cudaStreamCreate(&stream));
-        {
-          TargetGpu gpu(*target, stream, dtype);  // throws, saying why, for a model / dtype the GPU cannot run
-          r = gpu.forward(ids, cu, opt);
-        }
-        cudaStreamDestroy(stream);
-      }
-#endif
+      if (device == "cuda") r = forward_on_gpu(*target, ids, cu, opt, dtype);
       if (device == "cpu") r = target->forward(ids, cu, opt);
 
       std::vector<std::pair<std::string, Tensor>> named;

@@ -6,16 +6,10 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "cli/gpu.h"
 #include "cli/spec_options.h"
 #include "models/target.h"
 #include "models/target_dtype.h"
-#ifdef DFLASH_HAVE_CUDA
-#include "models/cuda/target_gpu.h"
-#include "ops/cuda/device_info.h"
-#include "ops/cuda/fp8.h"
-#include "ops/cuda/gemm.h"
-#include "ops/cuda/runtime.h"
-#endif
 
 namespace dflash::cli {
 
@@ -68,11 +62,7 @@ nlohmann::json describe(const std::string& path, TargetDtype dtype) {
   j["dtypes"] = dtypes;
   j["ignored_tensors"] = ignored;
   j["memory_bytes"] = {{"fp32_cpu_reference", params * 4}, {"bf16_gpu", params * 2}};
-#ifdef DFLASH_HAVE_CUDA
-  if (gpu_unsupported_reason(s).empty())  // as TargetGpu stores the weights (with its GEMM workspace)
-    j["memory_bytes"]["gpu_weights"] = {{"bf16", TargetGpu::weight_bytes(s, TargetDtype::kBf16)},
-                                        {"fp8", TargetGpu::weight_bytes(s, TargetDtype::kFp8)}};
-#endif
+  if (nlohmann::json w = gpu_weight_bytes(s); !w.is_null()) j["memory_bytes"]["gpu_weights"] = w;
   j["target_dtype"] = target_dtype_name(dtype);
   nlohmann::json layers = nlohmann::json::array();
   for (int64_t i = 0; i < s.num_hidden_layers; ++i) {
@@ -86,28 +76,7 @@ nlohmann::json describe(const std::string& path, TargetDtype dtype) {
         {{"index", i}, {"type", layer_kind_name(s.layer_types[size_t(i)])}, {"kernels", k}, {"refused", refused}});
   }
   j["layers"] = layers;
-  nlohmann::json dev = {{"cpu", "available"}};
-#ifdef DFLASH_HAVE_CUDA
-  nlohmann::json gpus = nlohmann::json::array();
-  int current = 0;
-  const bool have_current = cudaGetDevice(&current) == cudaSuccess;
-  for (const auto& d : cuda::devices()) {
-    // (a device that cannot be made current says so instead of stopping the listing)
-    const std::string no_fp8 =
-        cudaSetDevice(d.index) == cudaSuccess ? cuda::fp8_unsupported_reason() : (cudaGetLastError(), "not usable");
-    gpus.push_back({{"index", d.index}, {"name", d.name}, {"sm", d.sm}, {"memory_bytes", d.total_memory},
-                    {"fp8", no_fp8.empty() ? nlohmann::json("supported") : nlohmann::json("refused: " + no_fp8)}});
-  }
-  if (have_current) cudaSetDevice(current);
-  const char* tune[] = {"auto (target forward: fastest of 8 candidates timed per shape; drafter: cuBLASLt's first)",
-                        "off (cuBLASLt's first candidate)", "on (fastest of 8 candidates timed per shape)",
-                        "on, logged"};
-  dev["cuda"] = {{"built", true}, {"compiled_archs", cuda::compiled_archs()}, {"devices", gpus},
-                 {"gemm_tune", tune[int(cuda::gemm_tune_mode())]}};
-#else
-  dev["cuda"] = {{"built", false}};
-#endif
-  j["devices"] = dev;
+  j["devices"] = {{"cpu", "available"}, {"cuda", cuda_description()}};
   return j;
 }
 

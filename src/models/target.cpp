@@ -14,13 +14,10 @@
 #include "io/safetensors.h"
 #include "ops/activation.h"
 #include "ops/attention.h"
+#include "ops/backend.h"
 #include "ops/linear.h"
 #include "ops/norm.h"
 #include "ops/rope.h"
-#ifdef DFLASH_HAVE_CUDA
-#include "ops/cuda/device_info.h"
-#include "ops/cuda/masked_attention.h"
-#endif
 
 namespace dflash {
 
@@ -282,33 +279,7 @@ std::vector<KernelChoice> layer_kernels(const ModelSpec& s, int64_t layer, Targe
                                                         : "cpu::gated_delta_rule_recurrent + causal_conv1d_silu (reference, fp32)") +
                    (moe ? "; experts: moe_forward (reference, fp32)" : ""),
                ""});
-#ifdef DFLASH_HAVE_CUDA
-  const std::string why = gpu_unsupported_reason(s);
-  const std::string gemms = dtype == TargetDtype::kFp8
-                                ? "cuBLASLt FP8 E4M3 GEMMs (weights: a scale per output channel; activations: a "
-                                  "scale per token, quantized before each product)"
-                                : "cuBLASLt bf16 GEMMs";
-  if (why.empty())
-    r.push_back({"cuda",
-                 (kind == LayerKind::Attention
-                      ? "cuda::masked_attention_forward<head_dim " + std::to_string(s.head_dim) +
-                            "> (causal varlen, " +
-                            (cuda::masked_attention_uses_wgmma(int(s.head_dim)) ? "wgmma (sm_90a)" : "mma.sync") +
-                            " bf16, fp32 softmax)" +
-                            (s.attn_output_gate() ? " + sigmoid output gate" : "") + " + " + gemms
-                      : gemms + std::string(" (in_proj_qkv|z|b|a as one) + gated_delta_rule_chunked "
-                                    "(chunk 64, WY/UT form, fp32 state; conv1d + SiLU, q/k l2norm and gates in its "
-                                    "chunk_prepare, cuda::causal_conv1d_silu with a decoding cache; chunk_state on " +
-                                    std::string(cuda::runs_sm90a() ? "wgmma (sm_90a) at 64 state columns a block, else "
-                                                                   : "") +
-                                    "mma.sync, 3xBF16; on sm_90+ chunk_state beside chunk_prepare and chunk_out beside "
-                                    "chunk_state; the gated RMSNorm fused into its output)")) +
-                     (moe ? "; experts: cuda::moe_route (on-device top-k) + grouped_gemm (mma.sync bf16, no host sync)"
-                          : "; MLP: " + gemms),
-                 ""});
-  else
-    r.push_back({"cuda", "", why});  // no fallback is offered
-#endif
+  if (cuda_backend_built()) r.push_back(gpu_layer_kernel(s, layer, dtype));
   return r;
 }
 

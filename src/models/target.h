@@ -166,6 +166,9 @@ class TargetModel {
 /// the GPU backend refuses the model).
 /// dtype: how the GPU's projections compute (the CPU reference is always fp32).
 std::vector<KernelChoice> layer_kernels(const ModelSpec& s, int64_t layer, TargetDtype dtype = TargetDtype::kBf16);
+/// The "cuda" entry of layer_kernels: the GPU kernels, or the reason the GPU backend refuses the model
+/// (src/models/cuda; a CPU-only build has none to give).
+KernelChoice gpu_layer_kernel(const ModelSpec& s, int64_t layer, TargetDtype dtype);
 
 /// Why the GPU backend cannot run model `s` ("" when it can): attention head_dim outside {64, 128,
 /// 256}, an odd rotary dimension, GatedDeltaNet head dims above 128 or a conv kernel above 8;

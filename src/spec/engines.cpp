@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "models/drafter_config.h"
+#include "ops/backend.h"
 #include "text/prepare.h"
 
 namespace dflash {
@@ -37,10 +38,7 @@ Engines open_engines(const EngineOptions& o) {
   Engines e;
   if (o.target_dtype != TargetDtype::kBf16 && o.device != "cuda")
     throw std::runtime_error("--target-dtype fp8 runs on the GPU only: add --device cuda");
-#ifndef DFLASH_HAVE_CUDA
-  if (o.device != "cpu")
-    throw std::runtime_error("--device " + o.device + ": this build has no CUDA backend (it was configured with -DDFLASH_CUDA=OFF or without nvcc; reconfigure on a machine with the CUDA toolkit)");
-#endif
+  if (o.device != "cpu" && !cuda_backend_built()) throw std::runtime_error(no_cuda_backend("--device " + o.device));
   const std::string tok_path = o.tokenizer.empty() ? o.target : o.tokenizer;
   if (!fs::is_regular_file(tok_path) && !fs::exists(fs::path(tok_path) / "tokenizer.json"))
     throw std::runtime_error(tok_path + ": no tokenizer.json there; pass --tokenizer");
@@ -60,13 +58,11 @@ Engines open_engines(const EngineOptions& o) {
                              " ids, more than the target's vocabulary of " + std::to_string(e.model->spec().vocab_size) +
                              ": it is not this target's tokenizer");
   std::vector<int64_t> taps = o.drafter.empty() ? std::vector<int64_t>{} : dc.target_layer_ids;
-#ifdef DFLASH_HAVE_CUDA
   if (o.device == "cuda") {
     e.target = make_gpu_decoder(*e.model, std::move(taps), 0, o.target_dtype);
     if (!o.drafter.empty()) e.drafter = make_gpu_drafter(dc, dw, e.model->embed_tokens(), e.model->lm_head(), 0);
     return e;
   }
-#endif
   e.target = make_cpu_decoder(*e.model, std::move(taps));
   if (!o.drafter.empty())
     e.drafter = make_cpu_drafter(dc, std::move(dw), e.model->embed_tokens(), e.model->lm_head());

@@ -30,12 +30,9 @@
 #include "train/trainer.h"
 #include "train/train_eval.h"
 #include "text/prepare.h"
-#ifdef DFLASH_HAVE_CUDA
+#include "ops/backend.h"
 #include "ops/cuda/device_info.h"
-#include "ops/cuda/runtime.h"
-#include "train/cuda/gpu_backend.h"
-#include "train/cuda/memory_plan.h"
-#endif
+#include "train/gpu.h"
 
 namespace dflash {
 
@@ -78,21 +75,16 @@ double tau_estimate(const std::vector<int64_t>& correct, const std::vector<int64
   return tau;
 }
 
-std::string memory_str([[maybe_unused]] const std::string& device) {
-#ifdef DFLASH_HAVE_CUDA
-  if (device == "cuda") {
-    size_t free_b = 0, total = 0;
-    if (cudaMemGetInfo(&free_b, &total) == cudaSuccess) return fmt::format("{:.1f} GB", double(total - free_b) / 1e9);
-  }
-#endif
+std::string memory_str(const std::string& device) {
+  if (device == "cuda")
+    if (const int64_t used = cuda::memory_in_use(); used >= 0) return fmt::format("{:.1f} GB", double(used) / 1e9);
   return "-";
 }
 
 /// The GPUs this process trains on (target and drafter devices, once each) as (index, PCI bus id), for
 /// PowerSampler; empty on the CPU.
-std::vector<std::pair<int, std::string>> process_gpus([[maybe_unused]] const TrainConfig& c) {
+std::vector<std::pair<int, std::string>> process_gpus(const TrainConfig& c) {
   std::vector<std::pair<int, std::string>> r;
-#ifdef DFLASH_HAVE_CUDA
   if (c.device != "cuda") return r;
   std::vector<int> ids = c.target_devices();
   ids.insert(ids.end(), c.drafter_devices().begin(), c.drafter_devices().end());
@@ -102,7 +94,6 @@ std::vector<std::pair<int, std::string>> process_gpus([[maybe_unused]] const Tra
   for (int i : ids)
     for (const cuda::DeviceInfo& d : all)
       if (d.index == i) r.emplace_back(i, d.pci_bus_id);
-#endif
   return r;
 }
 
@@ -182,13 +173,11 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
     fmt::print("train: process {} of {} ({}), GPUs {}\n", pg.rank, pg.world, pg.launcher,
                nlohmann::json(c.drafter_devices()).dump());
   }
-#ifdef DFLASH_HAVE_CUDA
-  if (c.device == "cuda")
+  if (c.device == "cuda") {
+    if (!cuda_backend_built()) throw std::runtime_error(no_cuda_backend("--device cuda"));
     for (const auto* l : {&c.target_devices(), &c.drafter_devices()})
       for (int g : *l) cuda::require_device("train --device cuda", g);
-#else
-  if (c.device == "cuda") throw std::runtime_error("--device cuda: this build has no CUDA backend (it was configured with -DDFLASH_CUDA=OFF or without nvcc; reconfigure on a machine with the CUDA toolkit)");
-#endif
+  }
   if (!c.target_layer_ids.empty()) c.num_taps = int64_t(c.target_layer_ids.size());
   const fs::path out(c.out), ckdir = out / "checkpoints";
   fs::create_directories(out);
@@ -322,41 +311,14 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
   const int64_t total = c.max_steps > 0 ? c.max_steps : c.epochs * per_epoch;
   to.schedule = {c.lr, total, c.warmup_ratio};
 
-#ifdef DFLASH_HAVE_CUDA
   if (c.device == "cuda") {
     int64_t longest = 0, shortest = INT64_MAX;
     for (int64_t i = 0; i < n; ++i) {
       longest = std::max<int64_t>(longest, int64_t(ds.ids(i).size()));
       shortest = std::min<int64_t>(shortest, int64_t(ds.ids(i).size()));
     }
-    // One GPU for both, one process: the target's forward and the drafter's steps take turns there.
-    const bool one_gpu = c.target_devices() == c.drafter_devices() && c.drafter_devices().size() == 1 && pg.world == 1;
-    const MemoryPlan mp = plan_memory(dc, target->spec(), longest, c.num_anchors, c.recompute, c.target_batch_tokens,
-                                      c.target_batch_tokens / std::max<int64_t>(1, shortest) + 1, one_gpu,
-                                      parse_target_dtype(c.target_dtype));
-    // Each GPU holds a target replica, a drafter replica, or both (colocated).
-    std::vector<int> all = c.target_devices();
-    for (int g : c.drafter_devices())
-      if (std::find(all.begin(), all.end(), g) == all.end()) all.push_back(g);
-    for (int g : all) {
-      const auto has = [g](const std::vector<int>& l) { return std::find(l.begin(), l.end(), g) != l.end(); };
-      const bool tg = has(c.target_devices()), dg = has(c.drafter_devices());
-      const double need_b = mp.on_gpu(tg, dg);
-      size_t fb = 0, tb = 0;
-      DFLASH_CUDA_CHECK(cudaSetDevice(g));
-      DFLASH_CUDA_CHECK(cudaMemGetInfo(&fb, &tb));
-      const std::string have = fmt::format("{:.1f} GB free of {:.1f} GB", double(fb) / 1e9, double(tb) / 1e9);
-      std::string parts;
-      if (tg) parts += fmt::format("target ({}) {:.1f} GB + its forward {:.1f} GB | ", c.target_dtype,
-                                   mp.target_weights / 1e9, mp.target_forward / 1e9);
-      if (dg) parts += fmt::format("drafter state {:.1f} GB + its step {:.1f} GB (longest sample {}, {} anchors x {}) | ",
-                                   mp.drafter_state / 1e9, mp.drafter_step / 1e9, longest, c.num_anchors, dc.block_size);
-      fmt::print("train: memory plan (cuda:{}, {}): {}total ~{:.1f} GB\n", g, have, parts, need_b / 1e9);
-      const std::string refusal = memory_refusal(mp, tg, dg, g, double(fb), "lower --num-anchors or --max-length");
-      if (!refusal.empty()) throw std::runtime_error(refusal);
-    }
+    check_gpu_memory(c, dc, target->spec(), longest, shortest, pg.world);
   }
-#endif
 
   std::unique_ptr<DrafterBackend> backend;
   if (c.device == "cpu") {
@@ -369,12 +331,8 @@ int run_training(const TrainConfig& cin, const std::atomic<int>& stop) {
                          captured_layer_ids(dc));
     });
   } else {
-#ifdef DFLASH_HAVE_CUDA
     backend = make_gpu_backend(dc, w0, *target, c.target_devices(), c.drafter_devices(),
                                GpuTrainOptions{c.recompute, c.target_batch_tokens, parse_target_dtype(c.target_dtype), pg});
-#else
-    throw std::runtime_error("--device cuda: this build has no CUDA backend (it was configured with -DDFLASH_CUDA=OFF or without nvcc; reconfigure on a machine with the CUDA toolkit)");
-#endif
   }
   DrafterTrainer tr(dc, std::move(backend), n, to);
   std::optional<TrainEval> eval;  // --eval-data: real acceptance of held-out prompts (rank 0)

@@ -24,12 +24,8 @@ TrainEvalResult TrainEval::run(const DrafterConfig& cfg, const DrafterWeights<fl
   std::unique_ptr<TargetDecoder> target;
   std::unique_ptr<BlockDrafter> drafter;
   if (device_ == "cuda") {
-#ifdef DFLASH_HAVE_CUDA
     target = make_gpu_decoder(model_, cfg.target_layer_ids, gpu_, target_dtype_);
     drafter = make_gpu_drafter(cfg, w, model_.embed_tokens(), model_.lm_head(), gpu_);
-#else
-    throw std::runtime_error("train eval: this build has no CUDA backend");
-#endif
   } else {
     target = make_cpu_decoder(model_, cfg.target_layer_ids);
     drafter = make_cpu_drafter(cfg, w, model_.embed_tokens(), model_.lm_head());

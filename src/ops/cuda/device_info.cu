@@ -23,6 +23,11 @@ std::vector<DeviceInfo> devices() {
   return r;
 }
 
+int64_t memory_in_use() {
+  size_t free_b = 0, total = 0;
+  return cudaMemGetInfo(&free_b, &total) == cudaSuccess ? int64_t(total - free_b) : -1;
+}
+
 std::vector<int> parse_archs(const std::string& list) {
   std::vector<int> r;
   std::istringstream archs(list);

@@ -1,4 +1,5 @@
-// GPUs visible to the CUDA runtime (only in builds with DFLASH_HAVE_CUDA).
+// GPUs visible to the CUDA runtime. CUDA-free: CPU-side code calls it too; a CPU-only build answers
+// from src/ops/cuda_stub.cpp (no devices; require_device refuses).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -16,6 +17,10 @@ struct DeviceInfo {
 
 /// Visible devices; empty when no driver or GPU is present (never throws).
 std::vector<DeviceInfo> devices();
+/// Throws std::runtime_error "<what>: no usable CUDA device (<reason>)" unless device `index` is usable.
+void require_device(const std::string& what, int index = 0);
+/// Bytes in use on the current device (total - free, cudaMemGetInfo); -1 when that fails (never throws).
+int64_t memory_in_use();
 /// The architectures this binary carries device code for, e.g. {80, 90, 100, 120} (90 for sm_90a).
 std::vector<int> compiled_archs();
 /// Whether a CMake-style architecture list names sm_90a ("90a") and no plain sm_90 ("90"): then an H100 /

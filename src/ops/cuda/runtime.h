@@ -1,5 +1,5 @@
 // CUDA runtime helpers of the GPU backend: error checks that throw, an owning device array, and
-// bf16 <-> fp32 conversion on the device. Only in builds with DFLASH_HAVE_CUDA.
+// bf16 <-> fp32 conversion on the device. CUDA builds only.
 //
 // Conventions of every kernel in src/ops/cuda: tensors are row-major in PyTorch shape order (as the
 // CPU references in src/ops/cpu), activations bf16 (__nv_bfloat16), parameters / gradients /
@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include "ops/cuda/device_info.h"
 
 namespace dflash::cuda {
 
@@ -35,10 +37,8 @@ std::string out_of_memory_message(int device, size_t asked, size_t free, size_t 
 void check_alloc(cudaError_t e, size_t bytes, const char* expr, const char* file, int line);
 #define DFLASH_CUDA_CHECK_ALLOC(expr, bytes) ::dflash::cuda::check_alloc((expr), (bytes), #expr, __FILE__, __LINE__)
 
-/// True when a CUDA device is usable by this process (never throws).
+/// True when a CUDA device is usable by this process (never throws); require_device: device_info.h.
 bool has_device();
-/// Throws std::runtime_error "<what>: no usable CUDA device (<reason>)" unless device `index` is usable.
-void require_device(const std::string& what, int index = 0);
 
 /// Owning device allocation of n elements of T (cudaMalloc / cudaFree). Move-only. Contents are
 /// uninitialized unless built from host data.

@@ -1,5 +1,5 @@
 // CUDA events around named stages of a GPU computation (where the time goes): the drafter step's and
-// the target forward's stage breakdowns. Only in builds with DFLASH_HAVE_CUDA.
+// the target forward's stage breakdowns. CUDA builds only.
 #pragma once
 #include <algorithm>
 #include <string>

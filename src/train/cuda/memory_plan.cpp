@@ -7,6 +7,8 @@
 
 #include "models/cuda/drafter_gpu.h"
 #include "models/cuda/target_gpu.h"
+#include "ops/cuda/runtime.h"
+#include "train/gpu.h"
 
 namespace dflash {
 
@@ -61,6 +63,36 @@ std::string memory_refusal(const MemoryPlan& p, bool target_here, bool drafter_h
   return fmt::format("this run needs about {:.1f} GB on cuda:{}, more than the {:.1f} GB usable there (95 % of "
                      "{:.1f} GB free): {}",
                      need_b / 1e9, gpu, 0.95 * free_b / 1e9, free_b / 1e9, knob);
+}
+
+void check_gpu_memory(const TrainConfig& c, const DrafterConfig& dc, const ModelSpec& target, int64_t longest,
+                      int64_t shortest, int world) {
+  // One GPU for both, one process: the target's forward and the drafter's steps take turns there.
+  const bool one_gpu = c.target_devices() == c.drafter_devices() && c.drafter_devices().size() == 1 && world == 1;
+  const MemoryPlan mp = plan_memory(dc, target, longest, c.num_anchors, c.recompute, c.target_batch_tokens,
+                                    c.target_batch_tokens / std::max<int64_t>(1, shortest) + 1, one_gpu,
+                                    parse_target_dtype(c.target_dtype));
+  // Each GPU holds a target replica, a drafter replica, or both (colocated).
+  std::vector<int> all = c.target_devices();
+  for (int g : c.drafter_devices())
+    if (std::find(all.begin(), all.end(), g) == all.end()) all.push_back(g);
+  for (int g : all) {
+    const auto has = [g](const std::vector<int>& l) { return std::find(l.begin(), l.end(), g) != l.end(); };
+    const bool tg = has(c.target_devices()), dg = has(c.drafter_devices());
+    const double need_b = mp.on_gpu(tg, dg);
+    size_t fb = 0, tb = 0;
+    DFLASH_CUDA_CHECK(cudaSetDevice(g));
+    DFLASH_CUDA_CHECK(cudaMemGetInfo(&fb, &tb));
+    const std::string have = fmt::format("{:.1f} GB free of {:.1f} GB", double(fb) / 1e9, double(tb) / 1e9);
+    std::string parts;
+    if (tg) parts += fmt::format("target ({}) {:.1f} GB + its forward {:.1f} GB | ", c.target_dtype,
+                                 mp.target_weights / 1e9, mp.target_forward / 1e9);
+    if (dg) parts += fmt::format("drafter state {:.1f} GB + its step {:.1f} GB (longest sample {}, {} anchors x {}) | ",
+                                 mp.drafter_state / 1e9, mp.drafter_step / 1e9, longest, c.num_anchors, dc.block_size);
+    fmt::print("train: memory plan (cuda:{}, {}): {}total ~{:.1f} GB\n", g, have, parts, need_b / 1e9);
+    const std::string refusal = memory_refusal(mp, tg, dg, g, double(fb), "lower --num-anchors or --max-length");
+    if (!refusal.empty()) throw std::runtime_error(refusal);
+  }
 }
 
 }  // namespace dflash

@@ -1,0 +1,7 @@
+#include "ops/backend.h"
+
+namespace dflash {
+
+bool cuda_backend_built() { return true; }
+
+}  // namespace dflash
