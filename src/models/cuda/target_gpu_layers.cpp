@@ -141,6 +141,8 @@ struct Workspace {
     if (cached) DFLASH_CUDA_CHECK(cudaMemsetAsync(qpad.data(), 0, qpad.size() * 2, s));  // padding rows: defined
     cs = StreamBuffer<float>(size_t(z.cs), s), sn = StreamBuffer<float>(size_t(z.sn), s);
     cuda::rope_table(pos.data(), I.inv_freq.data(), T, sp.rotary_dim(), cs.data(), sn.data(), s);
+    if (I.timer) I.timer->clear();  // the forward's stages start here (the uploads below count as "other")
+    I.stage("other");
     x = StreamBuffer<float>(size_t(z.x), s);
     using Bf16s = std::initializer_list<std::pair<StreamBuffer<bf16>*, int64_t>>;
     using Floats = std::initializer_list<std::pair<StreamBuffer<float>*, int64_t>>;
@@ -333,9 +335,7 @@ StreamBuffer<float> TargetGpu::run_layers(const std::vector<int32_t>& ids, const
     for (int q = 0; q < C.n; ++q) need = std::max(need, C.len[size_t(q)] + cu[size_t(q) + 1] - cu[size_t(q)]);
     C.reserve(need, s);
   }
-  Workspace ws(I, sp, ids, cu, cached, keep_rollback);
-  if (I.timer) I.timer->clear();
-  I.stage("other");
+  Workspace ws(I, sp, ids, cu, cached, keep_rollback);  // (starts the stage timer after the RoPE table)
   cuda::embedding_gather(I.embed.data(), sp.vocab_size, D, ws.ids.data(), T, ws.h.data(), nullptr, s);
   cuda::bf16_to_f32(ws.h.data(), ws.x.data(), T * D, s);
   on_hidden(0, ws.x.data());
