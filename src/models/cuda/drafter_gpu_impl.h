@@ -1,5 +1,6 @@
-// DrafterGpu's state, shared by its training step (drafter_gpu.cpp) and its drafting
-// (drafter_gpu_draft.cpp). Internal to src/models/cuda.
+// DrafterGpu's state, shared by its parameters and optimizer (drafter_gpu.cpp), its training step
+// (drafter_gpu_step.cpp), its drafting (drafter_gpu_draft.cpp) and DSpark's loss (drafter_gpu_dspark.cpp).
+// Internal to src/models/cuda.
 #pragma once
 #include <map>
 #include <string>
