@@ -128,7 +128,7 @@ struct StepSizes {
 /// layers, the RoPE tables, and the context every layer's keys and values start with (ctx =
 /// hidden_norm(fc(taps)) [S, d], fc's output and the norm's inverse RMS kept for the backward).
 struct StepWorkspace {
-  int64_t S, N, Q, SQ, Qc;  // context rows, blocks, query rows (N B), key rows (S + Q), rows with a loss weight
+  int64_t S, Q, SQ, Qc;  // context rows, query rows (blocks x B), key rows (S + Q), rows with a loss weight
   bool compact;             // Qc > 0: the last layer's post-attention rows are the Qc used ones
   StreamBuffer<int32_t> used, ids;       // [Qc] the used rows; [Q] each row's input token
   StreamBuffer<int64_t> pos_q, pos_kv;   // [Q], [SQ] RoPE positions
@@ -139,7 +139,7 @@ struct StepWorkspace {
 
   StepWorkspace(const DrafterGpu::Impl& I, const DrafterConfig& c, const DrafterGpuSequence& seq, const BlockLayout& lay,
                 const std::vector<int32_t>& used_rows, int64_t num_blocks, int64_t used_count)
-      : S(int64_t(seq.ids.size())), N(num_blocks), Q(num_blocks * c.block_size), SQ(S + Q), Qc(used_count),
+      : S(int64_t(seq.ids.size())), Q(num_blocks * c.block_size), SQ(S + Q), Qc(used_count),
         compact(used_count > 0) {
     cudaStream_t s = I.s;
     const int64_t hd = c.head_dim, d = c.hidden_size;
@@ -148,8 +148,8 @@ struct StepWorkspace {
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) {  // each distinct mask uploaded once
       const std::pair key{c.layer_window(i), c.layer_causal(i)};
       if (!masks.count(key))
-        masks.emplace(key, upload(cuda::to_kv_range32(cpu::dflash_kv_ranges(seq.anchors, N, c.block_size, S, key.first,
-                                                                              key.second)), s));
+        masks.emplace(key, upload(cuda::to_kv_range32(cpu::dflash_kv_ranges(seq.anchors, num_blocks, c.block_size, S,
+                                                                              key.first, key.second)), s));
     }
     cq = StreamBuffer<float>(size_t(Q * hd / 2), s), sq = StreamBuffer<float>(size_t(Q * hd / 2), s);
     ckv = StreamBuffer<float>(size_t(SQ * hd / 2), s), skv = StreamBuffer<float>(size_t(SQ * hd / 2), s);
