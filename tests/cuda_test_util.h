@@ -8,7 +8,7 @@
 
 #include <gtest/gtest.h>
 
-#include "ops/cuda/runtime.h"
+#include "gpu/runtime.h"
 #include "tensor/dtype.h"
 
 /// Skips the calling test, saying where GPU tests run, when no CUDA device is visible (CI has none).

@@ -5,7 +5,7 @@
 #include "bench/cuda/drafter_step_bench.h"
 #include "bench/cuda/forward_bench.h"
 #include "bench/cuda/pipeline_bench.h"
-#include "ops/backend.h"
+#include "gpu/backend.h"
 
 namespace dflash {
 

@@ -12,7 +12,7 @@
 #include <thread>
 #include <utility>
 
-#include "ops/cuda/device_info.h"
+#include "gpu/device_info.h"
 
 namespace dflash {
 

@@ -2,7 +2,7 @@
 #include <stdexcept>
 
 #include "cli/gpu.h"
-#include "ops/backend.h"
+#include "gpu/backend.h"
 
 namespace dflash::cli {
 

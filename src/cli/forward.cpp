@@ -8,12 +8,12 @@
 #include <sstream>
 
 #include "cli/commands.h"
-#include "io/safetensors.h"
 #include "cli/gpu.h"
 #include "cli/spec_options.h"
+#include "gpu/backend.h"
+#include "io/safetensors.h"
 #include "models/target.h"
 #include "models/target_dtype.h"
-#include "ops/backend.h"
 
 namespace dflash::cli {
 

@@ -1,8 +1,8 @@
 // The CPU-only build's GPU half of models/target.h: refused (layer_kernels asks cuda_backend_built first).
 #include <stdexcept>
 
+#include "gpu/backend.h"
 #include "models/target.h"
-#include "ops/backend.h"
 
 namespace dflash {
 

@@ -6,15 +6,15 @@
 #include <optional>
 #include <stdexcept>
 
+#include "gpu/backend.h"
 #include "io/fp8_checkpoint.h"
 #include "io/gguf.h"
-#include "models/gguf_llama.h"
 #include "io/json_file.h"
-#include "models/hf_config.h"
 #include "io/safetensors.h"
+#include "models/gguf_llama.h"
+#include "models/hf_config.h"
 #include "ops/activation.h"
 #include "ops/attention.h"
-#include "ops/backend.h"
 #include "ops/linear.h"
 #include "ops/norm.h"
 #include "ops/rope.h"

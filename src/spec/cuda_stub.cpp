@@ -1,7 +1,7 @@
-// The CPU-only build's GPU engine: refused (ops/backend.h).
+// The CPU-only build's GPU engine: refused (gpu/backend.h).
 #include <stdexcept>
 
-#include "ops/backend.h"
+#include "gpu/backend.h"
 #include "spec/decoder.h"
 
 namespace dflash {

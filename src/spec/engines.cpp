@@ -4,8 +4,8 @@
 #include <filesystem>
 #include <stdexcept>
 
+#include "gpu/backend.h"
 #include "models/drafter_config.h"
-#include "ops/backend.h"
 #include "text/prepare.h"
 
 namespace dflash {

@@ -1,7 +1,7 @@
 // train/gpu.h in a CPU-only build: refused (run.cpp says so before either is reached).
 #include <stdexcept>
 
-#include "ops/backend.h"
+#include "gpu/backend.h"
 #include "train/gpu.h"
 
 namespace dflash {

@@ -14,25 +14,25 @@
 #include <optional>
 #include <stdexcept>
 
+#include "gpu/backend.h"
+#include "gpu/device_info.h"
 #include "io/json_file.h"
 #include "io/temp_files.h"
+#include "models/drafter_checkpoint.h"
 #include "models/drafter_config.h"
 #include "models/target.h"
 #include "models/target_dtype.h"
 #include "text/packed.h"
+#include "text/prepare.h"
 #include "text/tokenizer.h"
-#include "models/drafter_checkpoint.h"
 #include "train/anchors.h"
 #include "train/distributed.h"
+#include "train/gpu.h"
 #include "train/gpu_power.h"
 #include "train/prepare_data.h"
 #include "train/tensorboard.h"
-#include "train/trainer.h"
 #include "train/train_eval.h"
-#include "text/prepare.h"
-#include "ops/backend.h"
-#include "ops/cuda/device_info.h"
-#include "train/gpu.h"
+#include "train/trainer.h"
 
 namespace dflash {
 

@@ -7,7 +7,7 @@
 
 #include "test_util.h"
 #ifdef DFLASH_HAVE_CUDA
-#include "ops/cuda/runtime.h"
+#include "gpu/runtime.h"
 #endif
 
 using namespace dflash;

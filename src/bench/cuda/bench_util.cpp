@@ -10,7 +10,7 @@
 #include <string>
 
 #include "bench/record.h"
-#include "ops/cuda/device_info.h"
+#include "gpu/device_info.h"
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/fp8.h"
 #include "ops/cuda/gemm.h"

@@ -1,10 +1,10 @@
 #include "cli/gpu.h"
 
+#include "gpu/device_info.h"
+#include "gpu/runtime.h"
 #include "models/cuda/target_gpu.h"
-#include "ops/cuda/device_info.h"
 #include "ops/cuda/fp8.h"
 #include "ops/cuda/gemm.h"
-#include "ops/cuda/runtime.h"
 
 namespace dflash::cli {
 

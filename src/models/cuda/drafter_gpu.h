@@ -9,8 +9,8 @@
 #include <utility>
 #include <vector>
 
+#include "gpu/runtime.h"
 #include "models/drafter.h"
-#include "ops/cuda/runtime.h"
 #include "ops/optimizer.h"
 
 namespace dflash {

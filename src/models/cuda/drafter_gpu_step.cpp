@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "gpu/stage_timer.h"
 #include "models/cuda/drafter_gpu_impl.h"
 #include "models/dspark.h"
 #include "ops/cuda/cross_entropy.h"
@@ -20,7 +21,6 @@
 #include "ops/cuda/masked_attention.h"
 #include "ops/cuda/norm.h"
 #include "ops/cuda/rope.h"
-#include "ops/cuda/stage_timer.h"
 #include "ops/dflash_attention.h"
 
 namespace dflash {

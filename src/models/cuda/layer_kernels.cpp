@@ -1,6 +1,6 @@
 // The GPU half of layer_kernels (models/target.h): what TargetGpu runs a layer with.
+#include "gpu/device_info.h"
 #include "models/target.h"
-#include "ops/cuda/device_info.h"
 #include "ops/cuda/masked_attention.h"
 
 namespace dflash {

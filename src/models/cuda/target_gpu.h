@@ -10,9 +10,9 @@
 #include <utility>
 #include <vector>
 
+#include "gpu/runtime.h"
 #include "models/target.h"
 #include "models/target_dtype.h"
-#include "ops/cuda/runtime.h"
 
 namespace dflash {
 namespace cuda {

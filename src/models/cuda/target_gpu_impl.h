@@ -6,13 +6,13 @@
 #include <memory>
 #include <vector>
 
+#include "gpu/runtime.h"
+#include "gpu/stage_timer.h"
 #include "models/cuda/kv_cache.h"
 #include "models/cuda/target_gpu.h"
 #include "ops/cuda/fp8.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/moe.h"
-#include "ops/cuda/runtime.h"
-#include "ops/cuda/stage_timer.h"
 
 namespace dflash {
 

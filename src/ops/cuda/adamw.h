@@ -4,7 +4,7 @@
 #pragma once
 #include <cstdint>
 
-#include "ops/cuda/runtime.h"
+#include "gpu/runtime.h"
 
 namespace dflash::cuda {
 

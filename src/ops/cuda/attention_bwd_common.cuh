@@ -2,8 +2,8 @@
 // warpgroup-MMA (attention_bwd_wgmma.cu) kernels: the dQ kernels' probabilities and epilogue, the
 // dK / dV kernels' work items, probabilities, epilogue and item loop.
 #pragma once
+#include "gpu/wgmma.cuh"
 #include "ops/cuda/attention_common.cuh"
-#include "ops/cuda/wgmma.cuh"
 
 namespace dflash::cuda::detail {
 

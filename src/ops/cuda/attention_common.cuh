@@ -4,9 +4,9 @@
 #pragma once
 #include <climits>
 
+#include "gpu/fast_math.cuh"
+#include "gpu/mma.cuh"
 #include "ops/cuda/attention_kernels.h"
-#include "ops/cuda/fast_math.cuh"
-#include "ops/cuda/mma.cuh"
 
 namespace dflash::cuda::detail {
 

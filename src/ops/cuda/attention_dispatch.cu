@@ -5,9 +5,9 @@
 #include <stdexcept>
 #include <string>
 
+#include "gpu/device_info.h"
+#include "gpu/fast_math.cuh"
 #include "ops/cuda/attention_kernels.h"
-#include "ops/cuda/device_info.h"
-#include "ops/cuda/fast_math.cuh"
 #include "ops/cuda/masked_attention.h"
 
 namespace dflash::cuda {

@@ -9,8 +9,8 @@
 #pragma once
 #include <cstdint>
 
+#include "gpu/runtime.h"
 #include "ops/cuda/masked_attention.h"
-#include "ops/cuda/runtime.h"
 
 namespace dflash::cuda::detail {
 

@@ -1,9 +1,9 @@
 // Hopper helpers of the masked attention (sm_90a): swizzled tiles, warpgroup-MMA products and the
 // warpgroups' turns, shared by attention_fwd_wgmma.cu and attention_bwd_wgmma.cu.
 #pragma once
+#include "gpu/tma.cuh"
+#include "gpu/wgmma.cuh"
 #include "ops/cuda/attention_common.cuh"
-#include "ops/cuda/tma.cuh"
-#include "ops/cuda/wgmma.cuh"
 
 namespace dflash::cuda::detail {
 

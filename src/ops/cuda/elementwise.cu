@@ -2,9 +2,9 @@
 #include <cstdint>
 #include <stdexcept>
 
+#include "gpu/fast_math.cuh"
+#include "gpu/vec.cuh"
 #include "ops/cuda/elementwise.h"
-#include "ops/cuda/fast_math.cuh"
-#include "ops/cuda/vec.cuh"
 
 namespace dflash::cuda {
 

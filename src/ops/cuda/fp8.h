@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <string>
 
-#include "ops/cuda/runtime.h"
+#include "gpu/runtime.h"
 
 namespace dflash::cuda {
 

@@ -6,7 +6,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "ops/cuda/fast_math.cuh"
+#include "gpu/fast_math.cuh"
 #include "ops/cuda/gated_delta_rule.h"
 
 namespace dflash::cuda {

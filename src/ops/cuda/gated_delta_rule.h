@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "ops/cuda/runtime.h"
+#include "gpu/runtime.h"
 
 namespace dflash::cuda {
 

@@ -12,8 +12,8 @@
 // samples: the warpgroup that waits at a barrier has work to take over; the report of commit
 // abc5e5e (git history of bench/results).) Launched by gdn_dispatch.cu (launch_chunk_state_wgmma,
 // gdn_kernels.h); the math is in gdn_common.cuh.
+#include "gpu/wgmma.cuh"
 #include "ops/cuda/gdn_common.cuh"
-#include "ops/cuda/wgmma.cuh"
 
 namespace dflash::cuda::detail {
 

@@ -24,10 +24,10 @@
 // gdn_gated_norm.cu; gdn_dispatch.cu picks and launches them (gdn_kernels.h). The CPU form of the
 // same stages, with every intermediate: cpu::gated_delta_rule_chunked (ops/gated_delta_rule.h).
 #pragma once
-#include "ops/cuda/fast_math.cuh"
+#include "gpu/fast_math.cuh"
+#include "gpu/mma.cuh"
+#include "gpu/vec.cuh"
 #include "ops/cuda/gdn_kernels.h"
-#include "ops/cuda/mma.cuh"
-#include "ops/cuda/vec.cuh"
 
 namespace dflash::cuda::detail {
 

@@ -5,10 +5,10 @@
 #include <stdexcept>
 #include <string>
 
-#include "ops/cuda/device_info.h"
+#include "gpu/device_info.h"
+#include "gpu/vec.cuh"
 #include "ops/cuda/gated_delta_rule.h"
 #include "ops/cuda/gdn_kernels.h"
-#include "ops/cuda/vec.cuh"
 
 namespace dflash::cuda {
 

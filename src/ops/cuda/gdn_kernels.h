@@ -20,8 +20,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "gpu/runtime.h"
 #include "ops/cuda/gated_delta_rule.h"
-#include "ops/cuda/runtime.h"
 
 #ifdef __CUDACC__
 #define DFLASH_GDN_HOST_DEVICE __host__ __device__

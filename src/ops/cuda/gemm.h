@@ -4,7 +4,7 @@
 #include <memory>
 #include <vector>
 
-#include "ops/cuda/runtime.h"
+#include "gpu/runtime.h"
 
 namespace dflash::cuda {
 

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "ops/cuda/runtime.h"
+#include "gpu/runtime.h"
 
 namespace dflash::cpu {
 struct KvRanges;

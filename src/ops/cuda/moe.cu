@@ -7,9 +7,9 @@
 #include <stdexcept>
 #include <string>
 
+#include "gpu/fast_math.cuh"
+#include "gpu/mma.cuh"
 #include "ops/cuda/elementwise.h"
-#include "ops/cuda/fast_math.cuh"
-#include "ops/cuda/mma.cuh"
 
 namespace dflash::cuda {
 

@@ -7,8 +7,8 @@
 #pragma once
 #include <cstdint>
 
+#include "gpu/runtime.h"
 #include "ops/cuda/gemm.h"
-#include "ops/cuda/runtime.h"
 
 namespace dflash::cuda {
 

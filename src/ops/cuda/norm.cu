@@ -2,8 +2,8 @@
 #include <initializer_list>
 #include <stdexcept>
 
+#include "gpu/vec.cuh"
 #include "ops/cuda/norm.h"
-#include "ops/cuda/vec.cuh"
 
 namespace dflash::cuda {
 

@@ -1,8 +1,8 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "gpu/vec.cuh"
 #include "ops/cuda/rope.h"
-#include "ops/cuda/vec.cuh"
 
 namespace dflash::cuda {
 

@@ -5,7 +5,7 @@
 #include <memory>
 #include <vector>
 
-#include "ops/cuda/runtime.h"
+#include "gpu/runtime.h"
 #include "train/gpu.h"
 
 namespace dflash {

@@ -5,9 +5,9 @@
 #include <algorithm>
 #include <cmath>
 
+#include "gpu/runtime.h"
 #include "models/cuda/drafter_gpu.h"
 #include "models/cuda/target_gpu.h"
-#include "ops/cuda/runtime.h"
 #include "train/gpu.h"
 
 namespace dflash {

@@ -9,12 +9,12 @@
 #include <cmath>
 #include <random>
 
+#include "cuda_test_util.h"
+#include "cuda_test_util.h"
+#include "gpu/runtime.h"
 #include "ops/cuda/masked_attention.h"
-#include "ops/cuda/runtime.h"
 #include "ops/dflash_attention.h"
 #include "tensor/dtype.h"
-#include "cuda_test_util.h"
-#include "cuda_test_util.h"
 #include "test_util.h"
 
 using namespace dflash;

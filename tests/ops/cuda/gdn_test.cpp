@@ -13,14 +13,14 @@
 #include <random>
 
 #include "cuda_test_util.h"
+#include "cuda_test_util.h"
+#include "gpu/device_info.h"
 #include "ops/activation.h"
-#include "ops/cuda/device_info.h"
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/gated_delta_rule.h"
 #include "ops/cuda/gdn_kernels.h"
 #include "ops/gated_delta_rule.h"
 #include "ops/norm.h"
-#include "cuda_test_util.h"
 #include "test_util.h"
 
 using namespace dflash;

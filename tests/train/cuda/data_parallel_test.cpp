@@ -8,9 +8,9 @@
 
 #include <random>
 
+#include "gpu/runtime.h"
 #include "models/drafter_config.h"
 #include "models/target.h"
-#include "ops/cuda/runtime.h"
 #include "test_util.h"
 #include "train/cuda/gpu_backend.h"
 #include "train/trainer.h"

@@ -8,9 +8,9 @@
 
 #include "bench/cuda/bench_util.h"
 #include "cuda_test_util.h"
+#include "gpu/runtime.h"
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/gemm.h"
-#include "ops/cuda/runtime.h"
 
 using namespace dflash;
 

@@ -11,7 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "ops/cuda/runtime.h"
+#include "gpu/runtime.h"
 #include "test_util.h"
 
 using namespace dflash;

@@ -1,8 +1,8 @@
-// The CPU-only build's answers to ops/backend.h and ops/cuda/device_info.h: no backend, no GPUs.
+// The CPU-only build's answers to gpu/backend.h and gpu/device_info.h: no backend, no GPUs.
 #include <stdexcept>
 
-#include "ops/backend.h"
-#include "ops/cuda/device_info.h"
+#include "gpu/backend.h"
+#include "gpu/device_info.h"
 
 namespace dflash {
 

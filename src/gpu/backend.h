@@ -6,7 +6,7 @@
 
 namespace dflash {
 
-/// True in a build configured with CUDA (src/ops/cuda/backend.cpp; src/ops/cuda_stub.cpp: false).
+/// True in a build configured with CUDA (src/gpu/backend.cpp; src/gpu/cuda_stub.cpp: false).
 bool cuda_backend_built();
 
 /// What a CPU-only build says to a GPU request: "<what>: this build has no CUDA backend (...)".

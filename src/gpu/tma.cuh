@@ -13,8 +13,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "ops/cuda/runtime.h"
-#include "ops/cuda/wgmma.cuh"
+#include "gpu/runtime.h"
+#include "gpu/wgmma.cuh"
 
 namespace dflash::cuda::tma {
 

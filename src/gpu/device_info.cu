@@ -2,7 +2,7 @@
 
 #include <sstream>
 
-#include "ops/cuda/device_info.h"
+#include "gpu/device_info.h"
 
 namespace dflash::cuda {
 

@@ -1,4 +1,4 @@
-#include "ops/backend.h"
+#include "gpu/backend.h"
 
 namespace dflash {
 

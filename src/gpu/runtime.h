@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "ops/cuda/device_info.h"
+#include "gpu/device_info.h"
 
 namespace dflash::cuda {
 

@@ -6,7 +6,7 @@
 #include <utility>
 #include <vector>
 
-#include "ops/cuda/runtime.h"
+#include "gpu/runtime.h"
 
 namespace dflash::cuda {
 

@@ -2,7 +2,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "ops/cuda/runtime.h"
+#include "gpu/runtime.h"
 
 namespace dflash::cuda {
 
