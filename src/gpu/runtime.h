@@ -21,6 +21,7 @@
 namespace dflash::cuda {
 
 using bf16 = __nv_bfloat16;
+using fp8 = uint8_t;  // one E4M3 byte (OCP FP8 "fn": largest finite 448; ops/cuda/fp8.h)
 
 /// Throws std::runtime_error("CUDA error: <expr> at <file>:<line>: <message>") when e != cudaSuccess.
 void check(cudaError_t e, const char* expr, const char* file, int line);

@@ -10,9 +10,6 @@
 
 namespace dflash::cuda {
 
-/// One E4M3 byte (OCP FP8 "fn": largest finite 448).
-using fp8 = uint8_t;
-
 /// Per-row symmetric quantization of x [rows, cols] (bf16): scale[r] = max(max_c |x[r, c]| / 448,
 /// 1e-30) (1 for a row of zeros), q[r, c] = E4M3(x[r, c] * (1 / scale[r])) rounded to nearest even and
 /// saturated, so that x ~ q * scale. An infinite element makes its row's scale NaN, a NaN element

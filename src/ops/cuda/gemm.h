@@ -8,8 +8,6 @@
 
 namespace dflash::cuda {
 
-using fp8 = uint8_t;  // one E4M3 byte (ops/cuda/fp8.h)
-
 /// Row-major product, PyTorch shape order:
 ///   C [M, N] = alpha * op(A) @ op(B) + beta * C
 /// A is stored [M, K] (trans_a = false) or [K, M] (trans_a = true); B is stored [K, N] or, with
