@@ -218,6 +218,29 @@ namespace {
 // with a row stride of 4 mod 8.
 constexpr int kNormOff = 0, kNormStaged = 1, kNormDirect = 2, kNormStride4 = 3;
 
+/// Random inputs of check_chunked and the stage tests, drawn from rng in this order: q, k bf16 values
+/// l2-normalized (q times 1 / sqrt(dk)), v bf16 values, g = -20 u^4 (u uniform: mostly mild decays,
+/// some down to -20; with `mild`, g = -0.05 u), beta = u. s0 [n, Hv, dk, dv] is zeros: the caller
+/// draws it where the case has an initial state.
+struct GdnDraw {
+  Tensor q, k, v, g, beta, s0;
+};
+GdnDraw draw_gdn(int64_t T, int64_t n, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, std::mt19937_64& rng,
+                 bool mild = false) {
+  std::uniform_real_distribution<float> uni(0.f, 1.f);
+  GdnDraw d{Tensor({T, Hk, dk}), Tensor({T, Hk, dk}), Tensor({T, Hv, dv}), Tensor({T, Hv}), Tensor({T, Hv}),
+            Tensor({n, Hv, dk, dv})};
+  d.q.data = test::rand_bf16_values(d.q.data.size(), rng);
+  d.k.data = test::rand_bf16_values(d.k.data.size(), rng);
+  cpu::l2_norm(d.q.ptr(), T * Hk, dk);
+  cpu::l2_norm(d.k.ptr(), T * Hk, dk);
+  for (float& x : d.q.data) x /= std::sqrt(float(dk));
+  d.v.data = test::rand_bf16_values(d.v.data.size(), rng);
+  for (float& x : d.g.data) x = mild ? -0.05f * uni(rng) : -20.f * std::pow(uni(rng), 4.f);
+  for (float& x : d.beta.data) x = uni(rng);
+  return d;
+}
+
 /// One chunked-vs-recurrent comparison: random normalized q / k, v, g = -20 u^4 (u uniform:
 /// mostly mild decays, some down to -20; with `mild`, g = -0.05 u, so that tokens a whole chunk apart
 /// still interact), beta uniform in [0, 1], an optional random initial state.
@@ -233,15 +256,7 @@ void check_chunked(const std::vector<int64_t>& lens, int64_t Hk, int64_t Hv, int
   std::uniform_real_distribution<float> uni(0.f, 1.f);
   const std::vector<int64_t> cu = cu_of(lens);
   const int64_t T = cu.back(), n = int64_t(lens.size());
-  Tensor q({T, Hk, dk}), k({T, Hk, dk}), v({T, Hv, dv}), g({T, Hv}), beta({T, Hv}), s0({n, Hv, dk, dv});
-  q.data = test::rand_bf16_values(q.data.size(), rng);
-  k.data = test::rand_bf16_values(k.data.size(), rng);
-  cpu::l2_norm(q.ptr(), T * Hk, dk);
-  cpu::l2_norm(k.ptr(), T * Hk, dk);
-  for (float& x : q.data) x /= std::sqrt(float(dk));
-  v.data = test::rand_bf16_values(v.data.size(), rng);
-  for (float& x : g.data) x = mild ? -0.05f * uni(rng) : -20.f * std::pow(uni(rng), 4.f);
-  for (float& x : beta.data) x = uni(rng);
+  auto [q, k, v, g, beta, s0] = draw_gdn(T, n, Hk, Hv, dk, dv, rng, mild);
   if (init)
     for (float& x : s0.data) x = 0.1f * (uni(rng) - 0.5f);
   Tensor want_state, want_tokens;
@@ -579,16 +594,9 @@ struct StageCase {
         dkp(cuda::detail::state_rows(int(dk))), dv8(cuda::detail::value_cols(int(dv))) {
     std::mt19937_64 rng(seed);
     std::uniform_real_distribution<float> uni(0.f, 1.f);
-    q = Tensor({T, Hk, dk}), k = Tensor({T, Hk, dk}), v = Tensor({T, Hv, dv}), g = Tensor({T, Hv});
-    beta = Tensor({T, Hv}), s0 = Tensor({int64_t(lens.size()), Hv, dk, dv});
-    q.data = test::rand_bf16_values(q.data.size(), rng);
-    k.data = test::rand_bf16_values(k.data.size(), rng);
-    cpu::l2_norm(q.ptr(), T * Hk, dk);
-    cpu::l2_norm(k.ptr(), T * Hk, dk);
-    for (float& x : q.data) x /= std::sqrt(float(dk));
-    v.data = test::rand_bf16_values(v.data.size(), rng);
-    for (float& x : g.data) x = -20.f * std::pow(uni(rng), 4.f);
-    for (float& x : beta.data) x = uni(rng);
+    GdnDraw d = draw_gdn(T, int64_t(lens.size()), Hk, Hv, dk, dv, rng);
+    q = std::move(d.q), k = std::move(d.k), v = std::move(d.v), g = std::move(d.g), beta = std::move(d.beta);
+    s0 = std::move(d.s0);
     for (float& x : s0.data) x = 0.1f * (uni(rng) - 0.5f);
     ref = cpu::gated_delta_rule_chunked(q, k, v, g, beta, cu, &s0);
   }
