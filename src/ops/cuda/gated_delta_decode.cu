@@ -58,8 +58,10 @@ constexpr int kRecWarps = 8, kRecRows = 16;  // 8 warps x 16 state rows each: dk
 /// One block of 256 threads per (sequence, value head, 32 state columns): lane l of warp w holds
 /// column c0 + l of state rows [16 w, 16 w + 16) in registers, so a warp reads and writes a state row's
 /// 32 columns as one 128-byte line, and S^T k and S^T q sum 16 rows in registers before one exchange
-/// of the 8 warps' partial sums through shared memory.
-__global__ void __launch_bounds__(kRecWarps * 32) recurrent_kernel(const float* __restrict__ q, const float* __restrict__ k,
+/// of the 8 warps' partial sums through shared memory. At least 4 blocks per SM (64 registers, no
+/// spills; unbounded, ptxas took 167 and an SM held one block): the state streams from HBM, and one
+/// block's 8 warps cannot keep enough loads in flight.
+__global__ void __launch_bounds__(kRecWarps * 32, 4) recurrent_kernel(const float* __restrict__ q, const float* __restrict__ k,
                                                                    const float* __restrict__ v, const float* __restrict__ g,
                                                                    const float* __restrict__ beta,
                                                                    const int32_t* __restrict__ bounds, int Hk, int Hv,
