@@ -30,7 +30,7 @@ while [ $# -gt 0 ]; do
 done
 dflash="$build/dflash"
 say() { echo "demo: $*" >&2; }
-[ -x "$dflash" ] || { say "no $dflash: build first (README: Build), or pass --build DIR"; exit 1; }
+[ -x "$dflash" ] || { say "no $dflash: build first (README: Quick start), or pass --build DIR"; exit 1; }
 if [ -z "$device" ]; then
   # A GPU is used when one is visible and this build has the CUDA backend.
   if nvidia-smi -L >/dev/null 2>&1 && "$dflash" inspect "$root/tests/fixtures/qwen3_hd64" 2>/dev/null | grep -q 'devices .*cuda:0'; then
@@ -78,7 +78,7 @@ if [ "$device" = cuda ]; then
   regen_batch=64 max_new=512 eval_limit=200 eval_new=256
   train_flags=(--epochs "$epochs" --eval-data "$gsm_test" --eval-every 5000 --eval-limit 50)
 else
-  say "no GPU: this is a SMOKE RUN on the CPU (32 training prompts, 20 steps, 5 eval prompts; about 10 minutes on"
+  say "no GPU: this is a SMOKE RUN on the CPU (32 training prompts, 20 steps, 5 eval prompts; about 4 minutes on"
   say "2 cores); it checks that every step works, not the drafter's quality (expect tau near 1 and speedups below 1)."
   say "The real run needs a GPU."
   [ "$limit_train" -gt 0 ] || limit_train=32

@@ -15,7 +15,7 @@ fi
 if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
   echo "setup: CUDA toolkit found: the CUDA backend will be built"
   if ! nvidia-smi -L >/dev/null 2>&1; then
-    echo "setup: no GPU visible here: configure with -DDFLASH_CUDA=OFF for a faster CPU-only build (README: Build)"
+    echo "setup: no GPU visible here: configure with -DDFLASH_CUDA=OFF for a faster CPU-only build (README: Quick start; docs/building.md)"
   fi
 else
   echo "setup: no nvcc found: building the CPU backend only"
