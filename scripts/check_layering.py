@@ -7,7 +7,7 @@ LAYERING has a line "folder: used folders..." per library, written by CMake from
 lists. The check fails (exit 1, one line per defect) when that graph has a cycle (static libraries
 would still link one), when a file of src/FOLDER includes a header of another folder that FOLDER's
 link list does not reach, or when src/ tests DFLASH_HAVE_CUDA (defined for the tests only: src/ asks
-gpu/backend.h, and a folder's cuda_stub.cpp stands in for its cuda/ half). A folder is the first path component under src/: its cuda/ half (and
+gpu/backend.h, and a folder's no_cuda.cpp stands in for its cuda/ half). A folder is the first path component under src/: its cuda/ half (and
 ops/cpu, ops/cuda) belong to it.
 """
 import re
@@ -75,7 +75,7 @@ def main():
         for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
             if "DFLASH_HAVE_CUDA" in line:
                 errors.append(f"layering: {path}:{n}: DFLASH_HAVE_CUDA is not defined in src/; ask "
-                              "cuda_backend_built() (gpu/backend.h) or add to the folder's cuda_stub.cpp")
+                              "cuda_backend_built() (gpu/backend.h) or add to the folder's no_cuda.cpp")
             m = INCLUDE.match(line)
             if not m:
                 continue

@@ -1,5 +1,5 @@
 // The GPU parts of `dflash inspect` and `dflash forward`: src/cli/cuda/gpu.cpp, or in a CPU-only
-// build src/cli/cuda_stub.cpp (nothing to list; a forward is refused).
+// build src/cli/no_cuda.cpp (nothing to list; a forward is refused).
 #pragma once
 #include <cstdint>
 #include <nlohmann/json.hpp>

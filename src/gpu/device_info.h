@@ -1,5 +1,5 @@
 // GPUs visible to the CUDA runtime. CUDA-free: CPU-side code calls it too; a CPU-only build answers
-// from src/gpu/cuda_stub.cpp (no devices; require_device refuses).
+// from src/gpu/no_cuda.cpp (no devices; require_device refuses).
 #pragma once
 #include <cstdint>
 #include <string>

@@ -79,7 +79,7 @@ class BlockDrafter {
 std::unique_ptr<BlockDrafter> make_cpu_drafter(const DrafterConfig& cfg, DrafterWeights<float> weights,
                                                const Tensor& embed, const Tensor& lm_head);
 
-/// The GPU engine (CUDA builds, src/spec/cuda; a CPU-only build refuses: spec/cuda_stub.cpp): bf16 weights (or FP8 projections, dtype),
+/// The GPU engine (CUDA builds, src/spec/cuda; a CPU-only build refuses: spec/no_cuda.cpp): bf16 weights (or FP8 projections, dtype),
 /// a KV cache per layer, logits and taps returned as fp32 on the host. Throws std::invalid_argument,
 /// saying why, for a model or dtype the GPU backend does not run, std::runtime_error without that GPU.
 std::unique_ptr<TargetDecoder> make_gpu_decoder(const TargetModel& model, std::vector<int64_t> tap_layer_ids,

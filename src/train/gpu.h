@@ -1,5 +1,5 @@
 // The GPU half of `dflash train` as CPU-side code calls it (CUDA-free): src/train/cuda, or in a
-// CPU-only build src/train/cuda_stub.cpp, which refuses.
+// CPU-only build src/train/no_cuda.cpp, which refuses.
 #pragma once
 #include <cstdint>
 #include <memory>
